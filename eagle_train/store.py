@@ -1,0 +1,328 @@
+"""The on-disk sample formats (DESIGN.md section 7): hidden-state stores and tokenized datasets.
+
+Both are directories of a few large safetensors shards, each holding many samples concatenated
+along the token axis, plus a `manifest.json` and a `vocab_map.safetensors`:
+
+- `input_ids` int32 [T], `loss_mask` bool [T], `sample_offsets` int64 [n+1], `sample_ids` int64 [n]
+  (the sample's index in the tokenized dataset it came from; lets a capture resume and lets a user
+  trace a sample back);
+- hidden-state stores add `aux_hidden` [T, 3H] and `final_hidden` [T, H] in bfloat16, float32 or
+  float8_e4m3fn; fp8 adds `aux_scale` float32 [T, 3] (one absmax scale per token and aux layer,
+  because low and high layers differ by orders of magnitude) and `final_scale` float32 [T, 1].
+
+Shards are named `shard-NNNNN.safetensors` by a global shard index. Several capture processes
+take a rank-strided share of the indices (rank r writes k with k % world_size == r), so their
+files never clash and the store looks the same whatever the process count. Every shard is written
+to a temp name and renamed, so a killed run leaves only whole shards behind.
+"""
+
+import bisect
+import hashlib
+import json
+import os
+import queue
+import re
+import threading
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from eagle_train.hidden_states import default_aux_layer_ids
+
+HIDDEN_FORMAT = "eagle-hidden-states"
+TOKENIZED_FORMAT = "eagle-tokenized"
+VERSION = 1
+MANIFEST = "manifest.json"
+VOCAB_MAP = "vocab_map.safetensors"
+SHARD_RE = re.compile(r"^shard-(\d{5,})\.safetensors$")
+STORE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float8_e4m3fn": torch.float8_e4m3fn}
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}.safetensors"
+
+
+def chat_template_fingerprint(template: str | None) -> str:
+    """Short hash of the chat template text: a store made with another template is another store."""
+    return hashlib.sha256((template or "").encode()).hexdigest()[:16]
+
+
+def target_identity(config) -> dict:
+    """What a store records about the target that made it."""
+    return {
+        "name": _target_name(getattr(config, "_name_or_path", "") or ""),
+        "model_type": config.model_type,
+        "num_hidden_layers": config.num_hidden_layers,
+        "hidden_size": config.hidden_size,
+        "vocab_size": config.vocab_size,
+    }
+
+
+def _target_name(name_or_path: str) -> str:
+    """A location-independent name: the hub id's or directory's last part, without our cache hash."""
+    name = Path(str(name_or_path).rstrip("/")).name
+    return re.sub(r"-[0-9a-f]{12}$", "", name)
+
+
+# --------------------------------------------------------------------------------------- writing
+
+
+def quantize_fp8(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token (and per-group of the last dim) absmax scaling to float8_e4m3fn."""
+    t, d = x.shape
+    g = x.float().view(t, groups, d // groups)
+    scale = g.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+    q = (g / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(t, d), scale.squeeze(-1)
+
+
+def pack_shard(samples: list[dict], sample_ids: list[int], dtype: str = "bfloat16") -> dict[str, torch.Tensor]:
+    """Concatenate per-sample dicts (input_ids, loss_mask[, aux_hidden, final_hidden]) into shard tensors."""
+    lengths = [len(s["input_ids"]) for s in samples]
+    out = {
+        "input_ids": torch.cat([s["input_ids"] for s in samples]).to(torch.int32),
+        "loss_mask": torch.cat([s["loss_mask"] for s in samples]).to(torch.bool),
+        "sample_offsets": torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0),
+        "sample_ids": torch.tensor(sample_ids, dtype=torch.int64),
+    }
+    if "aux_hidden" in samples[0]:
+        aux = torch.cat([s["aux_hidden"] for s in samples])
+        final = torch.cat([s["final_hidden"] for s in samples])
+        if dtype == "float8_e4m3fn":
+            out["aux_hidden"], out["aux_scale"] = quantize_fp8(aux, groups=3)
+            out["final_hidden"], out["final_scale"] = quantize_fp8(final, groups=1)
+        else:
+            out["aux_hidden"] = aux.to(STORE_DTYPES[dtype])
+            out["final_hidden"] = final.to(STORE_DTYPES[dtype])
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def write_shard(path: str | Path, index: int, tensors: dict[str, torch.Tensor]) -> Path:
+    """Write one shard atomically (temp file + rename)."""
+    final = Path(path) / shard_name(index)
+    tmp = final.with_name(f".tmp-{os.getpid()}-{final.name}")
+    save_file(tensors, str(tmp))
+    os.replace(tmp, final)
+    return final
+
+
+class StoreWriter:
+    """Packs and writes shards on a background thread so the target's forwards never wait on disk.
+
+    `max_pending` bounds how many packed-but-unwritten shards sit in memory. Errors on the thread
+    are re-raised by the next `add_shard` or by `close`.
+    """
+
+    def __init__(self, path: str | Path, dtype: str = "bfloat16", max_pending: int = 2):
+        if dtype not in STORE_DTYPES:
+            raise ValueError(f"store dtype {dtype!r} not in {sorted(STORE_DTYPES)}")
+        self.path, self.dtype = Path(path), dtype
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.queue: queue.Queue = queue.Queue(maxsize=max_pending)
+        self.error: BaseException | None = None
+        self.written: list[Path] = []
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while (job := self.queue.get()) is not None:
+            index, samples, sample_ids = job
+            try:
+                if self.error is None:
+                    self.written.append(write_shard(self.path, index, pack_shard(samples, sample_ids, self.dtype)))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+                self.error = e
+
+    def _raise(self):
+        if self.error is not None:
+            raise RuntimeError(f"writing a shard to {self.path} failed: {self.error}") from self.error
+
+    def add_shard(self, index: int, samples: list[dict], sample_ids: list[int]) -> None:
+        """Queue shard `index` (blocks while `max_pending` shards wait)."""
+        self._raise()
+        self.queue.put((index, [{k: v.detach().cpu() for k, v in s.items()} for s in samples], list(sample_ids)))
+
+    def close(self) -> None:
+        """Finish every queued shard, then stop the thread."""
+        if self.thread.is_alive():
+            self.queue.put(None)
+            self.thread.join()
+        self._raise()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def list_shards(path: str | Path) -> list[tuple[int, str]]:
+    """(index, file name) of the finished shards in a directory, by index."""
+    found = [(int(m.group(1)), m.group(0)) for f in os.listdir(path) if (m := SHARD_RE.match(f))]
+    return sorted(found)
+
+
+def shard_sample_ids(path: str | Path) -> list[int]:
+    with safe_open(str(path), framework="pt") as f:
+        return f.get_tensor("sample_ids").tolist()
+
+
+def write_json_atomic(path: str | Path, obj: dict) -> None:
+    path = Path(path)
+    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def finalize_manifest(path: str | Path, header: dict) -> dict:
+    """Write `manifest.json` listing every finished shard; `header` holds format, target, dtype...
+
+    Counts come from the shards themselves, so the manifest is right whichever process wrote
+    which shard. Shards are listed in index order; that is the store's sample order.
+    """
+    shards = []
+    for _, name in list_shards(path):
+        with safe_open(str(Path(path) / name), framework="pt") as f:
+            n = f.get_slice("sample_ids").get_shape()[0]
+            t = f.get_slice("input_ids").get_shape()[0]
+        shards.append({"file": name, "samples": n, "tokens": t})
+    manifest = {
+        **header,
+        "version": VERSION,
+        "complete": True,
+        "num_samples": sum(s["samples"] for s in shards),
+        "num_tokens": sum(s["tokens"] for s in shards),
+        "shard_naming": "shard-NNNNN by global index; process r of W writes the indices k % W == r",
+        "shards": shards,
+    }
+    write_json_atomic(Path(path) / MANIFEST, manifest)
+    return manifest
+
+
+def write_vocab_map(path: str | Path, d2t: torch.Tensor, t2d: torch.Tensor, counts: torch.Tensor) -> None:
+    save_file(
+        {"d2t": d2t.to(torch.int64).contiguous(), "t2d": t2d.to(torch.bool).contiguous(),
+         "counts": counts.to(torch.int64).contiguous()},
+        str(Path(path) / VOCAB_MAP),
+    )
+
+
+def read_vocab_map(path: str | Path) -> dict[str, torch.Tensor]:
+    """`d2t` int64 [Vd], `t2d` bool [V], `counts` int64 [V] from a store or tokenized dataset dir."""
+    file = Path(path) / VOCAB_MAP if Path(path).is_dir() else Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"no {VOCAB_MAP} in {path}; make one with `eagle-prep vocab`")
+    with safe_open(str(file), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in ("d2t", "t2d", "counts")}
+
+
+# --------------------------------------------------------------------------------------- checking
+
+
+def check_store_matches(manifest: dict, target_config, aux_layer_ids=None) -> None:
+    """Raise ValueError when a store was captured from another target or another aux layer set.
+
+    `aux_layer_ids=None` means the target's defaults. Tokenized datasets carry no hidden states
+    and only need the same vocabulary size.
+    """
+    want = target_identity(target_config)
+    have = manifest.get("target", {})
+    keys = ["model_type", "num_hidden_layers", "hidden_size", "vocab_size"]
+    if manifest.get("format") == TOKENIZED_FORMAT:
+        keys = ["vocab_size"]
+    elif want["name"] and have.get("name"):
+        keys = ["name", *keys]
+    diff = [f"{k}: store {have.get(k)!r} vs target {want[k]!r}" for k in keys if have.get(k) != want[k]]
+    if diff:
+        raise ValueError(
+            f"store made by target {have.get('name')!r} ({have.get('num_hidden_layers')} layers, hidden "
+            f"{have.get('hidden_size')}, vocab {have.get('vocab_size')}) does not match target {want['name']!r} "
+            f"({want['num_hidden_layers']} layers, hidden {want['hidden_size']}, vocab {want['vocab_size']}): "
+            f"{'; '.join(diff)}. Capture a new store with this target (eagle-prep capture --target ...) "
+            "or train with the target that made the store."
+        )
+    if manifest.get("format") == HIDDEN_FORMAT:
+        ids = list(aux_layer_ids) if aux_layer_ids is not None else list(default_aux_layer_ids(want["num_hidden_layers"]))
+        if list(manifest.get("aux_layer_ids", [])) != ids:
+            raise ValueError(
+                f"store holds aux layers {manifest.get('aux_layer_ids')} but aux layers {ids} were asked for "
+                f"(target {want['name']!r}): capture a new store with --aux-layers "
+                f"{','.join(map(str, ids))} or use aux_layer_ids={manifest.get('aux_layer_ids')}"
+            )
+
+
+# --------------------------------------------------------------------------------------- reading
+
+
+def read_manifest(path: str | Path) -> dict:
+    file = Path(path) / MANIFEST
+    if not file.is_file():
+        raise FileNotFoundError(f"{path} is not a store or tokenized dataset: no {MANIFEST}")
+    manifest = json.loads(file.read_text())
+    if manifest.get("format") not in (HIDDEN_FORMAT, TOKENIZED_FORMAT):
+        raise ValueError(f"{file}: unknown format {manifest.get('format')!r}")
+    if not manifest.get("complete", False):
+        raise ValueError(f"{path}: the capture that writes it has not finished; rerun it to resume")
+    return manifest
+
+
+class ShardedSamples:
+    """Memory-mapped, random-access samples of a hidden-state store or a tokenized dataset.
+
+    Each item is a dict of `input_ids` int64 [T] and `loss_mask` bool [T], plus `aux_hidden`
+    [T, 3H] and `final_hidden` [T, H] in `dtype` for a hidden-state store. Only the sample's own
+    byte range is read (safetensors slices over an mmap), so items cost what they hold.
+    """
+
+    def __init__(self, path: str | Path, dtype: torch.dtype = torch.float32):
+        self.path, self.dtype = Path(path), dtype
+        self.manifest = read_manifest(path)
+        self.has_hidden = self.manifest["format"] == HIDDEN_FORMAT
+        self.files = [self.path / s["file"] for s in self.manifest["shards"]]
+        self.offsets = []
+        for file in self.files:
+            with safe_open(str(file), framework="pt") as f:
+                self.offsets.append(f.get_tensor("sample_offsets").tolist())
+        self.starts = [0]
+        for off in self.offsets:
+            self.starts.append(self.starts[-1] + len(off) - 1)
+        self._handles: dict[int, object] = {}
+        self._pid = os.getpid()
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def lengths(self) -> list[int]:
+        return [b - a for off in self.offsets for a, b in zip(off[:-1], off[1:])]
+
+    def _handle(self, k: int):
+        if self._pid != os.getpid():  # forked into a DataLoader worker: open our own maps
+            self._handles, self._pid = {}, os.getpid()
+        if k not in self._handles:
+            self._handles[k] = safe_open(str(self.files[k]), framework="pt")
+        return self._handles[k]
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"sample {i} out of range for {len(self)} samples")
+        i %= len(self)
+        k = bisect.bisect_right(self.starts, i) - 1
+        j = i - self.starts[k]
+        a, b = self.offsets[k][j], self.offsets[k][j + 1]
+        f = self._handle(k)
+        item = {
+            "input_ids": f.get_slice("input_ids")[a:b].to(torch.int64),
+            "loss_mask": f.get_slice("loss_mask")[a:b].to(torch.bool),
+        }
+        if self.has_hidden:
+            for name in ("aux_hidden", "final_hidden"):
+                x = f.get_slice(name)[a:b]
+                if x.dtype == torch.float8_e4m3fn:
+                    scale = f.get_slice(name.replace("hidden", "scale"))[a:b]
+                    t, d = x.shape
+                    x = (x.float().view(t, scale.shape[1], -1) * scale.unsqueeze(-1)).view(t, d)
+                item[name] = x.to(self.dtype)
+        return item
