@@ -1,0 +1,128 @@
+"""The draft head's configuration, derived from the target's Hugging Face config.
+
+This is the toolkit's own config (what training checkpoints store); the engine-facing
+config.json layouts are written by `eagle_train.export`.
+"""
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+LLAMA_FAMILY = {"llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "smollm3"}
+
+
+def target_rope(cfg) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) from a target config of transformers 4.x (rope_theta/rope_scaling)
+    or 5.x (rope_parameters). Scaling is None for plain RoPE."""
+    params = getattr(cfg, "rope_parameters", None)
+    if isinstance(params, dict) and "rope_theta" in params:
+        theta = float(params["rope_theta"])
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    else:
+        theta = float(getattr(cfg, "rope_theta", 10000.0))
+        scaling = dict(getattr(cfg, "rope_scaling", None) or {})
+    if "type" in scaling and "rope_type" not in scaling:
+        scaling["rope_type"] = scaling.pop("type")
+    if scaling.get("rope_type", "default") == "default":
+        scaling = None
+    return theta, scaling
+
+
+@dataclass
+class DraftConfig:
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int  # the target's vocabulary
+    draft_vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    target_hidden_size: int
+    target_num_layers: int
+    aux_layer_ids: tuple[int, int, int]
+    num_hidden_layers: int = 1
+    method: str = "eagle3"  # or "peagle"
+    target: str = ""  # name or path the head was built for
+    target_architectures: list[str] = field(default_factory=list)
+    mask_token_id: int | None = None  # P-EAGLE only
+    num_depths: int | None = None  # P-EAGLE only: drafts per forward (K)
+
+    def __post_init__(self):
+        self.aux_layer_ids = tuple(self.aux_layer_ids)
+        if self.draft_vocab_size > self.vocab_size:
+            raise ValueError(
+                f"draft_vocab_size {self.draft_vocab_size} is larger than the target vocabulary "
+                f"{self.vocab_size}; use at most {self.vocab_size}"
+            )
+
+    @classmethod
+    def from_target_config(cls, cfg, *, draft_vocab_size: int = 32000, aux_layer_ids=None,
+                           num_hidden_layers: int = 1, method: str = "eagle3", target: str = "", **extra):
+        """A head sized like one decoder layer of the target (any Llama-family config)."""
+        cfg = getattr(cfg, "text_config", None) or cfg
+        if cfg.model_type not in LLAMA_FAMILY:
+            raise ValueError(
+                f"target model_type {cfg.model_type!r} is not a supported Llama-family decoder "
+                f"(supported: {', '.join(sorted(LLAMA_FAMILY))})"
+            )
+        n = cfg.num_hidden_layers
+        theta, scaling = target_rope(cfg)
+        if draft_vocab_size > cfg.vocab_size:
+            raise ValueError(
+                f"draft_vocab_size {draft_vocab_size} is larger than the target vocabulary "
+                f"{cfg.vocab_size}; use at most {cfg.vocab_size}"
+            )
+        return cls(
+            hidden_size=cfg.hidden_size,
+            num_attention_heads=cfg.num_attention_heads,
+            num_key_value_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+            intermediate_size=cfg.intermediate_size,
+            vocab_size=cfg.vocab_size,
+            draft_vocab_size=draft_vocab_size,
+            rms_norm_eps=cfg.rms_norm_eps,
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=cfg.max_position_embeddings,
+            target_hidden_size=cfg.hidden_size,
+            target_num_layers=n,
+            aux_layer_ids=tuple(aux_layer_ids) if aux_layer_ids else (2, n // 2, n - 3),
+            num_hidden_layers=num_hidden_layers,
+            method=method,
+            target=target,
+            target_architectures=list(getattr(cfg, "architectures", None) or []),
+            **extra,
+        )
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["aux_layer_ids"] = list(self.aux_layer_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DraftConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names - {"format"}
+        if unknown:
+            raise ValueError(f"unknown draft config keys {sorted(unknown)}")
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    def save(self, directory) -> None:
+        with open(Path(directory) / "config.json", "w") as f:
+            json.dump({"format": "eagle-train-draft", **self.to_dict()}, f, indent=2)
+
+    @classmethod
+    def load(cls, directory) -> "DraftConfig":
+        with open(Path(directory) / "config.json") as f:
+            d = json.load(f)
+        if d.get("format") != "eagle-train-draft":
+            raise ValueError(
+                f"{directory} is not an eagle-train training checkpoint (no format 'eagle-train-draft' in "
+                "config.json); for an engine-layout directory use `eagle-export --import DIR --out CKPT`"
+            )
+        return cls.from_dict(d)

@@ -1,0 +1,110 @@
+"""The EAGLE-3 head: training-time-test attention equals the runtime's cached step, names match DESIGN.md."""
+
+import pytest
+import torch
+
+from eagle_train.draft_config import DraftConfig
+from eagle_train.eagle3 import Eagle3Head
+
+H, NH, NKV, D, V, VD = 32, 4, 2, 8, 50, 40
+
+
+def tiny_head(seed=0) -> Eagle3Head:
+    torch.manual_seed(seed)
+    cfg = DraftConfig(hidden_size=H, num_attention_heads=NH, num_key_value_heads=NKV, head_dim=D,
+                      intermediate_size=64, vocab_size=V, draft_vocab_size=VD, rms_norm_eps=1e-6,
+                      rope_theta=10000.0, rope_scaling=None, max_position_embeddings=256,
+                      target_hidden_size=H, target_num_layers=8, aux_layer_ids=(2, 4, 5))
+    head = Eagle3Head(cfg)
+    for p in head.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return head.double()
+
+
+def ttt_unroll(head, aux, ids, steps):
+    """Pre-norm outputs of each TTT step, shifting tokens and positions one further per step."""
+    t = ids.shape[1]
+    hidden, past, outs = head.fc(aux), [], []
+    for i in range(steps):
+        step_ids = torch.nn.functional.pad(ids[:, 1 + i:], (0, 1 + i))
+        pos = torch.arange(t)[None] + i
+        hidden = head.ttt_step(hidden, step_ids, pos, past)
+        outs.append(hidden)
+    return outs
+
+
+def reference_with_cache(head, aux, ids, steps):
+    """Step by step through the runtime's KV cache: step i's keys sit in slots [i*T, (i+1)*T);
+    the query at (step i, position t) sees step-0 slots <= t and slot j*T+t of each step j <= i."""
+    b, t = ids.shape
+    cache = head.new_cache(b, steps * t)
+    hidden, outs = head.fc(aux), []
+    for i in range(steps):
+        mask = torch.zeros(t, steps * t, dtype=torch.bool)
+        mask[:, :t] = torch.ones(t, t, dtype=torch.bool).tril()
+        for j in range(1, i + 1):
+            mask[torch.arange(t), j * t + torch.arange(t)] = True
+        step_ids = torch.nn.functional.pad(ids[:, 1 + i:], (0, 1 + i))
+        pos = (torch.arange(t)[None] + i).expand(b, t)
+        hidden, _ = head.step(hidden, step_ids, pos, cache, torch.arange(i * t, (i + 1) * t), mask[None, None])
+        outs.append(hidden)
+    return outs
+
+
+def test_ttt_equals_step_by_step_cached_reference():
+    head = tiny_head()
+    aux = torch.randn(2, 11, 3 * H, dtype=torch.double)
+    ids = torch.randint(0, V, (2, 11))
+    with torch.no_grad():
+        ttt = ttt_unroll(head, aux, ids, 4)
+        ref = reference_with_cache(head, aux, ids, 4)
+    for i, (a, b) in enumerate(zip(ttt, ref)):
+        assert (a - b).abs().max() < 1e-5, f"step {i}"
+    assert (ttt[1] - ttt[0]).abs().max() > 1e-2  # the steps really differ
+
+
+def test_ttt_step0_equals_plain_forward():
+    head = tiny_head(1)
+    aux = torch.randn(1, 9, 3 * H, dtype=torch.double)
+    ids = torch.randint(0, V, (1, 9))
+    with torch.no_grad():
+        h0 = head.ttt_step(head.fc(aux), ids, torch.arange(9)[None], [])
+        plain, logits = head.step(head.fc(aux), ids, torch.arange(9)[None],
+                                  mask=torch.ones(9, 9, dtype=torch.bool).tril()[None, None])
+    assert (h0 - plain).abs().max() < 1e-10
+    assert torch.allclose(head.logits(h0), logits)
+
+
+def test_saved_tensors_have_design_names_and_shapes(tmp_path):
+    head = tiny_head().float()
+    head.save_pretrained(tmp_path)
+    from safetensors.torch import load_file
+    shapes = {k: tuple(v.shape) for k, v in load_file(tmp_path / "model.safetensors").items()}
+    assert shapes == {
+        "fc.weight": (H, 3 * H),
+        "midlayer.input_layernorm.weight": (H,),
+        "midlayer.hidden_norm.weight": (H,),
+        "midlayer.self_attn.q_proj.weight": (NH * D, 2 * H),
+        "midlayer.self_attn.k_proj.weight": (NKV * D, 2 * H),
+        "midlayer.self_attn.v_proj.weight": (NKV * D, 2 * H),
+        "midlayer.self_attn.o_proj.weight": (H, NH * D),
+        "midlayer.post_attention_layernorm.weight": (H,),
+        "midlayer.mlp.gate_proj.weight": (64, H),
+        "midlayer.mlp.up_proj.weight": (64, H),
+        "midlayer.mlp.down_proj.weight": (H, 64),
+        "norm.weight": (H,),
+        "lm_head.weight": (VD, H),
+        "d2t": (VD,),
+        "t2d": (V,),
+    }
+    again = Eagle3Head.from_pretrained(tmp_path)
+    for k, v in head.saved_state_dict().items():
+        assert torch.equal(v, again.state_dict()[k]), k
+
+
+def test_draft_vocab_larger_than_target_is_refused():
+    with pytest.raises(ValueError, match="larger than the target vocabulary"):
+        DraftConfig(hidden_size=H, num_attention_heads=NH, num_key_value_heads=NKV, head_dim=D,
+                    intermediate_size=64, vocab_size=V, draft_vocab_size=V + 1, rms_norm_eps=1e-6,
+                    rope_theta=1e4, rope_scaling=None, max_position_embeddings=256,
+                    target_hidden_size=H, target_num_layers=8, aux_layer_ids=(2, 4, 5))
