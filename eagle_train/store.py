@@ -305,19 +305,24 @@ class ShardedSamples:
             self._handles[k] = safe_open(str(self.files[k]), framework="pt")
         return self._handles[k]
 
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+    def _locate(self, i: int):
         if not -len(self) <= i < len(self):
             raise IndexError(f"sample {i} out of range for {len(self)} samples")
         i %= len(self)
         k = bisect.bisect_right(self.starts, i) - 1
         j = i - self.starts[k]
-        a, b = self.offsets[k][j], self.offsets[k][j + 1]
-        f = self._handle(k)
-        item = {
-            "input_ids": f.get_slice("input_ids")[a:b].to(torch.int64),
-            "loss_mask": f.get_slice("loss_mask")[a:b].to(torch.bool),
-        }
+        return self._handle(k), self.offsets[k][j], self.offsets[k][j + 1]
+
+    def tokens(self, i: int) -> dict[str, torch.Tensor]:
+        """Sample i's `input_ids` and `loss_mask` only (no hidden-state reads)."""
+        f, a, b = self._locate(i)
+        return {"input_ids": f.get_slice("input_ids")[a:b].to(torch.int64),
+                "loss_mask": f.get_slice("loss_mask")[a:b].to(torch.bool)}
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        item = self.tokens(i)
         if self.has_hidden:
+            f, a, b = self._locate(i)
             for name in ("aux_hidden", "final_hidden"):
                 x = f.get_slice(name)[a:b]
                 if x.dtype == torch.float8_e4m3fn:

@@ -1,0 +1,74 @@
+"""Conversations -> a tokenized dataset directory (ids + assistant loss masks, no hidden states).
+
+This is what capture and online training read. It uses the store's shard layout
+(`eagle_train.store`, format "eagle-tokenized"), so the trainer needs no dataset readers.
+"""
+
+import os
+from pathlib import Path
+
+import torch
+
+from data_prep.chat import SkipSample, tokenize_conversation
+from data_prep.readers import ReadReport, read_conversations
+from data_prep.vocab import build_vocab_map, count_tokens
+from eagle_train.store import (MANIFEST, TOKENIZED_FORMAT, StoreWriter, chat_template_fingerprint, finalize_manifest,
+                               list_shards, target_identity, write_vocab_map)
+from eagle_train.target import load_target_config, load_tokenizer
+
+
+def clear_dir(path: Path) -> None:
+    """Remove a previous dataset's shards and manifest (only files this toolkit writes)."""
+    for _, name in list_shards(path):
+        os.remove(path / name)
+    (path / MANIFEST).unlink(missing_ok=True)
+
+
+def tokenize_dataset(source: str, out: str, target: str, max_length: int = 2048, limit: int | None = None,
+                     system_prompt: str | None = None, draft_vocab_size: int = 32000, shard_tokens: int = 1 << 20,
+                     split: str = "train", tokenizer=None) -> dict:
+    """Read, render and mask up to `limit` conversations; write shards, manifest and vocab map.
+
+    Returns (manifest, ReadReport, vocab map); conversations that cannot be used are reported, not fatal.
+    """
+    tokenizer = tokenizer or load_tokenizer(target)
+    config = load_target_config(target)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    clear_dir(out)
+    report = ReadReport()
+    samples, shard, tokens, n = [], 0, 0, 0
+    counts = torch.zeros(config.vocab_size, dtype=torch.int64)
+    with StoreWriter(out) as writer:
+        for conv in read_conversations(source, limit=limit, report=report, split=split):
+            try:
+                sample = tokenize_conversation(tokenizer, conv["messages"], max_length, system_prompt)
+            except SkipSample as e:
+                report.kept -= 1
+                report.skip(str(e))
+                continue
+            samples.append(sample)
+            counts += count_tokens([sample], config.vocab_size)
+            tokens += len(sample["input_ids"])
+            if tokens >= shard_tokens:
+                writer.add_shard(shard, samples, range(n, n + len(samples)))
+                n, shard, samples, tokens = n + len(samples), shard + 1, [], 0
+        if samples:
+            writer.add_shard(shard, samples, range(n, n + len(samples)))
+    if report.kept == 0:
+        raise ValueError(f"no usable conversations in {source!r}:\n{report.summary()}")
+    vmap = build_vocab_map(counts, draft_vocab_size)
+    write_vocab_map(out, vmap["d2t"], vmap["t2d"], vmap["counts"])
+    manifest = finalize_manifest(out, {
+        "format": TOKENIZED_FORMAT,
+        "target": {**target_identity(config), "given": str(target)},
+        "tokenizer": str(target),
+        "chat_template_fingerprint": chat_template_fingerprint(tokenizer.chat_template),
+        "system_prompt": system_prompt,
+        "max_length": max_length,
+        "source": str(source),
+        "records_read": report.read,
+        "skipped": dict(report.skipped),
+    })
+    return manifest, report, vmap
+

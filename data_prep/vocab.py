@@ -1,0 +1,51 @@
+"""Draft vocabulary: the target ids the draft head may propose, chosen by frequency.
+
+The draft's lm_head covers only the `Vd` ids seen most often among loss-masked tokens (what the
+draft is trained to predict), which cuts its largest matmul; DESIGN.md section 3 fixes the map.
+"""
+
+import torch
+
+from eagle_train.store import ShardedSamples, write_vocab_map
+
+
+def count_tokens(samples, vocab_size: int) -> torch.Tensor:
+    """Counts of each target id among loss-masked tokens; `samples` yield input_ids and loss_mask."""
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for s in samples:
+        ids = s["input_ids"][s["loss_mask"]]
+        counts += torch.bincount(ids, minlength=vocab_size)[:vocab_size]
+    return counts
+
+
+def build_vocab_map(counts: torch.Tensor, draft_vocab_size: int = 32000) -> dict:
+    """Top-Vd ids by count (ties to the lower id), sorted ascending, as `d2t`/`t2d`, plus coverage.
+
+    `target_id = draft_id + d2t[draft_id]`; `t2d[target_id]` is true for ids in the draft vocab.
+    `coverage` is the fraction of loss-masked tokens the draft vocabulary can express.
+    """
+    vocab_size = len(counts)
+    vd = min(draft_vocab_size, vocab_size)
+    # stable sort on -count keeps ascending ids among equal counts
+    order = torch.sort(-counts, stable=True).indices[:vd]
+    draft_ids = torch.sort(order).values
+    d2t = draft_ids - torch.arange(vd)
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[draft_ids] = True
+    total = int(counts.sum())
+    coverage = float(counts[draft_ids].sum()) / total if total else 0.0
+    return {"d2t": d2t, "t2d": t2d, "counts": counts, "coverage": coverage}
+
+
+def make_vocab_map(path, vocab_size: int, draft_vocab_size: int = 32000) -> dict:
+    """Count a tokenized dataset or store at `path` and write its `vocab_map.safetensors`."""
+    data = ShardedSamples(path)
+    vmap = build_vocab_map(count_tokens((data.tokens(i) for i in range(len(data))), vocab_size), draft_vocab_size)
+    write_vocab_map(path, vmap["d2t"], vmap["t2d"], vmap["counts"])
+    return vmap
+
+
+def coverage_line(vmap: dict) -> str:
+    n = int((vmap["counts"] > 0).sum())
+    return (f"draft vocab {len(vmap['d2t'])} of {len(vmap['t2d'])} ids covers {100 * vmap['coverage']:.2f}% "
+            f"of {int(vmap['counts'].sum())} loss-masked tokens ({n} distinct ids seen)")
