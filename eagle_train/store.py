@@ -100,11 +100,11 @@ def pack_shard(samples: list[dict], sample_ids: list[int], dtype: str = "bfloat1
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def write_shard(path: str | Path, index: int, tensors: dict[str, torch.Tensor]) -> Path:
-    """Write one shard atomically (temp file + rename)."""
+def write_shard(path: str | Path, index: int, tensors: dict[str, torch.Tensor], rank: int = 0) -> Path:
+    """Write one shard atomically (temp file + rename); the writing process's rank goes in its metadata."""
     final = Path(path) / shard_name(index)
     tmp = final.with_name(f".tmp-{os.getpid()}-{final.name}")
-    save_file(tensors, str(tmp))
+    save_file(tensors, str(tmp), metadata={"rank": str(rank)})
     os.replace(tmp, final)
     return final
 
@@ -116,10 +116,10 @@ class StoreWriter:
     are re-raised by the next `add_shard` or by `close`.
     """
 
-    def __init__(self, path: str | Path, dtype: str = "bfloat16", max_pending: int = 2):
+    def __init__(self, path: str | Path, dtype: str = "bfloat16", rank: int = 0, max_pending: int = 2):
         if dtype not in STORE_DTYPES:
             raise ValueError(f"store dtype {dtype!r} not in {sorted(STORE_DTYPES)}")
-        self.path, self.dtype = Path(path), dtype
+        self.path, self.dtype, self.rank = Path(path), dtype, rank
         self.path.mkdir(parents=True, exist_ok=True)
         self.queue: queue.Queue = queue.Queue(maxsize=max_pending)
         self.error: BaseException | None = None
@@ -132,7 +132,7 @@ class StoreWriter:
             index, samples, sample_ids = job
             try:
                 if self.error is None:
-                    self.written.append(write_shard(self.path, index, pack_shard(samples, sample_ids, self.dtype)))
+                    self.written.append(write_shard(self.path, index, pack_shard(samples, sample_ids, self.dtype), self.rank))
             except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
                 self.error = e
 
@@ -188,7 +188,8 @@ def finalize_manifest(path: str | Path, header: dict) -> dict:
         with safe_open(str(Path(path) / name), framework="pt") as f:
             n = f.get_slice("sample_ids").get_shape()[0]
             t = f.get_slice("input_ids").get_shape()[0]
-        shards.append({"file": name, "samples": n, "tokens": t})
+            rank = int((f.metadata() or {}).get("rank", 0))
+        shards.append({"file": name, "samples": n, "tokens": t, "rank": rank})
     manifest = {
         **header,
         "version": VERSION,

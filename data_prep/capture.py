@@ -1,0 +1,163 @@
+"""Hidden-state capture: run the target over a tokenized dataset once and keep what the draft reads.
+
+The work is planned up front and deterministically: samples sorted by length (longest first, so
+an out-of-memory shows up in the first batch, not after an hour), cut into batches bounded by a
+padded-token budget, grouped into shards of about `shard_tokens`. The plan is the same on every
+run and in every process, so:
+
+- resuming after a kill skips planned shards whose files exist (checked sample by sample) and
+  recomputes only the rest, giving the same store as an uninterrupted run;
+- with W processes, process r captures the planned shards k with k % W == r; rank 0 writes the
+  manifest after a barrier.
+
+The forward is `eagle_train.hidden_states.target_hidden_states`, the same function online
+training calls, so offline and online data cannot differ.
+"""
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from eagle_train.hidden_states import default_aux_layer_ids, target_hidden_states
+from eagle_train.store import (HIDDEN_FORMAT, MANIFEST, STORE_DTYPES, VOCAB_MAP, ShardedSamples, StoreWriter,
+                               check_store_matches, finalize_manifest, list_shards, shard_name, shard_sample_ids,
+                               target_identity, write_json_atomic)
+
+
+def plan_shards(lengths: list[int], token_budget: int, shard_tokens: int) -> list[list[list[int]]]:
+    """Shards -> batches -> sample indices. A batch's padded size (n * longest) stays within
+    `token_budget` (a longer sample gets a batch of its own)."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches, batch = [], []
+    for i in order:
+        if batch and (len(batch) + 1) * lengths[batch[0]] > token_budget:
+            batches.append(batch)
+            batch = []
+        batch.append(i)
+    if batch:
+        batches.append(batch)
+    shards, shard, tokens = [], [], 0
+    for b in batches:
+        shard.append(b)
+        tokens += sum(lengths[i] for i in b)
+        if tokens >= shard_tokens:
+            shards.append(shard)
+            shard, tokens = [], 0
+    if shard:
+        shards.append(shard)
+    return shards
+
+
+def pad_batch(samples: list[dict], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad input_ids into [B, L] with an attention mask."""
+    longest = max(len(s["input_ids"]) for s in samples)
+    ids = torch.full((len(samples), longest), pad_id, dtype=torch.int64)
+    mask = torch.zeros((len(samples), longest), dtype=torch.int64)
+    for b, s in enumerate(samples):
+        ids[b, : len(s["input_ids"])] = s["input_ids"]
+        mask[b, : len(s["input_ids"])] = 1
+    return ids.to(device), mask.to(device)
+
+
+def capture_batch(model, samples: list[dict], aux_layer_ids, pad_id: int) -> list[dict]:
+    """One padded forward; per-sample dicts with input_ids, loss_mask, aux_hidden, final_hidden (CPU)."""
+    device = next(model.parameters()).device
+    ids, mask = pad_batch(samples, pad_id, device)
+    aux, final = target_hidden_states(model, ids, mask, aux_layer_ids)
+    out = []
+    for b, s in enumerate(samples):
+        n = len(s["input_ids"])
+        out.append({**s, "aux_hidden": aux[b, :n].cpu(), "final_hidden": final[b, :n].cpu()})
+    return out
+
+
+def _read_header(out: Path) -> dict | None:
+    file = out / MANIFEST
+    return json.loads(file.read_text()) if file.is_file() else None
+
+
+def capture(model, data: str | Path, out: str | Path, *, target_name: str, aux_layer_ids=None,
+            dtype: str = "bfloat16", token_budget: int = 8192, shard_tokens: int = 1 << 16,
+            rank: int = 0, world_size: int = 1, barrier=lambda: None, pad_id: int = 0,
+            progress: bool = True) -> tuple[dict | None, dict]:
+    """Capture `data` (a tokenized dataset dir) into the store `out`.
+
+    Returns (the manifest on rank 0, else None; this process's {"tokens", "seconds"} this run).
+    Refuses an existing store of another target, aux layer set, dtype or plan. Every process calls
+    this with its own `rank`; `barrier` synchronises them (e.g. `accelerator.wait_for_everyone`).
+    """
+    if dtype not in STORE_DTYPES:
+        raise ValueError(f"store dtype {dtype!r} not in {sorted(STORE_DTYPES)}")
+    ids = tuple(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(model.config.num_hidden_layers)
+    source = ShardedSamples(data)
+    if source.has_hidden:
+        raise ValueError(f"{data} is a hidden-state store; capture reads a tokenized dataset (eagle-prep tokenize)")
+    check_store_matches(source.manifest, model.config)  # same vocabulary as the tokenizer that made it
+    out = Path(out)
+    plan = plan_shards(source.lengths(), token_budget, shard_tokens)
+    header = {
+        "format": HIDDEN_FORMAT,
+        "target": {**target_identity(model.config), "given": target_name},
+        "aux_layer_ids": list(ids),
+        "dtype": dtype,
+        "max_length": source.manifest["max_length"],
+        "tokenizer": source.manifest["tokenizer"],
+        "chat_template_fingerprint": source.manifest["chat_template_fingerprint"],
+        "source": str(data),
+        "plan": {"token_budget": token_budget, "shard_tokens": shard_tokens, "num_shards": len(plan),
+                 "source_samples": len(source)},
+        "num_processes": world_size,
+        "complete": False,
+    }
+    existing = _read_header(out)
+    if existing is not None:
+        check_store_matches(existing, model.config, ids)
+        for key in ("dtype", "plan", "source"):
+            if existing.get(key) != header[key]:
+                raise ValueError(f"{out} was captured with {key}={existing.get(key)!r}, not {header[key]!r}: "
+                                 "resume with the same settings or capture into a new directory")
+    barrier()  # every process has checked before rank 0 writes anything
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        if existing is None:
+            write_json_atomic(out / MANIFEST, header)
+    barrier()
+
+    mine = [k for k in range(len(plan)) if k % world_size == rank]
+    done = {k for k, _ in list_shards(out)}
+    todo = []
+    for k in mine:
+        expected = [i for batch in plan[k] for i in batch]
+        if k in done:
+            if shard_sample_ids(out / shard_name(k)) != expected:
+                raise ValueError(f"{out / shard_name(k)} holds other samples than this plan; capture into a new directory")
+        else:
+            todo.append(k)
+    lengths = source.lengths()
+    total = sum(lengths[i] for k in todo for batch in plan[k] for i in batch)
+    bar = tqdm(total=total, unit="tok", unit_scale=True, disable=not progress,
+               desc=f"capture r{rank}" if world_size > 1 else "capture")
+    start = time.perf_counter()
+    with StoreWriter(out, dtype, rank=rank) as writer:
+        for k in todo:
+            captured = []
+            for batch in plan[k]:
+                captured += capture_batch(model, [source.tokens(i) for i in batch], ids, pad_id)
+                bar.update(sum(lengths[i] for i in batch))
+            writer.add_shard(k, captured, [i for batch in plan[k] for i in batch])
+    bar.close()
+    stats = {"tokens": total, "seconds": time.perf_counter() - start, "shards": len(todo)}
+    barrier()
+    if rank != 0:
+        return None, stats
+    have = {k for k, _ in list_shards(out)}
+    if have != set(range(len(plan))):
+        raise RuntimeError(f"{out}: shards {sorted(set(range(len(plan))) - have)} are missing, "
+                           f"unexpected {sorted(have - set(range(len(plan))))}")
+    if (Path(data) / VOCAB_MAP).is_file():
+        shutil.copyfile(Path(data) / VOCAB_MAP, out / VOCAB_MAP)
+    return finalize_manifest(out, {k: v for k, v in header.items() if k != "complete"}), stats
