@@ -18,6 +18,7 @@ ROLES = {
 }
 SHAREGPT = "sharegpt"
 _BAD_JSON = object()  # marks a JSONL line that did not parse
+_TRUNCATED = object()  # marks a JSON file cut off inside its last record
 
 
 class ReadReport:
@@ -107,12 +108,15 @@ def _iter_json_array(path: Path):
         while i < len(text) and text[i] in " \t\r\n,":
             i += 1
         if i >= len(text):
-            raise ValueError(f"{path}: the JSON array is not closed")
+            return  # cut off between records: everything read is whole
         if text[i] == "]":
             return
         try:
             obj, i = decoder.raw_decode(text, i)
         except json.JSONDecodeError as e:
+            if not text.rstrip().endswith("]"):  # the file was cut off inside its last record
+                yield _TRUNCATED
+                return
             raise ValueError(f"{path}: invalid JSON in element {n} (char {e.pos}): {e.msg}") from e
         n += 1
         yield obj
@@ -183,7 +187,12 @@ def read_conversations(source: str, limit: int | None = None, report: ReadReport
         if limit is not None and report.kept >= limit:
             return
         report.read += 1
-        conv = normalize(record, index) if record is not _BAD_JSON else "invalid JSON line"
+        if record is _BAD_JSON:
+            conv = "invalid JSON line"
+        elif record is _TRUNCATED:
+            conv = "last record cut off (file truncated)"
+        else:
+            conv = normalize(record, index)
         if isinstance(conv, str):
             report.skip(conv)
             continue
