@@ -1,0 +1,233 @@
+"""The P-EAGLE draft head: EAGLE-3's fused first layer plus N-1 plain Llama layers, all K drafts
+from one forward pass (DESIGN.md section 5).
+
+Draft slot 1 reads (fc(g_p), embed(next token)) exactly like EAGLE-3; slots 2..K read
+(fc(mask_hidden), embed(mask_token_id)) at positions p+1..p+K-1. `mask_hidden` is stored before
+fc (width 3H) and the mask token's embedding row is trained, so unlike EAGLE-3 the head owns
+and saves its `embed_tokens` (initialised from the target's).
+
+Tensor names follow the vLLM P-EAGLE layout: `midlayer.*` is layer 0 and the plain layers are
+`layers.1.*` .. `layers.{N-1}.*` (a ModuleDict keyed "1".."N-1" gives exactly those names).
+
+One stack of layers serves both uses:
+- `forward`: training over flattened (anchor, depth) elements with any attention mask (a dense
+  boolean mask, or a FlexAttention BlockMask on CUDA);
+- `step` / `draft_parallel`: the runtime over per-layer static KV caches.
+"""
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from eagle_train.draft_config import DraftConfig
+from eagle_train.eagle3 import DecoderLayer, KVCache
+from eagle_train.layers import RMSNorm, RotaryEmbedding
+
+
+def default_num_hidden_layers(target_hidden_size: int) -> int:
+    """Draft depth N for a target: 2 layers below hidden size 2048 (SmolLM2, Qwen-0.5B: the
+    draft is then a sizeable fraction of the target already), 4 from there on, the depth the
+    published P-EAGLE heads for 8B-class targets use."""
+    return 2 if target_hidden_size < 2048 else 4
+
+
+def choose_mask_token_id(tokenizer, token_counts: torch.Tensor | None = None) -> int:
+    """A reserved token the training data never uses: the highest added/special token id that
+    is not bos/eos/pad/unk, does not occur in the chat template and (given the data's token
+    counts) never occurs in the data. SmolLM2 -> 16 (`<empty_output>`)."""
+    used = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+    candidates = []
+    for token_id, token in tokenizer.added_tokens_decoder.items():
+        if token_id in used or token.content in template:
+            continue
+        if token_counts is not None and token_id < len(token_counts) and token_counts[token_id] > 0:
+            continue
+        candidates.append(token_id)
+    if not candidates:
+        raise ValueError(
+            "the tokenizer has no spare special token to use as the P-EAGLE mask token; "
+            "set `mask_token_id` in the run config to an id the training data never contains"
+        )
+    return max(candidates)
+
+
+class PEagleCache(nn.Module):
+    """One static KVCache per draft layer; slot s of every layer belongs to the same token."""
+
+    def __init__(self, caches: list[KVCache]):
+        super().__init__()
+        self.layers = nn.ModuleList(caches)
+
+
+class PEagleHead(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        if cfg.method != "peagle" or cfg.mask_token_id is None or not cfg.num_depths:
+            raise ValueError(
+                f"PEagleHead needs a config with method 'peagle', mask_token_id and num_depths "
+                f"(got method={cfg.method!r}, mask_token_id={cfg.mask_token_id}, num_depths={cfg.num_depths})"
+            )
+        if not 0 <= cfg.mask_token_id < cfg.vocab_size:
+            raise ValueError(f"mask_token_id {cfg.mask_token_id} is outside the target vocabulary [0, {cfg.vocab_size})")
+        self.config = cfg
+        h = cfg.hidden_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, h)
+        self.fc = nn.Linear(3 * cfg.target_hidden_size, h, bias=False)
+        self.mask_hidden = nn.Parameter(torch.randn(1, 1, 3 * cfg.target_hidden_size))
+        self.midlayer = DecoderLayer(cfg, fused_input=True)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, fused_input=False)
+                                     for i in range(1, cfg.num_hidden_layers)})
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+        t2d[: cfg.draft_vocab_size] = True
+        self.register_buffer("t2d", t2d)
+
+    # ---- construction and I/O -------------------------------------------------------------
+
+    @classmethod
+    def from_target(cls, target_model, *, mask_token_id: int, num_depths: int = 7,
+                    num_hidden_layers: int | None = None, **config_kwargs) -> "PEagleHead":
+        """A head for `target_model` whose trainable embedding starts as a copy of the target's."""
+        tcfg = getattr(target_model.config, "text_config", None) or target_model.config
+        cfg = DraftConfig.from_target_config(
+            target_model.config, method="peagle", mask_token_id=mask_token_id, num_depths=num_depths,
+            num_hidden_layers=num_hidden_layers or default_num_hidden_layers(tcfg.hidden_size), **config_kwargs)
+        head = cls(cfg)
+        head.init_embedding_from(target_model)
+        return head
+
+    def init_embedding_from(self, target_model):
+        weight = target_model.get_input_embeddings().weight
+        if tuple(weight.shape) != tuple(self.embed_tokens.weight.shape):
+            raise ValueError(
+                f"target embedding {tuple(weight.shape)} does not match the head "
+                f"{tuple(self.embed_tokens.weight.shape)}: the head was built for another target"
+            )
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(weight)
+
+    def set_vocab_map(self, d2t: torch.Tensor, t2d: torch.Tensor):
+        if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
+            raise ValueError(
+                f"vocab map (d2t {tuple(d2t.shape)}, t2d {tuple(t2d.shape)}) does not fit the head "
+                f"(draft vocab {self.config.draft_vocab_size}, target vocab {self.config.vocab_size})"
+            )
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def saved_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every tensor, the trained embedding included."""
+        return dict(self.state_dict())
+
+    def save_pretrained(self, directory):
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.config.save(directory)
+        save_file({k: v.detach().contiguous().cpu() for k, v in self.saved_state_dict().items()},
+                  directory / "model.safetensors")
+
+    @classmethod
+    def from_pretrained(cls, directory, target_model=None) -> "PEagleHead":
+        """`target_model` is accepted for symmetry with Eagle3Head and not used: the head owns its
+        embedding."""
+        head = cls(DraftConfig.load(directory))
+        missing, unexpected = head.load_state_dict(load_file(Path(directory) / "model.safetensors"), strict=False)
+        if missing or unexpected:
+            raise ValueError(f"{directory}: missing tensors {missing}, unexpected tensors {unexpected}")
+        return head
+
+    # ---- forward ----------------------------------------------------------------------------
+
+    def blocks(self) -> list[DecoderLayer]:
+        return [self.midlayer, *self.layers.values()]
+
+    def draft_to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits of the last layer's output `h`."""
+        return self.lm_head(self.norm(h))
+
+    def input_hidden(self, aux: torch.Tensor, is_mask: torch.Tensor) -> torch.Tensor:
+        """fc of the 3H input: the target's aux states, or `mask_hidden` where `is_mask`."""
+        aux = torch.where(is_mask[..., None], self.mask_hidden.to(aux.dtype), aux)
+        return self.fc(aux)
+
+    def mask_inputs(self, batch: int, count: int, device=None):
+        """(fc(mask_hidden), mask token ids) for `count` parallel-drafting slots: [B, count, H], [B, count]."""
+        device = device or self.fc.weight.device
+        hidden = self.fc(self.mask_hidden.to(self.fc.weight.dtype)).expand(batch, count, -1)
+        ids = torch.full((batch, count), self.config.mask_token_id, dtype=torch.long, device=device)
+        return hidden, ids
+
+    def run_layers(self, hidden, input_ids, position_ids, attend) -> torch.Tensor:
+        """The layer stack; `attend(layer_index, attn, q, k, v)` returns the attention output."""
+        cos, sin = self.rotary(position_ids)
+        emb = self.embed_tokens(input_ids)
+        h = hidden
+        for i, layer in enumerate(self.blocks()):
+            q, k, v = layer.self_attn.qkv(layer.attention_input(h, emb), cos, sin)
+            h = layer.finish(h, attend(i, layer.self_attn, q, k, v))
+        return h
+
+    def forward(self, aux, is_mask, input_ids, position_ids, mask) -> torch.Tensor:
+        """Training over flattened elements: aux [B, E, 3H] (ignored where is_mask), is_mask [B, E],
+        input_ids / position_ids [B, E], mask a bool [B or 1, 1, E, E] (True = visible) or a
+        FlexAttention BlockMask. Returns draft logits [B, E, Vd]."""
+        if isinstance(mask, torch.Tensor):
+            def attend(i, attn, q, k, v):
+                return attn.attend(q, k, v, mask)
+        else:
+            from torch.nn.attention.flex_attention import flex_attention
+
+            def attend(i, attn, q, k, v):
+                out = flex_attention(q, k, v, block_mask=mask, enable_gqa=attn.num_heads != attn.num_kv_heads)
+                return attn.o_proj(out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1))
+        return self.logits(self.run_layers(self.input_hidden(aux, is_mask), input_ids, position_ids, attend))
+
+    def new_cache(self, batch: int, max_len: int, dtype=None, device=None) -> PEagleCache:
+        c = self.config
+        return PEagleCache([KVCache(batch, c.num_key_value_heads, max_len, c.head_dim,
+                                    dtype or self.fc.weight.dtype, device or self.fc.weight.device)
+                            for _ in self.blocks()])
+
+    def step(self, hidden, input_ids, position_ids, cache: PEagleCache, slots, mask):
+        """The runtime's draft step through every layer: new tokens [B, n] at `position_ids`,
+        written at `slots` of each layer's cache, attending to the entries `mask`
+        [B or 1, 1, n, S] shows. `hidden` is fc(aux) or fc(mask_hidden) per token.
+        Returns (last layer output h [B, n, H], draft logits [B, n, Vd])."""
+        def attend(i, attn, q, k, v):
+            k, v = cache.layers[i].write(slots, k, v)
+            return attn.attend(q, k, v, mask)
+
+        h = self.run_layers(hidden, input_ids, position_ids, attend)
+        return h, self.logits(h)
+
+    def draft_parallel(self, aux, next_ids, positions, cache: PEagleCache, k: int | None = None):
+        """K drafts in one forward (batch 1 or batches sharing positions; cache slot = position).
+
+        aux [B, n, 3H] and next_ids [B, n]: the target's aux states of the n newly verified
+        positions `positions` [n] (contiguous, ending at p) and the token that follows each one;
+        the K-1 mask slots go to positions p+1..p+K-1 (overwritten by the next call, which starts
+        at p+1). Returns (draft logits [B, K, Vd], greedy draft tokens in target ids [B, K]).
+        """
+        k = k or self.config.num_depths
+        b, n = next_ids.shape
+        p = positions[-1]
+        mask_hidden, mask_ids = self.mask_inputs(b, k - 1, next_ids.device)
+        hidden = torch.cat([self.fc(aux), mask_hidden.to(aux.dtype)], dim=1)
+        ids = torch.cat([next_ids, mask_ids], dim=1)
+        pos = torch.cat([positions, p + 1 + torch.arange(k - 1, device=positions.device)])
+        max_len = cache.layers[0].k.shape[2]
+        if int(pos[-1]) >= max_len:
+            raise ValueError(f"draft positions up to {int(pos[-1])} do not fit the draft cache of {max_len} slots")
+        visible = torch.arange(max_len, device=pos.device)[None] <= pos[:, None]
+        _, logits = self.step(hidden, ids, pos[None].expand(b, -1), cache, pos, visible[None, None])
+        logits = logits[:, n - 1:]
+        return logits, self.draft_to_target_ids(logits.argmax(-1))
