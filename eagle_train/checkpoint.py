@@ -9,8 +9,9 @@ import json
 from pathlib import Path
 
 from eagle_train.eagle3 import Eagle3Head
+from eagle_train.peagle import PEagleHead
 
-HEAD_CLASSES = {"eagle3": Eagle3Head}
+HEAD_CLASSES = {"eagle3": Eagle3Head, "peagle": PEagleHead}
 
 
 def head_directory(path) -> Path:
