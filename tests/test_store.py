@@ -1,0 +1,131 @@
+"""The hidden-state store format: round trips, fp8, vocab map, and refusing another target's store."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from eagle_train.store import (HIDDEN_FORMAT, MANIFEST, ShardedSamples, StoreWriter, check_store_matches,
+                               finalize_manifest, read_manifest, read_vocab_map, shard_name, write_json_atomic,
+                               write_vocab_map)
+
+H = 16
+
+
+def fake_samples(lengths, seed=0, h=H):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in lengths:
+        # low / mid / high layers of very different scale, like a real target's
+        aux = torch.cat([torch.randn(n, h, generator=g) * s for s in (0.05, 3.0, 400.0)], dim=-1)
+        out.append({"input_ids": torch.randint(0, 1000, (n,), generator=g),
+                    "loss_mask": torch.rand(n, generator=g) > 0.4,
+                    "aux_hidden": aux, "final_hidden": torch.randn(n, h, generator=g) * 2})
+    return out
+
+
+def write_store(path, samples, dtype, per_shard=2):
+    with StoreWriter(path, dtype) as w:
+        for k in range(0, len(samples), per_shard):
+            w.add_shard(k // per_shard, samples[k : k + per_shard], range(k, min(k + per_shard, len(samples))))
+    return finalize_manifest(path, {"format": HIDDEN_FORMAT, "dtype": dtype, "aux_layer_ids": [2, 15, 27],
+                                    "target": {"name": "t", "num_hidden_layers": 30, "hidden_size": H}})
+
+
+def rel_err(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("dtype,tol", [("float32", 0.0), ("bfloat16", 0.005), ("float8_e4m3fn", 0.05)])
+def test_round_trip(tmp_path, dtype, tol):
+    samples = fake_samples([5, 9, 3, 7, 1])
+    manifest = write_store(tmp_path, samples, dtype)
+    assert manifest["num_samples"] == 5 and manifest["num_tokens"] == 25 and len(manifest["shards"]) == 3
+    data = ShardedSamples(tmp_path)
+    assert data.has_hidden and len(data) == 5 and data.lengths() == [5, 9, 3, 7, 1]
+    for i, ref in enumerate(samples):
+        item = data[i]
+        assert item["input_ids"].dtype == torch.int64 and torch.equal(item["input_ids"], ref["input_ids"])
+        assert item["loss_mask"].dtype == torch.bool and torch.equal(item["loss_mask"], ref["loss_mask"])
+        for key in ("aux_hidden", "final_hidden"):
+            assert item[key].dtype == torch.float32 and item[key].shape == ref[key].shape
+            assert rel_err(item[key], ref[key]) <= tol
+        # every aux layer keeps its own precision (per-token, per-layer scales), even the tiny low one
+        for j in range(3):
+            sl = slice(j * H, (j + 1) * H)
+            assert rel_err(item["aux_hidden"][:, sl], ref["aux_hidden"][:, sl]) <= max(tol, 1e-7)
+    assert torch.equal(data[-1]["input_ids"], samples[-1]["input_ids"])
+    with pytest.raises(IndexError):
+        data[5]
+    assert ShardedSamples(tmp_path, dtype=torch.bfloat16)[0]["aux_hidden"].dtype == torch.bfloat16
+
+
+def test_fp8_halves_the_bytes(tmp_path):
+    samples = fake_samples([64, 64], h=64)  # per token: bf16 8H + 5 bytes, fp8 4H + 4 scales + 5 bytes
+    sizes = {}
+    for dtype in ("bfloat16", "float8_e4m3fn"):
+        write_store(tmp_path / dtype, samples, dtype)
+        sizes[dtype] = (tmp_path / dtype / shard_name(0)).stat().st_size
+        with safe_open(str(tmp_path / dtype / shard_name(0)), framework="pt") as f:
+            assert f.get_slice("aux_hidden").get_dtype() == {"bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3"}[dtype]
+            assert f.get_slice("input_ids").get_dtype() == "I32"
+            keys = set(f.keys())
+        if dtype == "float8_e4m3fn":
+            assert {"aux_scale", "final_scale"} <= keys
+    assert sizes["float8_e4m3fn"] < 0.6 * sizes["bfloat16"]
+
+
+def test_writer_error_surfaces(tmp_path):
+    bad = fake_samples([3, 4])
+    bad[1]["final_hidden"] = torch.randn(4, H + 1)  # cannot be concatenated with sample 0
+    with pytest.raises(RuntimeError, match="writing a shard"):
+        with StoreWriter(tmp_path) as w:
+            w.add_shard(0, bad, [0, 1])
+    assert not (tmp_path / shard_name(0)).exists()
+
+
+def test_tokenized_dataset_and_vocab_map(tmp_path):
+    samples = [{k: s[k] for k in ("input_ids", "loss_mask")} for s in fake_samples([4, 6])]
+    with StoreWriter(tmp_path) as w:
+        w.add_shard(0, samples, [0, 1])
+    finalize_manifest(tmp_path, {"format": "eagle-tokenized", "target": {"vocab_size": 1000}})
+    d2t = torch.tensor([0, 4, 8]), torch.zeros(1000, dtype=torch.bool)
+    write_vocab_map(tmp_path, d2t[0], d2t[1], torch.arange(1000))
+    data = ShardedSamples(tmp_path)
+    assert not data.has_hidden and set(data[1]) == {"input_ids", "loss_mask"} and len(data[1]["input_ids"]) == 6
+    vmap = read_vocab_map(tmp_path)
+    assert vmap["d2t"].dtype == torch.int64 and vmap["t2d"].dtype == torch.bool and vmap["counts"].dtype == torch.int64
+    assert vmap["d2t"].tolist() == [0, 4, 8] and len(vmap["t2d"]) == 1000
+    with pytest.raises(FileNotFoundError, match="eagle-prep vocab"):
+        read_vocab_map(tmp_path / "nothing-here")
+
+
+def test_unfinished_or_foreign_directories_are_refused(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no manifest.json"):
+        ShardedSamples(tmp_path)
+    write_json_atomic(tmp_path / MANIFEST, {"format": HIDDEN_FORMAT, "complete": False})
+    with pytest.raises(ValueError, match="has not finished"):
+        ShardedSamples(tmp_path)
+    (tmp_path / MANIFEST).write_text(json.dumps({"format": "something-else", "complete": True}))
+    with pytest.raises(ValueError, match="unknown format"):
+        read_manifest(tmp_path)
+
+
+def config(name="/cache/targets/SmolLM2-135M-Instruct.Q4_1-e9965bdc7643", layers=30, hidden=576, vocab=49152):
+    return SimpleNamespace(_name_or_path=name, model_type="llama", num_hidden_layers=layers, hidden_size=hidden,
+                           vocab_size=vocab)
+
+
+def test_check_store_matches(small_store, smollm2):
+    manifest = ShardedSamples(small_store).manifest
+    check_store_matches(manifest, smollm2[0].config)  # the target that made it
+    check_store_matches(manifest, config(name="/elsewhere/SmolLM2-135M-Instruct.Q4_1-0123456789ab"))  # moved cache
+    check_store_matches(manifest, smollm2[0].config, aux_layer_ids=(2, 15, 27))
+    with pytest.raises(ValueError, match=r"Llama-3\.2-1B.*16 layers.*hidden 2048.*Capture a new store"):
+        check_store_matches(manifest, config("meta-llama/Llama-3.2-1B", layers=16, hidden=2048, vocab=128256))
+    with pytest.raises(ValueError, match="name: store 'SmolLM2-135M-Instruct.Q4_1' vs target 'SmolLM2-135M-Base'"):
+        check_store_matches(manifest, config("HuggingFaceTB/SmolLM2-135M-Base"))  # same shapes, other model
+    with pytest.raises(ValueError, match=r"aux layers \[2, 15, 27\].*\[3, 15, 26\]"):
+        check_store_matches(manifest, smollm2[0].config, aux_layer_ids=(3, 15, 26))
