@@ -176,10 +176,10 @@ class PEagleHead(nn.Module):
             h = layer.finish(h, attend(i, layer.self_attn, q, k, v))
         return h
 
-    def forward(self, aux, is_mask, input_ids, position_ids, mask) -> torch.Tensor:
+    def hidden_states(self, aux, is_mask, input_ids, position_ids, mask) -> torch.Tensor:
         """Training over flattened elements: aux [B, E, 3H] (ignored where is_mask), is_mask [B, E],
         input_ids / position_ids [B, E], mask a bool [B or 1, 1, E, E] (True = visible) or a
-        FlexAttention BlockMask. Returns draft logits [B, E, Vd]."""
+        FlexAttention BlockMask. Returns the last layer's output [B, E, H] (before `norm`)."""
         if isinstance(mask, torch.Tensor):
             def attend(i, attn, q, k, v):
                 return attn.attend(q, k, v, mask)
@@ -189,7 +189,11 @@ class PEagleHead(nn.Module):
             def attend(i, attn, q, k, v):
                 out = flex_attention(q, k, v, block_mask=mask, enable_gqa=attn.num_heads != attn.num_kv_heads)
                 return attn.o_proj(out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1))
-        return self.logits(self.run_layers(self.input_hidden(aux, is_mask), input_ids, position_ids, attend))
+        return self.run_layers(self.input_hidden(aux, is_mask), input_ids, position_ids, attend)
+
+    def forward(self, aux, is_mask, input_ids, position_ids, mask) -> torch.Tensor:
+        """Draft logits [B, E, Vd] of `hidden_states`."""
+        return self.logits(self.hidden_states(aux, is_mask, input_ids, position_ids, mask))
 
     def new_cache(self, batch: int, max_len: int, dtype=None, device=None) -> PEagleCache:
         c = self.config
