@@ -1,0 +1,274 @@
+"""Readers, chat templates and loss masks, regeneration, the vocabulary map and the eagle-prep CLI."""
+
+import copy
+import json
+import shutil
+
+import pytest
+import torch
+from conftest import CONVERSATIONS
+
+from data_prep import cli
+from data_prep.chat import SkipSample, masked_spans, show_mask, tokenize_conversation
+from data_prep.dataset import tokenize_dataset
+from data_prep.readers import ReadReport, read_conversations
+from data_prep.regenerate import regenerate
+from data_prep.vocab import build_vocab_map, count_tokens
+from eagle_train.store import ShardedSamples, read_vocab_map
+from eagle_train.target import SMOLLM2
+
+SHAREGPT_RECORD = {"id": "s1", "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"}]}
+
+# ------------------------------------------------------------------------------------ readers
+
+
+def read_all(source, **kw):
+    report = ReadReport()
+    return list(read_conversations(str(source), report=report, **kw)), report
+
+
+def test_reads_sharegpt_json_jsonl_openai_parquet_and_saved_datasets(tmp_path):
+    import datasets
+
+    openai = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}
+    parts = {"messages": [{"role": "user", "content": "Hi"},
+                          {"role": "assistant", "content": [{"type": "text", "text": "Hello!"}]}]}
+    (tmp_path / "a.json").write_text(json.dumps([SHAREGPT_RECORD, parts]))
+    (tmp_path / "a.jsonl").write_text(json.dumps(SHAREGPT_RECORD) + "\n\n" + json.dumps(parts) + "\n")
+    datasets.Dataset.from_list([openai, openai]).to_parquet(str(tmp_path / "a.parquet"))
+    datasets.Dataset.from_list([SHAREGPT_RECORD]).save_to_disk(str(tmp_path / "saved"))
+    expected = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
+    for name, n in [("a.json", 2), ("a.jsonl", 2), ("a.parquet", 2), ("saved", 1)]:
+        convs, report = read_all(tmp_path / name)
+        assert len(convs) == n and report.kept == n and not report.skipped, name
+        assert all(c["messages"] == expected for c in convs), name
+    assert read_all(tmp_path / "a.json")[0][0]["id"] == "s1"
+    assert read_all(tmp_path / "a.json")[0][1]["id"] == "1"  # no id: the record's index
+
+
+def test_embedded_sharegpt_alias():
+    convs, report = read_all("sharegpt", limit=20)
+    assert len(convs) == 20 and report.kept == 20
+    assert all(any(m["role"] == "assistant" for m in c["messages"]) for c in convs)
+
+
+def test_malformed_records_are_counted_per_reason_not_fatal(tmp_path):
+    good = json.dumps(SHAREGPT_RECORD)
+    lines = [good, "{not json", json.dumps({"text": "no schema"}), good,
+             json.dumps({"conversations": [{"from": "human", "value": "only a question"}]}),
+             json.dumps({"conversations": [{"from": "alien", "value": "?"}]}),
+             json.dumps({"messages": [{"role": "user", "content": {"image": 1}}]}),
+             json.dumps({"conversations": []}), json.dumps([1, 2]), good]
+    (tmp_path / "mixed.jsonl").write_text("\n".join(lines * 5000) + "\n")  # 50,000 records
+    convs, report = read_all(tmp_path / "mixed.jsonl")
+    assert report.read == 50000 and len(convs) == report.kept == 15000
+    assert report.skipped == {"invalid JSON line": 5000, "no 'conversations' or 'messages' field": 5000,
+                              "no assistant turn": 5000, "unknown role 'alien'": 5000,
+                              "message content is not text": 5000, "empty conversation": 5000,
+                              "record is a list, not an object": 5000}
+    assert "skipped 5000: no assistant turn" in report.summary()
+
+
+def test_empty_and_broken_files_are_clear_errors(tmp_path):
+    for name, text in [("empty.json", ""), ("empty.jsonl", "\n\n"), ("blank.json", "  \n")]:
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ValueError, match="is empty"):
+            read_all(tmp_path / name)
+    (tmp_path / "bad.json").write_text('[{"id": 1}, {"id": oops}]')
+    with pytest.raises(ValueError, match="invalid JSON in element 1"):
+        read_all(tmp_path / "bad.json")
+    (tmp_path / "x.csv").write_text("a,b\n")
+    with pytest.raises(ValueError, match="unsupported file type"):
+        read_all(tmp_path / "x.csv")
+    with pytest.raises(FileNotFoundError):
+        read_all(tmp_path / "missing.jsonl")
+
+
+def test_truncated_json_array_keeps_the_whole_records(tmp_path):
+    text = json.dumps([SHAREGPT_RECORD, SHAREGPT_RECORD])
+    (tmp_path / "cut.json").write_text(text[: len(text) - 20])  # cut inside the second record
+    convs, report = read_all(tmp_path / "cut.json")
+    assert len(convs) == 1 and report.skipped == {"last record cut off (file truncated)": 1}
+
+
+def test_wrong_schema_file_fails_tokenize_with_the_reasons(tmp_path, smollm2):
+    (tmp_path / "w.jsonl").write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n")
+    with pytest.raises(ValueError, match=r"(?s)no usable conversations.*no 'conversations' or 'messages' field"):
+        tokenize_dataset(str(tmp_path / "w.jsonl"), tmp_path / "out", SMOLLM2, tokenizer=smollm2[1])
+
+
+# ------------------------------------------------------------------------ chat templates, masks
+
+LLAMA3 = ("{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "
+          "'<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}")
+MISTRAL = ("{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
+           "{{ '[INST] ' + message['content'] + ' [/INST]' }}{% elif message['role'] == 'assistant' %}"
+           "{{ ' ' + message['content'] + eos_token }}{% endif %}{% endfor %}")
+
+
+def with_template(tokenizer, template, special=()):
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = template
+    if special:
+        tok.add_special_tokens({"additional_special_tokens": list(special)})
+    return tok
+
+
+def assistant_texts(conv):
+    return [m["content"] for m in conv["messages"] if m["role"] == "assistant"]
+
+
+@pytest.mark.parametrize("template", ["smollm2", "llama3", "mistral"])
+def test_mask_is_exactly_assistant_content_plus_end_of_turn(template, smollm2):
+    tok = smollm2[1]
+    if template == "llama3":
+        tok = with_template(tok, LLAMA3, ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"])
+    elif template == "mistral":
+        tok = with_template(tok, MISTRAL)
+    eot = {"smollm2": "<|im_end|>", "llama3": "<|eot_id|>", "mistral": tok.eos_token}[template]
+    for conv in CONVERSATIONS:
+        s = tokenize_conversation(tok, conv["messages"])
+        spans = masked_spans(tok, s["input_ids"], s["loss_mask"])
+        expected = [t + eot for t in assistant_texts(conv)]
+        if template == "mistral":  # its ' ' + content: the space merges into the first content token
+            spans = [sp.removeprefix(" ") for sp in spans]
+        assert spans == expected, (template, conv["id"])
+
+
+def test_mask_keeps_content_whitespace_and_is_not_fooled_by_repeats(smollm2):
+    tok = smollm2[1]
+    messages = [{"role": "user", "content": "Say OK."}, {"role": "assistant", "content": "OK."},
+                {"role": "user", "content": "OK."}, {"role": "assistant", "content": "  OK.\n"}]
+    s = tokenize_conversation(tok, messages)
+    # the repeated "OK." of the user turn is not masked; the second reply keeps its whitespace, and its
+    # first token, which merges the template's "\n" with the leading spaces, counts as the reply's
+    assert masked_spans(tok, s["input_ids"], s["loss_mask"]) == ["OK.<|im_end|>", "\n  OK.\n<|im_end|>"]
+
+
+def test_system_prompt_override_and_truncation(smollm2):
+    tok = smollm2[1]
+    conv = CONVERSATIONS[1]["messages"]
+    default = tok.decode(tokenize_conversation(tok, conv)["input_ids"])
+    assert "named SmolLM" in default  # SmolLM2's template inserts its own system prompt
+    s = tokenize_conversation(tok, conv, system_prompt="Be brief.")
+    text = tok.decode(s["input_ids"])
+    assert "Be brief." in text and "named SmolLM" not in text
+    full = tokenize_conversation(tok, conv)
+    cut = tokenize_conversation(tok, conv, max_length=len(full["input_ids"]) - 5)
+    assert len(cut["input_ids"]) == len(full["input_ids"]) - 5
+    assert torch.equal(cut["input_ids"], full["input_ids"][:-5]) and torch.equal(cut["loss_mask"], full["loss_mask"][:-5])
+    with pytest.raises(SkipSample, match="no assistant tokens within max_length"):
+        tokenize_conversation(tok, conv, max_length=10)
+    with pytest.raises(SkipSample, match="no assistant turn"):
+        tokenize_conversation(tok, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "  "}])
+
+
+def test_template_errors_are_reported_skips(smollm2, tmp_path):
+    strict = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+              "{{ raise_exception('roles must alternate') }}{% endif %}{{ m['content'] }}{% endfor %}")
+    tok = with_template(smollm2[1], strict)
+    with pytest.raises(SkipSample, match="chat template error: roles must alternate"):
+        tokenize_conversation(tok, CONVERSATIONS[2]["messages"])  # starts with a system message
+
+
+def test_show_mask_makes_spans_visible(smollm2):
+    tok = smollm2[1]
+    s = tokenize_conversation(tok, CONVERSATIONS[0]["messages"])
+    plain = show_mask(tok, s["input_ids"], s["loss_mask"], color=False)
+    assert "[[The capital of France is Paris.<|im_end|>]]" in plain
+    assert plain.replace("[[", "").replace("]]", "") == tok.decode(s["input_ids"])
+    assert "\x1b[42;30mThe capital of France is Paris.<|im_end|>\x1b[0m" in show_mask(tok, s["input_ids"], s["loss_mask"])
+
+
+# --------------------------------------------------------------------------- tokenized dataset, vocab
+
+
+def test_tokenized_dataset_matches_tokenize_conversation(small_tokenized, smollm2):
+    data = ShardedSamples(small_tokenized)
+    m = data.manifest
+    assert m["format"] == "eagle-tokenized" and m["num_samples"] == len(CONVERSATIONS) and m["max_length"] == 128
+    assert m["target"]["vocab_size"] == 49152 and m["tokenizer"] == SMOLLM2
+    for i, conv in enumerate(CONVERSATIONS):
+        ref = tokenize_conversation(smollm2[1], conv["messages"], 128)
+        assert torch.equal(data[i]["input_ids"], ref["input_ids"]) and torch.equal(data[i]["loss_mask"], ref["loss_mask"])
+    vmap = read_vocab_map(small_tokenized)
+    assert torch.equal(vmap["counts"], count_tokens((data[i] for i in range(len(data))), 49152))
+
+
+def test_vocab_map_definition():
+    counts = torch.tensor([5, 0, 9, 1, 9, 0, 3, 2])
+    vmap = build_vocab_map(counts, draft_vocab_size=4)
+    draft_ids = [0, 2, 4, 6]  # the four most frequent, ascending
+    assert vmap["d2t"].dtype == torch.int64 and vmap["t2d"].dtype == torch.bool
+    assert (torch.arange(4) + vmap["d2t"]).tolist() == draft_ids
+    assert vmap["t2d"].nonzero().flatten().tolist() == draft_ids
+    assert vmap["coverage"] == pytest.approx(26 / 29)
+    tie = build_vocab_map(torch.tensor([1, 1, 1, 1]), draft_vocab_size=2)  # ties go to the lower id
+    assert (torch.arange(2) + tie["d2t"]).tolist() == [0, 1]
+    full = build_vocab_map(counts, draft_vocab_size=32000)  # capped at V
+    assert len(full["d2t"]) == 8 and full["t2d"].all() and full["coverage"] == 1.0
+
+
+# ------------------------------------------------------------------------------------ regeneration
+
+
+def test_regenerate_replaces_assistant_turns_with_greedy_target_output(tiny_llama, tmp_path):
+    model, tok = tiny_llama  # a random model: fast, and its replies are surely not the originals
+    convs = [copy.deepcopy(CONVERSATIONS[1]), copy.deepcopy(CONVERSATIONS[0])]  # 2 turns and 1 turn
+    out = tmp_path / "regen.jsonl"
+    counts = regenerate(model, tok, convs, out, batch_size=2, max_new_tokens=8)
+    assert counts == {"written": 2, "skipped_done": 0, "empty": 0}
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["c1", "c0"]
+    c1 = rows[0]["messages"]
+    assert [m["role"] for m in c1] == ["user", "assistant", "user", "assistant"]
+    assert c1[0] == convs[0]["messages"][0] and c1[2] == convs[0]["messages"][2]  # user turns kept
+    # turn 2 is conditioned on the regenerated turn 1; both equal an unbatched greedy generate
+    for k in (1, 3):
+        prompt = tok.apply_chat_template(c1[:k], tokenize=False, add_generation_prompt=True)
+        ids = tok(prompt, return_tensors="pt", add_special_tokens=False)
+        ref = model.generate(**ids, max_new_tokens=8, do_sample=False)
+        assert c1[k]["content"] == tok.decode(ref[0, ids["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+    assert c1[1]["content"] != "1, 2, 3, 4, 5."
+    # resume: ids already written are skipped, a torn last line (a kill mid-write) is repaired
+    with out.open("a") as f:
+        f.write('{"id": "c2", "messa')
+    counts = regenerate(model, tok, [convs[0], copy.deepcopy(CONVERSATIONS[2])], out, batch_size=2, max_new_tokens=4)
+    assert counts == {"written": 1, "skipped_done": 1, "empty": 0}
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["c1", "c0", "c2"]
+
+
+# ------------------------------------------------------------------------------------------- CLI
+
+
+def test_cli_show_mask_and_vocab(conversations_jsonl, small_tokenized, tmp_path, capsys):
+    cli.main(["show-mask", "--data", str(conversations_jsonl), "--index", "2", "--no-color"])
+    out = capsys.readouterr().out
+    assert "[[Hello.<|im_end|>]]" in out and "You are terse." in out and "loss-masked" in out
+    template = tmp_path / "mistral.jinja"
+    template.write_text(MISTRAL)
+    cli.main(["show-mask", "--data", str(conversations_jsonl), "--template", str(template), "--no-color"])
+    assert "[INST] What is the capital of France? [/INST][[ The capital" in capsys.readouterr().out
+    data = shutil.copytree(small_tokenized, tmp_path / "tokenized")
+    cli.main(["vocab", "--data", str(data), "--draft-vocab-size", "50"])
+    assert "draft vocab 50 of 49152 ids covers" in capsys.readouterr().out
+    assert len(read_vocab_map(data)["d2t"]) == 50
+    with pytest.raises(SystemExit):
+        cli.main(["tokenize", "--help"])
+    assert "--max-length" in capsys.readouterr().out
+
+
+def test_cli_run_config_end_to_end(conversations_jsonl, tmp_path, capsys):
+    config = tmp_path / "c.yaml"
+    config.write_text(f"target: {SMOLLM2}\ndata: {conversations_jsonl}\nout_dir: {tmp_path / 'run'}\n"
+                      "prep:\n  num_conversations: 3\n  max_length: 64\n"
+                      "  capture: {dtype: float8_e4m3fn, token_budget: 128, shard_tokens: 64}\n")
+    cli.main(["run", "--config", str(config)])
+    out = capsys.readouterr().out
+    assert "read 3 records, kept 3" in out and "tokenized 3 conversations" in out
+    store = ShardedSamples(tmp_path / "run" / "store")
+    assert len(store) == 3 and store.manifest["dtype"] == "float8_e4m3fn" and store.has_hidden
+    assert "store " in out and "bytes/token" in out
+    assert torch.equal(read_vocab_map(tmp_path / "run" / "store")["d2t"],
+                       read_vocab_map(tmp_path / "run" / "tokenized")["d2t"])
