@@ -1,0 +1,70 @@
+"""The README.md model card written next to an exported head: what it is for, how it was made,
+how well it drafts (when eagle-eval's results are given) and how to serve it."""
+
+import json
+from pathlib import Path
+
+from eagle_train.export.layouts import PROVENANCE_KEY
+
+SERVE = {
+    "eagle3": """```bash
+# vLLM
+vllm serve {target} --speculative-config '{{"method": "eagle3", "model": "{out}", "num_speculative_tokens": 3}}'
+# SGLang
+python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 \\
+    --speculative-draft-model-path {out} --speculative-num-steps 3 --speculative-eagle-topk 1 \\
+    --speculative-num-draft-tokens 4
+```""",
+    "speculators": """```bash
+vllm serve {out}    # the config names the verifier ({target}) and the number of draft tokens
+```""",
+}
+
+
+def eval_summary(results: dict) -> list[str]:
+    """Lines for the card from eagle-eval's JSON (any run that reports an acceptance length)."""
+    runs = results.get("runs") if isinstance(results.get("runs"), list) else [results]
+    lines = []
+    for run in runs:
+        al = run.get("acceptance_length", run.get("al"))
+        if al is None:
+            continue
+        where = ", ".join(f"{k} {run[k]}" for k in ("bench", "dataset", "method", "num_draft_tokens", "temperature")
+                          if k in run)
+        lines.append(f"- acceptance length **{float(al):.2f}**" + (f" ({where})" if where else ""))
+        if "per_position_acceptance" in run:
+            rates = ", ".join(f"{float(r):.2f}" for r in run["per_position_acceptance"])
+            lines.append(f"  - acceptance rate by draft position: {rates}")
+        if "speedup" in run:
+            lines.append(f"  - speedup over plain decoding: {float(run['speedup']):.2f}x")
+    return lines
+
+
+def write_model_card(out: Path, config: dict, layout_name: str, dtype, eval_results=None) -> Path:
+    ours = config.get(PROVENANCE_KEY, {})
+    target = ours.get("target") or "TARGET"
+    layer = config.get("transformer_layer_config") or config
+    lines = [
+        f"# EAGLE-3 draft head for {target}",
+        "",
+        f"Speculative-decoding draft head exported by eagle-train in the `{layout_name}` layout "
+        f"({str(dtype).replace('torch.', '')}).",
+        "",
+        f"- target: `{target}` ({ours.get('target_num_layers', '?')} layers; the head reads hidden states "
+        f"{ours.get('aux_layer_ids')})",
+        f"- draft vocabulary: {config.get('draft_vocab_size')} of {layer.get('vocab_size')} tokens",
+        f"- context: {layer.get('max_position_embeddings')} positions, RoPE base {layer.get('rope_theta')}",
+    ]
+    for key, label in (("data", "training data"), ("steps", "training steps")):
+        if ours.get(key) is not None:
+            lines.append(f"- {label}: {ours[key]}")
+    if eval_results is not None:
+        if isinstance(eval_results, (str, Path)):
+            eval_results = json.loads(Path(eval_results).read_text())
+        lines += ["", "## Measured with eagle-eval", ""] + (eval_summary(eval_results) or
+                                                            ["- (the results file reports no acceptance length)"])
+    lines += ["", "## Serving", "", SERVE[layout_name].format(target=target, out=out) if layout_name in SERVE
+              else "See docs/deploying.md.", ""]
+    path = out / "README.md"
+    path.write_text("\n".join(lines))
+    return path

@@ -1,0 +1,128 @@
+"""eagle-export: write a trained head in an engine's layout, check a directory against the engines'
+loaders, or import an engine-layout directory as a training checkpoint."""
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+import yaml
+
+from eagle_train.export import ENGINE_NAMES, LAYOUTS, check_directory, export_head, import_checkpoint
+
+EPILOG = """examples:
+  eagle-export runs/eagle3/checkpoint-2000 --format eagle3 --out smollm2-eagle3 --target smollm2-135m
+  eagle-export runs/eagle3/checkpoint-2000 --format speculators --out smollm2-spec --eval-results eval.json
+  eagle-export --check smollm2-eagle3 --engine all --target smollm2-135m
+  eagle-export --import yuhuili/EAGLE3-LLaMA3.1-Instruct-8B-local --out ckpt --target meta-llama/Llama-3.1-8B-Instruct
+
+formats: eagle3 = the EAGLE reference layout SGLang, TensorRT-LLM, vLLM and SafeAILab EAGLE load;
+speculators = vLLM's own format (`vllm serve DIR` needs no other flag); peagle = P-EAGLE for vLLM
+(available once the P-EAGLE head is in). --check exits 1 when an engine would fail to load the
+directory or would load it and silently draft worse (missing d2t, short context, wrong aux layers,
+RoPE or sizes that disagree with the weights or the target, ...)."""
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="eagle-export", description=__doc__, epilog=EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("checkpoint", nargs="?", help="training checkpoint (checkpoint-N/ with head/), head dir, "
+                                                 "or an engine-layout dir to convert")
+    p.add_argument("--format", choices=sorted(LAYOUTS), help="layout to write")
+    p.add_argument("--out", help="output directory (export: the layout dir; --import: the checkpoint dir)")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="weights dtype (default bf16; "
+                   "d2t stays int64, t2d bool)")
+    p.add_argument("--target", help="the target (alias, HF dir or hub id): compare context, RoPE and sizes, "
+                                    "and resolve default aux layers of directories that do not state them")
+    p.add_argument("--eval-results", help="eagle-eval JSON to put the measured acceptance length in the model card")
+    p.add_argument("--data", help="training data to name in the model card (default: from the checkpoint)")
+    p.add_argument("--steps", type=int, help="training steps for the model card (default: from checkpoint-N)")
+    p.add_argument("--speculative-tokens", type=int, default=3, help="draft tokens per step vLLM uses for a "
+                                                                     "speculators export (default 3)")
+    p.add_argument("--check", metavar="DIR", help="report what each engine would do with DIR")
+    p.add_argument("--engine", choices=[*ENGINE_NAMES, "all"], help="engine for --check (default: the engines "
+                                                                  "the directory's layout is meant for)")
+    p.add_argument("--import", dest="import_dir", metavar="DIR", help="engine-layout dir to turn into a "
+                                                                      "training checkpoint at --out")
+    args = p.parse_args(argv)
+    modes = [m for m in (args.checkpoint, args.check, args.import_dir) if m]
+    if len(modes) != 1:
+        p.error("give exactly one of CHECKPOINT (export), --check DIR or --import DIR")
+    if args.checkpoint and not (args.format and args.out):
+        p.error("export needs --format and --out")
+    if args.import_dir and not args.out:
+        p.error("--import needs --out CHECKPOINT")
+    return args
+
+
+def checkpoint_provenance(path: Path) -> dict:
+    """Steps from a `checkpoint-N` directory name, data from a run config saved beside the head."""
+    found = {}
+    m = re.search(r"checkpoint-(\d+)$", str(path.resolve()))
+    if m:
+        found["steps"] = int(m.group(1))
+    for f in sorted(path.glob("*.json")) + sorted(path.glob("*.yaml")):
+        try:
+            text = f.read_text()
+            d = json.loads(text) if f.suffix == ".json" else yaml.safe_load(text)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, yaml.YAMLError):  # not a run config
+            continue
+        if isinstance(d, dict) and d.get("data_path"):
+            found.setdefault("data", d["data_path"])
+    return found
+
+
+def target_config(name):
+    if not name:
+        return None
+    from eagle_train.target import load_target_config
+
+    return load_target_config(name)
+
+
+def print_reports(reports) -> int:
+    for report in reports.values():
+        print(report.render())
+    bad = [r.engine for r in reports.values() if not r.ok]
+    print(f"\n{'problems for: ' + ', '.join(bad) if bad else 'all engines OK'}")
+    return 1 if bad else 0
+
+
+def run(args) -> int:
+    tcfg = target_config(args.target)
+    if args.check:
+        engines = list(ENGINE_NAMES) if args.engine == "all" else [args.engine] if args.engine else None
+        return print_reports(check_directory(args.check, engines, tcfg))
+    if args.import_dir:
+        out = import_checkpoint(args.import_dir, args.out, target_config=tcfg)
+        print(f"imported {args.import_dir} -> {out}/head (load with eagle_train.checkpoint.load_draft_head)")
+        return 0
+    from eagle_train.checkpoint import load_draft_head
+
+    source = Path(args.checkpoint)
+    head = load_draft_head(source)
+    if tcfg is not None and not head.config.target:
+        head.config.target = args.target
+    provenance = checkpoint_provenance(source)
+    provenance.update({k: v for k, v in (("data", args.data), ("steps", args.steps)) if v is not None})
+    if args.format == "speculators":
+        provenance["speculative_tokens"] = args.speculative_tokens
+    if args.eval_results:
+        provenance["eval_results"] = args.eval_results
+    out = export_head(head, args.out, args.format, dtype=args.dtype, **provenance)
+    print(f"wrote {out}/config.json, model.safetensors, README.md ({args.format}, {args.dtype})\n")
+    return print_reports(check_directory(out, None, tcfg))
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        sys.exit(run(args))
+    except (ValueError, FileNotFoundError, NotImplementedError) as e:
+        print(f"eagle-export: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,250 @@
+"""The external checkpoint layouts: the one place that knows their config keys and tensor names.
+
+A layout is a row of `LAYOUTS`: how to write config.json for a head, how head tensor names map to
+file names, how to read a config.json of that layout back into a DraftConfig, and how to recognise
+one. Adding a format (P-EAGLE) is one more row built from the helpers below.
+
+- `eagle3`: the EAGLE reference layout (SGLang, TensorRT-LLM, vLLM, SafeAILab EAGLE): a Llama
+  config with `architectures: ["LlamaForCausalLMEagle3"]`, tensors `fc`, `midlayer.*`, `norm`,
+  `lm_head`, `d2t`, `t2d` (DESIGN.md sections 4 and 6).
+- `speculators`: vLLM's own format (vllm-project/speculators): the Llama keys live under
+  `transformer_layer_config`, the layer is `layers.0.*`, and `speculators_config` tells
+  `vllm serve DIR` everything else.
+
+Aux-layer ids are written in each engine's own convention. vLLM reads the top-level
+`eagle_aux_hidden_state_layer_ids` as Hugging Face `output_hidden_states` indices (ours); SGLang
+reads only `eagle_config.eagle_aux_hidden_state_layer_ids` and captures id + 1, so the nested copy
+holds ours minus one. Both are written only when the ids are not the target's defaults.
+"""
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Callable
+
+import torch
+
+from eagle_train.draft_config import DraftConfig, target_rope
+from eagle_train.hidden_states import default_aux_layer_ids
+
+EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
+PROVENANCE_KEY = "eagle_train"  # our own block in config.json; every engine ignores unknown keys
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+INTEGER_TENSORS = ("d2t", "t2d")  # vocab maps keep their dtype whatever the export dtype
+
+
+def rope_scaling_for_engines(scaling: dict | None) -> dict | None:
+    """The target's rope_scaling with both `rope_type` (transformers >= 4.45, vLLM, SGLang) and
+    `type` (the EAGLE reference code reads only `type`)."""
+    if not scaling:
+        return None
+    scaling = dict(scaling)
+    kind = scaling.get("rope_type", scaling.get("type"))
+    return {**scaling, "rope_type": kind, "type": kind}
+
+
+def llama_keys(cfg: DraftConfig, dtype: torch.dtype) -> dict:
+    """The Llama config keys every engine reads to size the draft layer and its RoPE."""
+    return {
+        "model_type": "llama",
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "vocab_size": cfg.vocab_size,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": rope_scaling_for_engines(cfg.rope_scaling),
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": DTYPE_NAMES[dtype],
+    }
+
+
+def provenance(cfg: DraftConfig, extra: dict) -> dict:
+    """What an import needs that the engine keys do not carry (the target's layer count, the aux
+    ids in our convention), plus whatever the caller recorded (data, steps)."""
+    return {"target": cfg.target, "target_num_layers": cfg.target_num_layers,
+            "aux_layer_ids": list(cfg.aux_layer_ids), "method": cfg.method, **extra}
+
+
+def non_default_aux_ids(cfg: DraftConfig) -> list[int] | None:
+    ids = list(cfg.aux_layer_ids)
+    return None if ids == list(default_aux_layer_ids(cfg.target_num_layers)) else ids
+
+
+# ---- eagle3 --------------------------------------------------------------------------------------
+
+def eagle3_config(cfg: DraftConfig, dtype: torch.dtype, extra: dict) -> dict:
+    config = {"architectures": [EAGLE3_ARCHITECTURE], **llama_keys(cfg, dtype),
+              "draft_vocab_size": cfg.draft_vocab_size}
+    if cfg.target_hidden_size != cfg.hidden_size:
+        config["target_hidden_size"] = cfg.target_hidden_size
+    ids = non_default_aux_ids(cfg)
+    if ids:
+        config["eagle_aux_hidden_state_layer_ids"] = ids  # vLLM
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in ids]}  # SGLang
+    config[PROVENANCE_KEY] = provenance(cfg, extra)
+    return config
+
+
+def aux_ids_in_config(config: dict) -> list[int] | None:
+    """Aux ids a config states, in our convention (vLLM's top-level key wins, like in vLLM)."""
+    if config.get("eagle_aux_hidden_state_layer_ids"):
+        return list(config["eagle_aux_hidden_state_layer_ids"])
+    nested = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    return [i + 1 for i in nested] if nested else None
+
+
+def draft_config_from_llama(llama: dict, top: dict, target_config=None, aux_layer_ids=None) -> DraftConfig:
+    """A DraftConfig from Llama keys (`llama`) and the EAGLE keys beside them (`top`), with the
+    defaults a Llama config has for absent keys (what the engines fall back to).
+
+    The target's layer count is not an engine key: it comes from our provenance block or from
+    `target_config`; without either the aux ids must be stated in the config (or passed in).
+    """
+    need = [k for k in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size") if k not in llama]
+    if need:
+        raise ValueError(f"config.json lacks {need}: not an EAGLE-3 Llama-style draft config")
+    ours = top.get(PROVENANCE_KEY) or {}
+    if target_config is not None:
+        target_config = getattr(target_config, "text_config", None) or target_config
+    n = ours.get("target_num_layers") or (target_config.num_hidden_layers if target_config is not None else 0)
+    aux = aux_layer_ids or ours.get("aux_layer_ids") or aux_ids_in_config(top)
+    if not aux:
+        if not n:
+            raise ValueError("config.json names no aux layer ids and the target's layer count is unknown: "
+                             "pass the target (--target T / target_model=...) so the defaults (2, N//2, N-3) apply")
+        aux = default_aux_layer_ids(n)
+    heads = llama["num_attention_heads"]
+    theta, scaling = target_rope(SimpleNamespace(rope_theta=llama.get("rope_theta", 10000.0),
+                                                 rope_scaling=llama.get("rope_scaling")))
+    if scaling:
+        scaling.pop("type", None)
+    return DraftConfig(
+        hidden_size=llama["hidden_size"],
+        num_attention_heads=heads,
+        num_key_value_heads=llama.get("num_key_value_heads") or heads,
+        head_dim=llama.get("head_dim") or llama["hidden_size"] // heads,
+        intermediate_size=llama["intermediate_size"],
+        vocab_size=llama["vocab_size"],
+        draft_vocab_size=top.get("draft_vocab_size") or llama["vocab_size"],
+        rms_norm_eps=llama.get("rms_norm_eps", 1e-6),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=llama.get("max_position_embeddings", 2048),
+        target_hidden_size=top.get("target_hidden_size") or llama["hidden_size"],
+        target_num_layers=n,
+        aux_layer_ids=tuple(aux),
+        num_hidden_layers=llama.get("num_hidden_layers", 1),
+        method=ours.get("method", "eagle3"),
+        target=ours.get("target") or (top.get("speculators_config") or {}).get("verifier", {}).get("name_or_path", ""),
+    )
+
+
+def eagle3_read(config: dict, target_config=None) -> DraftConfig:
+    return draft_config_from_llama(config, config, target_config)
+
+
+def is_eagle3(config: dict) -> bool:
+    return EAGLE3_ARCHITECTURE in (config.get("architectures") or []) or (
+        config.get("model_type") == "llama" and "draft_vocab_size" in config)
+
+
+# ---- speculators -------------------------------------------------------------------------------
+
+def speculators_config(cfg: DraftConfig, dtype: torch.dtype, extra: dict) -> dict:
+    extra = dict(extra)
+    tokens = int(extra.pop("speculative_tokens", 3))
+    layer = llama_keys(cfg, dtype)
+    config = {
+        "speculators_model_type": "eagle3",
+        "architectures": ["Eagle3Speculator"],
+        "transformer_layer_config": layer,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        # vLLM reads these ids with our convention; written always, like the speculators library.
+        "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
+        # vLLM defaults this to true for speculators configs; our layer keeps the un-normed residual.
+        "norm_before_residual": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": DTYPE_NAMES[dtype],
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": tokens}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": cfg.target, "architectures": list(cfg.target_architectures)},
+        },
+    }
+    if cfg.target_hidden_size != cfg.hidden_size:
+        config["target_hidden_size"] = cfg.target_hidden_size
+    config[PROVENANCE_KEY] = provenance(cfg, extra)
+    return config
+
+
+def speculators_read(config: dict, target_config=None) -> DraftConfig:
+    layer = config.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise ValueError("speculators config.json has no transformer_layer_config dict")
+    if config.get("norm_before_residual", True):
+        raise ValueError("this speculators head applies hidden_norm before the residual "
+                         "(norm_before_residual true or unset, as vLLM reads it); eagle-train heads keep "
+                         "the un-normed residual, so it cannot be imported as an eagle3 head")
+    return draft_config_from_llama(layer, config, target_config)
+
+
+def is_speculators(config: dict) -> bool:
+    return config.get("speculators_model_type") == "eagle3"
+
+
+# ---- the table -----------------------------------------------------------------------------------
+
+def rename(prefixes: list[tuple[str, str]]) -> Callable[[str], str]:
+    """Name map replacing the first matching prefix (old, new)."""
+    def apply(name: str) -> str:
+        for old, new in prefixes:
+            if name.startswith(old):
+                return new + name[len(old):]
+        return name
+    return apply
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    engines: tuple[str, ...]  # the engines `eagle-export --check` checks by default
+    write_config: Callable[[DraftConfig, torch.dtype, dict], dict]
+    read_config: Callable[[dict, object], DraftConfig]
+    to_file: Callable[[str], str]  # head tensor name -> file tensor name
+    from_file: Callable[[str], str]  # file tensor name -> head tensor name
+    matches: Callable[[dict], bool]
+
+
+LAYOUTS: dict[str, Layout] = {
+    "eagle3": Layout("eagle3", ("vllm", "sglang", "trtllm"), eagle3_config, eagle3_read,
+                     rename([]), rename([]), is_eagle3),
+    "speculators": Layout("speculators", ("vllm",), speculators_config, speculators_read,
+                          rename([("midlayer.", "layers.0.")]), rename([("layers.0.", "midlayer.")]),
+                          is_speculators),
+}
+
+
+def detect_layout(config: dict) -> Layout:
+    """The layout a config.json is written in (most specific first: speculators before eagle3)."""
+    for layout in sorted(LAYOUTS.values(), key=lambda lay: lay.name == "eagle3"):
+        if layout.matches(config):
+            return layout
+    raise ValueError(
+        "config.json is in no known draft layout (expected architectures [\"LlamaForCausalLMEagle3\"], "
+        f"or speculators_model_type \"eagle3\"; known layouts: {', '.join(LAYOUTS)})"
+    )
+
+
+def layout(name: str) -> Layout:
+    if name not in LAYOUTS:
+        raise ValueError(f"unknown export format {name!r}; choose one of: {', '.join(LAYOUTS)}")
+    return LAYOUTS[name]
