@@ -36,7 +36,8 @@ def cmd_tokenize(a) -> dict:
     start = time.perf_counter()
     manifest, report, vmap = tokenize_dataset(a.data, a.out, a.target, max_length=a.max_length, limit=a.limit,
                                               system_prompt=a.system_prompt, draft_vocab_size=a.draft_vocab_size,
-                                              shard_tokens=a.shard_tokens, split=a.split)
+                                              shard_tokens=a.shard_tokens, split=a.split,
+                                              workers=getattr(a, "workers", 1))
     print(report.summary())
     print(coverage_line(vmap))
     print(f"tokenized {manifest['num_samples']} conversations, {manifest['num_tokens']} tokens "
@@ -147,7 +148,8 @@ def cmd_run(a) -> None:
     tokenized = out / "tokenized"
     cmd_tokenize(argparse.Namespace(**common, data=data, out=tokenized,
                                     draft_vocab_size=prep.get("draft_vocab_size", 32000),
-                                    shard_tokens=prep.get("tokenized_shard_tokens", 1 << 20)))
+                                    shard_tokens=prep.get("tokenized_shard_tokens", 1 << 20),
+                                    workers=prep.get("workers", 1)))
     cap = prep.get("capture", {})
     if cap.get("enabled", True):
         layers = cap.get("aux_layer_ids")
@@ -181,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--limit", type=int, default=None, help="stop after this many usable conversations")
     s.add_argument("--draft-vocab-size", type=int, default=32000)
     s.add_argument("--shard-tokens", type=int, default=1 << 20, help="tokens per shard file")
+    s.add_argument("--workers", type=int, default=1, help="processes that render and tokenize (same output)")
 
     s = add("show-mask", cmd_show_mask, "print one conversation with its loss-masked (trained) tokens highlighted; "
                                         "use it to check a new chat template")

@@ -4,6 +4,7 @@ This is what capture and online training read. It uses the store's shard layout
 (`eagle_train.store`, format "eagle-tokenized"), so the trainer needs no dataset readers.
 """
 
+import multiprocessing
 import os
 from pathlib import Path
 
@@ -24,12 +25,30 @@ def clear_dir(path: Path) -> None:
     (path / MANIFEST).unlink(missing_ok=True)
 
 
+_WORKER: dict = {}
+
+
+def _init_worker(tokenizer, max_length, system_prompt):
+    _WORKER.update(tokenizer=tokenizer, max_length=max_length, system_prompt=system_prompt)
+
+
+def _tokenize_or_skip(conv):
+    """A sample as numpy arrays (cheap to send between processes), or the SkipSample reason."""
+    try:
+        sample = tokenize_conversation(_WORKER["tokenizer"], conv["messages"], _WORKER["max_length"],
+                                       _WORKER["system_prompt"])
+    except SkipSample as e:
+        return str(e)
+    return {k: v.numpy() for k, v in sample.items()}
+
+
 def tokenize_dataset(source: str, out: str, target: str, max_length: int = 2048, limit: int | None = None,
                      system_prompt: str | None = None, draft_vocab_size: int = 32000, shard_tokens: int = 1 << 20,
-                     split: str = "train", tokenizer=None) -> dict:
+                     split: str = "train", tokenizer=None, workers: int = 1) -> dict:
     """Read, render and mask up to `limit` conversations; write shards, manifest and vocab map.
 
     Returns (manifest, ReadReport, vocab map); conversations that cannot be used are reported, not fatal.
+    `workers` > 1 renders and tokenizes in that many forked processes (same output, in order).
     """
     tokenizer = tokenizer or load_tokenizer(target)
     config = load_target_config(target)
@@ -39,14 +58,21 @@ def tokenize_dataset(source: str, out: str, target: str, max_length: int = 2048,
     report = ReadReport()
     samples, shard, tokens, n = [], 0, 0, 0
     counts = torch.zeros(config.vocab_size, dtype=torch.int64)
+    skipped = []
+    convs = read_conversations(source, limit=limit, report=report, split=split)
+    pool = None
+    if workers > 1:
+        pool = multiprocessing.get_context("fork").Pool(workers, _init_worker, (tokenizer, max_length, system_prompt))
+        results = pool.imap(_tokenize_or_skip, convs, chunksize=16)
+    else:
+        _init_worker(tokenizer, max_length, system_prompt)
+        results = map(_tokenize_or_skip, convs)
     with StoreWriter(out) as writer:
-        for conv in read_conversations(source, limit=limit, report=report, split=split):
-            try:
-                sample = tokenize_conversation(tokenizer, conv["messages"], max_length, system_prompt)
-            except SkipSample as e:
-                report.kept -= 1
-                report.skip(str(e))
+        for result in results:
+            if isinstance(result, str):
+                skipped.append(result)
                 continue
+            sample = {k: torch.from_numpy(v) for k, v in result.items()}
             samples.append(sample)
             counts += count_tokens([sample], config.vocab_size)
             tokens += len(sample["input_ids"])
@@ -55,6 +81,12 @@ def tokenize_dataset(source: str, out: str, target: str, max_length: int = 2048,
                 n, shard, samples, tokens = n + len(samples), shard + 1, [], 0
         if samples:
             writer.add_shard(shard, samples, range(n, n + len(samples)))
+    if pool is not None:
+        pool.close()
+        pool.join()
+    for reason in skipped:
+        report.kept -= 1
+        report.skip(reason)
     if report.kept == 0:
         raise ValueError(f"no usable conversations in {source!r}:\n{report.summary()}")
     vmap = build_vocab_map(counts, draft_vocab_size)
