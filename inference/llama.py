@@ -1,0 +1,148 @@
+"""The target's own forward for speculative decoding: Llama, Mistral, Qwen2 and Qwen3 targets.
+
+Built on the Hugging Face model's weights (shared, not copied) so that verification can do what
+`transformers` does not: write keys/values into a static, preallocated cache at explicit slots,
+attend under an arbitrary boolean visibility mask (a chain or a tree of drafts in one pass), and
+return the draft head's aux hidden states at exactly the positions it ran. Accepted tree paths
+are compacted inside the cache; rejected entries are simply overwritten later.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eagle_train.draft_config import target_rope
+from eagle_train.eagle3 import KVCache
+from eagle_train.hidden_states import default_aux_layer_ids
+from eagle_train.layers import MLP, RMSNorm, RotaryEmbedding, apply_rope
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def shared_norm(hf_norm) -> RMSNorm:
+    """Our RMSNorm (same op as HF's) reading the HF module's weight in place."""
+    eps = getattr(hf_norm, "variance_epsilon", None) or getattr(hf_norm, "eps")
+    norm = RMSNorm(hf_norm.weight.shape[0], eps)
+    norm.weight = hf_norm.weight
+    return norm
+
+
+class TargetLayer(nn.Module):
+    def __init__(self, hf_layer, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__()
+        attn = hf_layer.self_attn
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.input_layernorm = shared_norm(hf_layer.input_layernorm)
+        self.post_attention_layernorm = shared_norm(hf_layer.post_attention_layernorm)
+        # HF's Linear modules as they are: Qwen2's qkv bias and Llama's attention/mlp bias come along.
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+        self.q_norm = shared_norm(attn.q_norm) if hasattr(attn, "q_norm") else None  # Qwen3
+        self.k_norm = shared_norm(attn.k_norm) if hasattr(attn, "k_norm") else None
+        mlp = hf_layer.mlp
+        self.mlp = MLP(mlp.gate_proj.in_features, mlp.gate_proj.out_features)
+        self.mlp.gate_proj, self.mlp.up_proj, self.mlp.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        self.cache: KVCache | None = None
+
+    def attention(self, x, cos, sin, slots, mask):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k, v = self.cache.write(slots, k, v)
+        width = mask.shape[-1]  # attend to the first `width` cache slots only
+        out = F.scaled_dot_product_attention(q, k[:, :, :width], v[:, :, :width], attn_mask=mask, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+    def forward(self, x, cos, sin, slots, mask):
+        x = x + self.attention(self.input_layernorm(x), cos, sin, slots, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class TargetModel(nn.Module):
+    """forward(input_ids [1,n], position_ids [1,n], slots [n], mask [1,1,n,W]) -> (final [1,n,H], aux [1,n,3H]).
+
+    `mask[..., j]` says whether a query sees cache slot j (True = visible); its width W bounds the
+    attended slots (the full cache length for fixed-shape CUDA graphs, less on the CPU). `final`
+    is post-norm (what the lm_head reads, see `logits`); `aux` concatenates the inputs of decoder
+    layers `aux_layer_ids` (HF `output_hidden_states` indices), the draft head's input.
+    """
+
+    def __init__(self, hf_model, aux_layer_ids=None):
+        super().__init__()
+        cfg = getattr(hf_model.config, "text_config", None) or hf_model.config
+        if cfg.model_type not in SUPPORTED:
+            raise ValueError(
+                f"the speculative runtime supports {', '.join(SUPPORTED)} targets, not {cfg.model_type!r}"
+            )
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            raise ValueError(f"target hidden_act {cfg.hidden_act!r} is not supported (only silu)")
+        self.config = cfg
+        n = cfg.num_hidden_layers
+        self.aux_layer_ids = tuple(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(n)
+        if any(not 0 <= i < n for i in self.aux_layer_ids):
+            raise ValueError(f"aux layer ids {self.aux_layer_ids} must lie in [0, {n - 1}] for a {n}-layer target")
+        num_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.num_kv_heads = num_kv
+        base = hf_model.model
+        self.embed_tokens = base.embed_tokens
+        self.layers = nn.ModuleList(
+            TargetLayer(layer, cfg.num_attention_heads, num_kv, self.head_dim) for layer in base.layers
+        )
+        self.norm = shared_norm(base.norm)
+        self.lm_head = hf_model.get_output_embeddings()
+        theta, scaling = target_rope(cfg)
+        self.rotary = RotaryEmbedding(self.head_dim, theta, scaling).to(self.lm_head.weight.device)
+        window = getattr(cfg, "sliding_window", None)
+        self.sliding_window = window if window and getattr(cfg, "use_sliding_window", True) else None
+        self.max_len = 0
+
+    @property
+    def device(self):
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self):
+        return self.lm_head.weight.dtype
+
+    def setup_cache(self, max_len: int):
+        """Preallocate every layer's [1, h_kv, max_len, d] cache (reused when already large enough)."""
+        if self.sliding_window and max_len > self.sliding_window:
+            raise ValueError(
+                f"sequences of {max_len} tokens exceed the target's sliding window ({self.sliding_window}); "
+                "the runtime implements full attention only: use shorter prompts or --max-new-tokens"
+            )
+        if max_len > self.config.max_position_embeddings:
+            raise ValueError(
+                f"{max_len} tokens exceed the target's context ({self.config.max_position_embeddings}); "
+                "use shorter prompts or fewer --max-new-tokens"
+            )
+        if max_len <= self.max_len:
+            return
+        for layer in self.layers:
+            layer.cache = KVCache(1, self.num_kv_heads, max_len, self.head_dim, self.dtype, self.device)
+        self.max_len = max_len
+
+    def forward(self, input_ids, position_ids, slots, mask):
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(position_ids)
+        kept = {}
+        for i, layer in enumerate(self.layers):
+            if i in self.aux_layer_ids:
+                kept[i] = x
+            x = layer(x, cos, sin, slots, mask)
+        return self.norm(x), torch.cat([kept[i] for i in self.aux_layer_ids], dim=-1)
+
+    def logits(self, final):
+        return self.lm_head(final)
+
+    def compact(self, src_slots: torch.Tensor, dst_slots: torch.Tensor):
+        """Move the cache entries of an accepted tree path (src) to consecutive slots (dst)."""
+        for layer in self.layers:
+            c = layer.cache
+            c.k.index_copy_(2, dst_slots, c.k.index_select(2, src_slots))
+            c.v.index_copy_(2, dst_slots, c.v.index_select(2, src_slots))

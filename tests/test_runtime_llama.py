@@ -1,0 +1,115 @@
+"""The runtime's target forward equals Hugging Face's: full prompts, tree verification, compaction."""
+
+import pytest
+import torch
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+
+from eagle_train.hidden_states import target_hidden_states, target_logits
+from inference.llama import TargetModel
+
+FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {"attention_bias": True}),
+    "mistral": (MistralConfig, MistralForCausalLM, {}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),  # q/k/v bias
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {}),  # q/k norm
+}
+
+
+def tiny_target(family="llama", seed=0):
+    torch.manual_seed(seed)
+    cfg_cls, model_cls, extra = FAMILIES[family]
+    cfg = cfg_cls(vocab_size=96, hidden_size=48, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=12, max_position_embeddings=256, rope_theta=1000.0,
+                  tie_word_embeddings=False, **extra)
+    model = model_cls(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)  # non-trivial norms and biases
+    return model
+
+
+def causal(n):
+    return torch.ones(n, n, dtype=torch.bool).tril()[None, None]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_prompt_forward_equals_hf(family):
+    model = tiny_target(family)
+    runtime = TargetModel(model)
+    runtime.setup_cache(64)
+    ids = torch.randint(0, 96, (1, 17))
+    pos = torch.arange(17)
+    with torch.no_grad():
+        hf = model(ids, output_hidden_states=True)
+        final, aux = runtime(ids, pos[None], pos, causal(17))
+        ref_aux, ref_final = target_hidden_states(model, ids)
+    assert runtime.aux_layer_ids == (2, 3, 3)
+    assert (runtime.logits(final) - hf.logits).abs().max() < 1e-5
+    expected = torch.cat([hf.hidden_states[i] for i in (2, 3, 3)], dim=-1)
+    assert (aux - expected).abs().max() < 1e-5
+    assert (aux - ref_aux).abs().max() < 1e-5 and (final - ref_final).abs().max() < 1e-5
+
+
+def test_tree_verification_and_compaction_equal_hf_on_each_path():
+    model = tiny_target("qwen3", seed=1)
+    runtime = TargetModel(model)
+    runtime.setup_cache(64)
+    prefix = torch.randint(0, 96, (1, 9))
+    n = prefix.shape[1]
+    with torch.no_grad():
+        runtime(prefix, torch.arange(n)[None], torch.arange(n), causal(n))
+        # tree: root r=0; children 1, 2; 3 under 1; 4 under 2; 5 under 4
+        parents = [0, 0, 0, 1, 2, 4]
+        depths = [0, 1, 1, 2, 2, 3]
+        tokens = torch.randint(0, 96, (1, 6))
+        anc = torch.eye(6, dtype=torch.bool)
+        for _ in range(3):
+            anc = torch.eye(6, dtype=torch.bool) | anc[parents]
+        mask = torch.zeros(6, n + 6, dtype=torch.bool)
+        mask[:, :n] = True
+        mask[:, n:] = anc
+        final, aux = runtime(tokens, (n + torch.tensor(depths))[None], n + torch.arange(6), mask[None, None])
+        logits = runtime.logits(final)[0]
+        for node in range(6):
+            path = [i for i in range(6) if anc[node, i]]
+            seq = torch.cat([prefix, tokens[:, path]], dim=1)
+            hf = model(seq, output_hidden_states=True)
+            assert (logits[node] - hf.logits[0, -1]).abs().max() < 1e-5, node
+            assert (aux[0, node, :48] - hf.hidden_states[2][0, -1]).abs().max() < 1e-5, node
+        # accept root -> 2 -> 4 -> 5, compact to consecutive slots, then decode one more token
+        path = [2, 4, 5]
+        runtime.compact(n + torch.tensor(path), n + 1 + torch.arange(3))
+        nxt = torch.randint(0, 96, (1, 1))
+        length = n + 4
+        final, _ = runtime(nxt, torch.tensor([[length]]), torch.tensor([length]),
+                           torch.ones(1, 1, 1, length + 1, dtype=torch.bool))
+        seq = torch.cat([prefix, tokens[:, [0] + path], nxt], dim=1)
+        assert (runtime.logits(final)[0, -1] - model(seq).logits[0, -1]).abs().max() < 1e-5
+
+
+def test_smollm2_forward_equals_hf_and_target_hidden_states(smollm2):
+    model, tokenizer = smollm2
+    runtime = TargetModel(model)
+    runtime.setup_cache(32)
+    ids = tokenizer("The quick brown fox jumps over", return_tensors="pt").input_ids
+    n = ids.shape[1]
+    with torch.no_grad():
+        hf = model(ids, output_hidden_states=True)
+        final, aux = runtime(ids, torch.arange(n)[None], torch.arange(n), causal(n))
+        ref_aux, ref_final = target_hidden_states(model, ids)
+    assert runtime.aux_layer_ids == (2, 15, 27)
+    logits = runtime.logits(final)
+    assert (logits - hf.logits).abs().max() < 1e-3
+    assert (logits - target_logits(model, ref_final)).abs().max() < 1e-3
+    expected = torch.cat([hf.hidden_states[i] for i in (2, 15, 27)], dim=-1)
+    assert (aux - expected).abs().max() / expected.abs().max() < 1e-5
+    assert (aux - ref_aux).abs().max() / expected.abs().max() < 1e-5
+
+
+def test_unsupported_target_is_refused():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50))
+    with pytest.raises(ValueError, match="supports llama, mistral, qwen2, qwen3"):
+        TargetModel(model)
