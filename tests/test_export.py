@@ -226,23 +226,38 @@ def test_default_aux_ids_are_left_out_of_the_eagle3_config(exported):
 
 
 def test_check_flags_a_peagle_export_without_mask_hidden(tmp_path):
-    """A P-EAGLE directory built from DESIGN.md section 6's names: 2 layers, mask token ids, own embedding."""
+    """A P-EAGLE directory laid out by hand as DESIGN.md section 6 describes it (eagle3 config + the
+    mask token ids, midlayer.* then layers.1.*, own embed_tokens, mask_hidden), from a PEagleHead."""
+    from eagle_train.peagle import PEagleHead
+
     cfg = tiny_head().config
-    cfg.num_hidden_layers = 2
-    shapes = head_shapes(cfg, parallel=True)
+    cfg.method, cfg.num_hidden_layers, cfg.mask_token_id, cfg.num_depths = "peagle", 2, 7, 3
     torch.manual_seed(0)
-    tensors = {name: torch.randn(shape) for name, shape in shapes.items() if name not in ("d2t", "t2d")}
-    tensors["d2t"] = torch.zeros(VD, dtype=torch.long)
-    tensors["t2d"] = torch.arange(V) < VD
-    config = LAYOUTS["eagle3"].write_config(cfg, torch.bfloat16, {})
+    head = PEagleHead(cfg)
+    for p in head.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    set_random_vocab_map(head)
+    tensors = {k: v.contiguous() for k, v in head.saved_state_dict().items()}
+    assert {k: tuple(v.shape) for k, v in tensors.items()} == head_shapes(cfg, parallel=True)
+    config = LAYOUTS["eagle3"].write_config(cfg, torch.float32, {})
     config.update(ptd_token_id=7, pard_token=7, mask_token_id=7)
     directory = tmp_path / "peagle"
     directory.mkdir()
     (directory / "config.json").write_text(json.dumps(config))
     save_file(tensors, directory / "model.safetensors")
-    good = check_directory(directory, ["vllm"], tiny_target_config())["vllm"]
+
+    good = check_directory(directory, None, tiny_target_config())["vllm"]  # P-EAGLE: vLLM only
     assert good.ok and good.parallel, good.render()
     assert good.loads["model.layers.1.self_attn.qkv_proj.weight"][0] == "layers.1.self_attn.q_proj.weight"
+    assert good.loads["model.embed_tokens.weight"] == ["embed_tokens.weight"]
+    files = DraftFiles(directory)
+    loaded = head_from_engine_state(good, engine_state(good, files))
+    aux, ids, pos = inputs()
+    is_mask = torch.tensor([[False] * 6 + [True] * 3])
+    mask = torch.ones(9, 9, dtype=torch.bool).tril()[None, None]
+    with torch.no_grad():
+        assert torch.equal(loaded(aux, is_mask, ids, pos, mask), head(aux, is_mask, ids, pos, mask))
+
     rewrite(directory, drop=("mask_hidden",))
     bad = check_directory(directory, ["vllm"], tiny_target_config())["vllm"]
     assert any("without mask_hidden" in m for m in errors(bad)), bad.render()

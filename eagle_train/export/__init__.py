@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from eagle_train.export.card import write_model_card
-from eagle_train.export.engines import ENGINE_NAMES, DraftFiles, EngineReport, inspect_engine
+from eagle_train.export.engines import ENGINE_NAMES, DraftFiles, EngineReport, inspect_engine, is_parallel
 from eagle_train.export.layouts import DTYPES, INTEGER_TENSORS, LAYOUTS, detect_layout, layout
 
 __all__ = ["export_head", "import_head", "import_checkpoint", "check_directory", "LAYOUTS", "ENGINE_NAMES"]
@@ -130,7 +130,7 @@ def check_directory(directory, engines=None, target_config=None) -> dict[str, En
     files = DraftFiles(directory)
     if not engines:
         try:
-            engines = detect_layout(files.config).engines
+            engines = ("vllm",) if is_parallel(files.config, files.meta) else detect_layout(files.config).engines
         except ValueError:
             engines = ENGINE_NAMES
     return {name: inspect_engine(name, files, target_config) for name in engines}

@@ -313,6 +313,11 @@ def inspect_engine(name: str, files: DraftFiles, target_config=None) -> EngineRe
     except ValueError as e:
         report.add("error", str(e))
         return report
+    if parallel:  # a P-EAGLE head: the mask token from config.json, K from our provenance (if any)
+        layer = config.get("transformer_layer_config") or {}
+        ids = [config.get(k, layer.get(k)) for k in MASK_TOKEN_KEYS if k in config or k in layer]
+        cfg.method, cfg.mask_token_id = "peagle", (int(ids[0]) if ids else None)
+        cfg.num_depths = (config.get(PROVENANCE_KEY) or {}).get("num_depths")
     report.config = cfg
     if parallel and not eng.parallel_drafting:
         report.add("error", f"P-EAGLE (parallel drafting) head: {eng.title}'s EAGLE-3 path drafts one token per "
@@ -558,16 +563,14 @@ def engine_state(report: EngineReport, files: DraftFiles) -> dict[str, torch.Ten
 def head_from_engine_state(report: EngineReport, state: dict[str, torch.Tensor], embedding: torch.Tensor = None):
     """Split the engine's tensors back into a head (fp32) sized the way the engine read config.json.
     `embedding` is what the engine fills from the target (the target's input embedding)."""
-    from eagle_train.eagle3 import Eagle3Head
+    from eagle_train.checkpoint import HEAD_CLASSES
 
     cfg = report.config
-    if report.parallel:
-        raise NotImplementedError("building a P-EAGLE head from engine tensors belongs with the P-EAGLE head class")
     eng = ENGINES[report.engine]
     sizes = {"qkv_proj": [cfg.num_attention_heads * cfg.head_dim] + [cfg.num_key_value_heads * cfg.head_dim] * 2,
              "gate_up_proj": [cfg.intermediate_size] * 2}
     head_state = {}
-    for head_name in head_shapes(cfg, parallel=False):
+    for head_name, shape in head_shapes(cfg, report.parallel).items():
         where = engine_param(eng, head_name, cfg.num_hidden_layers)
         if where is None or where[0] not in state:
             continue
@@ -578,18 +581,23 @@ def head_from_engine_state(report: EngineReport, state: dict[str, torch.Tensor],
             t = torch.split(t, sizes[kind], dim=0)[SHARD_ORDER[shard]]
         if head_name == "d2t":
             t = t.long() - torch.arange(t.shape[0]) if param == "hot_token_id" else t.long()
+        if head_name == "mask_hidden":
+            t = t.reshape(shape)
         head_state[head_name] = t.float() if t.is_floating_point() else t
-    head = Eagle3Head(cfg)
+    head = HEAD_CLASSES[cfg.method](cfg)
     if "d2t" not in head_state:  # the engine's identity map
         head_state["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
     t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)  # engines drop t2d; it follows from d2t
     t2d[torch.arange(cfg.draft_vocab_size) + head_state["d2t"]] = True
     head_state["t2d"] = t2d
-    own = head_state.pop("embed_tokens.weight", None)
+    saved = head.saved_state_dict()
+    own = head_state.pop("embed_tokens.weight", None) if "embed_tokens.weight" not in saved else None
     head.load_state_dict(head_state, strict=False)
-    missing = set(head.saved_state_dict()) - set(head_state)
+    missing = set(saved) - set(head_state)
     if missing:
         raise ValueError(f"{ENGINES[report.engine].title} would hold no tensor for {sorted(missing)}")
+    if "embed_tokens.weight" in saved:
+        return head
     weight = own if own is not None else embedding
     if weight is None:
         raise ValueError("the engine takes the embedding from the target: pass the target's embedding")

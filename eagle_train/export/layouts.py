@@ -69,8 +69,11 @@ def llama_keys(cfg: DraftConfig, dtype: torch.dtype) -> dict:
 def provenance(cfg: DraftConfig, extra: dict) -> dict:
     """What an import needs that the engine keys do not carry (the target's layer count, the aux
     ids in our convention), plus whatever the caller recorded (data, steps)."""
-    return {"target": cfg.target, "target_num_layers": cfg.target_num_layers,
-            "aux_layer_ids": list(cfg.aux_layer_ids), "method": cfg.method, **extra}
+    ours = {"target": cfg.target, "target_num_layers": cfg.target_num_layers,
+            "aux_layer_ids": list(cfg.aux_layer_ids), "method": cfg.method}
+    if cfg.num_depths:
+        ours["num_depths"] = cfg.num_depths
+    return {**ours, **extra}
 
 
 def non_default_aux_ids(cfg: DraftConfig) -> list[int] | None:
