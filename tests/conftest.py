@@ -88,6 +88,6 @@ def small_store(tmp_path_factory, small_tokenized, smollm2):
 
     path = tmp_path_factory.mktemp("store")
     model, tokenizer = smollm2
-    capture(model, small_tokenized, path, target_name=SMOLLM2, token_budget=256, shard_tokens=128,
+    capture(model, small_tokenized, path, target_name=SMOLLM2, token_budget=160, shard_tokens=100,
             pad_id=tokenizer.pad_token_id, progress=False)
     return path
