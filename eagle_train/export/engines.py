@@ -362,6 +362,8 @@ def check_config_keys(report, eng, files, llama, layout_name, cfg):
     if "rope_theta" not in llama:
         hint = " (it holds only rope_parameters, which the engines do not read)" if "rope_parameters" in llama else ""
         report.add("error", f"no rope_theta{hint}: {eng.title} uses RoPE base 10000; write the target's rope_theta")
+    if "rms_norm_eps" not in llama:
+        report.add("warning", f"no rms_norm_eps: {eng.title} uses 1e-6; write the eps the head was trained with")
     if "max_position_embeddings" not in llama:
         report.add("error", f"no max_position_embeddings: {eng.title} sizes the draft's RoPE for 2048 tokens")
     report.context_length = cfg.max_position_embeddings
