@@ -381,12 +381,14 @@ def cli_exit(argv) -> int:
 
 
 def test_cli_exports_a_training_checkpoint_with_a_model_card(tmp_path, capsys):
-    tiny_head().save_pretrained(tmp_path / "run" / "checkpoint-1200" / "head")
+    checkpoint = tmp_path / "run" / "checkpoint-1200"
+    tiny_head().save_pretrained(checkpoint / "head")
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"step": 1200, "config": {"data_path": "sharegpt"}}))
     results = tmp_path / "eval.json"
     results.write_text(json.dumps({"acceptance_length": 3.21, "per_position_acceptance": [0.8, 0.6, 0.4]}))
     out = tmp_path / "exported"
     code = cli_exit([str(tmp_path / "run" / "checkpoint-1200"), "--format", "speculators", "--out", str(out),
-                     "--dtype", "bf16", "--eval-results", str(results), "--data", "sharegpt"])
+                     "--dtype", "bf16", "--eval-results", str(results)])
     assert code == 0, capsys.readouterr().out
     card = (out / "README.md").read_text()
     assert "acceptance length **3.21**" in card and "training steps: 1200" in card and "sharegpt" in card

@@ -7,8 +7,6 @@ import re
 import sys
 from pathlib import Path
 
-import yaml
-
 from eagle_train.export import ENGINE_NAMES, LAYOUTS, check_directory, export_head, import_checkpoint
 
 EPILOG = """examples:
@@ -57,19 +55,19 @@ def parse_args(argv=None):
 
 
 def checkpoint_provenance(path: Path) -> dict:
-    """Steps from a `checkpoint-N` directory name, data from a run config saved beside the head."""
+    """Steps and data of a training checkpoint: its trainer_state.json (step, config.data_path), else
+    the step in a `checkpoint-N` directory name."""
     found = {}
     m = re.search(r"checkpoint-(\d+)$", str(path.resolve()))
     if m:
         found["steps"] = int(m.group(1))
-    for f in sorted(path.glob("*.json")) + sorted(path.glob("*.yaml")):
-        try:
-            text = f.read_text()
-            d = json.loads(text) if f.suffix == ".json" else yaml.safe_load(text)
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, yaml.YAMLError):  # not a run config
-            continue
-        if isinstance(d, dict) and d.get("data_path"):
-            found.setdefault("data", d["data_path"])
+    state_file = path / "trainer_state.json"
+    if state_file.is_file():
+        state = json.loads(state_file.read_text())
+        if "step" in state:
+            found["steps"] = state["step"]
+        if (state.get("config") or {}).get("data_path"):
+            found["data"] = state["config"]["data_path"]
     return found
 
 
