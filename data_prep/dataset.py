@@ -58,8 +58,8 @@ def tokenize_dataset(source: str, out: str, target: str, max_length: int = 2048,
     report = ReadReport()
     samples, shard, tokens, n = [], 0, 0, 0
     counts = torch.zeros(config.vocab_size, dtype=torch.int64)
-    skipped = []
-    convs = read_conversations(source, limit=limit, report=report, split=split)
+    # `limit` counts usable samples, so it is applied here, after tokenization skips, not by the reader
+    convs = read_conversations(source, report=report, split=split)
     pool = None
     if workers > 1:
         pool = multiprocessing.get_context("fork").Pool(workers, _init_worker, (tokenizer, max_length, system_prompt))
@@ -70,7 +70,8 @@ def tokenize_dataset(source: str, out: str, target: str, max_length: int = 2048,
     with StoreWriter(out) as writer:
         for result in results:
             if isinstance(result, str):
-                skipped.append(result)
+                report.kept -= 1
+                report.skip(result)
                 continue
             sample = {k: torch.from_numpy(v) for k, v in result.items()}
             samples.append(sample)
@@ -79,14 +80,14 @@ def tokenize_dataset(source: str, out: str, target: str, max_length: int = 2048,
             if tokens >= shard_tokens:
                 writer.add_shard(shard, samples, range(n, n + len(samples)))
                 n, shard, samples, tokens = n + len(samples), shard + 1, [], 0
+            if limit is not None and n + len(samples) >= limit:
+                break
         if samples:
             writer.add_shard(shard, samples, range(n, n + len(samples)))
     if pool is not None:
-        pool.close()
+        pool.terminate()  # it may have read ahead past `limit`
         pool.join()
-    for reason in skipped:
-        report.kept -= 1
-        report.skip(reason)
+    report.kept = n + len(samples)
     if report.kept == 0:
         raise ValueError(f"no usable conversations in {source!r}:\n{report.summary()}")
     vmap = build_vocab_map(counts, draft_vocab_size)

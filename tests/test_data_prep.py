@@ -272,3 +272,20 @@ def test_cli_run_config_end_to_end(conversations_jsonl, tmp_path, capsys):
     assert "store " in out and "bytes/token" in out
     assert torch.equal(read_vocab_map(tmp_path / "run" / "store")["d2t"],
                        read_vocab_map(tmp_path / "run" / "tokenized")["d2t"])
+
+
+def test_tokenize_limit_counts_usable_samples_and_workers_change_nothing(conversations_jsonl, smollm2, tmp_path):
+    bad = json.dumps({"messages": [{"role": "user", "content": "no answer"}]})
+    lines = conversations_jsonl.read_text().splitlines()
+    (tmp_path / "d.jsonl").write_text("\n".join([bad, lines[0], bad, *lines[1:]]) + "\n")
+    results = []
+    for workers in (1, 2):
+        out = tmp_path / f"w{workers}"
+        manifest, report, _ = tokenize_dataset(str(tmp_path / "d.jsonl"), out, SMOLLM2, max_length=128, limit=4,
+                                               tokenizer=smollm2[1], workers=workers)
+        assert manifest["num_samples"] == report.kept == 4  # 4 usable samples, whatever was skipped before
+        assert report.skipped["no assistant turn"] == 2
+        results.append(ShardedSamples(out))
+    a, b = results
+    assert all(torch.equal(a[i]["input_ids"], b[i]["input_ids"]) and torch.equal(a[i]["loss_mask"], b[i]["loss_mask"])
+               for i in range(4))
