@@ -367,14 +367,13 @@ def check_config_keys(report, eng, files, llama, layout_name, cfg):
     if "max_position_embeddings" not in llama:
         report.add("error", f"no max_position_embeddings: {eng.title} sizes the draft's RoPE for 2048 tokens")
     report.context_length = cfg.max_position_embeddings
-    nbr_default = layout_name == "speculators"  # vLLM's speculators reader defaults it to true
-    nbr = config.get("norm_before_residual", nbr_default) if name == "vllm" else config.get("norm_before_residual")
-    if name == "vllm" and layout_name == "speculators" and "norm_before_residual" not in config:
+    norm_first = config.get("norm_before_residual")
+    if name == "vllm" and layout_name == "speculators" and norm_first is None:
         report.add("error", "norm_before_residual unset: vLLM takes true for speculators configs, the speculators "
                             "library false; write it explicitly (eagle-train heads: false)")
-    elif name == "vllm" and nbr:
+    elif name == "vllm" and norm_first:
         report.add("info", "norm_before_residual true: vLLM normalises the hidden input before the residual")
-    elif name != "vllm" and nbr:
+    elif norm_first:
         report.add("error", f"norm_before_residual true: {eng.title} ignores the key and keeps the un-normed "
                             "residual, so this head's outputs would silently differ; serve it with vLLM")
     if llama.get("tie_word_embeddings"):
@@ -454,9 +453,7 @@ def check_weights(report, eng, files, cfg, parallel):
                 report.filled.append(f"{param} <- identity (full vocabulary)")
         elif head_name == "lm_head.weight":
             report.add("error", f"no lm_head.weight: {eng.title} would use the target's lm_head or leave it random")
-        elif head_name == "mask_hidden":
-            pass  # check_parallel names it
-        else:
+        elif head_name != "mask_hidden":  # check_parallel names that one
             report.add("error", f"no tensor for {param} (expected {head_name}): {eng.title} leaves it at its "
                                 "random initialisation")
     report.filled.sort()
@@ -465,7 +462,7 @@ def check_weights(report, eng, files, cfg, parallel):
 def check_vocab_map(report, eng, files, cfg):
     meta = files.meta
     if "d2t" in meta:
-        shape, dtype, _ = meta["d2t"]
+        _, dtype, _ = meta["d2t"]
         if not isinstance(dtype, torch.dtype) or dtype.is_floating_point:
             report.add("error", f"d2t is {dtype}, not int64: float offsets lose ids (bf16 holds integers exactly "
                                 f"only up to 256){', and SGLang indexes with floats' if eng.name == 'sglang' else ''}; "
