@@ -1,0 +1,116 @@
+"""Training-time test (TTT) for the EAGLE-3 head: the unrolled draft chain and its loss.
+
+For tokens x_0..x_{T-1}, TTT step i at position t reads embed(x_{t+i+1}) at RoPE position t+i
+(step 0 also reads fc(g_t), step i > 0 the pre-norm output of step i-1 at t) and is trained
+toward the target distribution at t+i+1, which predicts x_{t+i+2}. It is supervised iff that
+token is an assistant token (loss_mask[t+i+2]), it exists (t+i+2 < T) and the target's own
+argmax at t+i+1 lies in the draft vocabulary (otherwise the draft cannot match it).
+
+The target distribution is computed once per batch (`target_distribution`) and shifted per step;
+P-EAGLE reads the same tensors.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+@torch.no_grad()
+def target_distribution(final_hidden, lm_head_weight, t2d):
+    """Target probabilities over the draft vocabulary and where the target's argmax is a draft token.
+
+    final_hidden [B, T, H] (post-norm), lm_head_weight [V, H], t2d bool [V] ->
+    (softmax(target_logits[..., t2d]) [B, T, Vd] fp32, in_draft bool [B, T]).
+    Draft id j is the j-th True entry of t2d (the draft ids are sorted ascending), which is
+    what `d2t` encodes.
+    """
+    logits = F.linear(final_hidden.float(), lm_head_weight.float())
+    in_draft = t2d[logits.argmax(-1)]
+    probs = torch.softmax(logits[..., t2d], dim=-1)
+    return probs, in_draft
+
+
+def shift_left(x, n: int, fill=0):
+    """x[:, t] <- x[:, t + n] along dim 1, padding the last n positions with `fill`."""
+    if n == 0:
+        return x
+    pad = torch.full_like(x[:, :n], fill)
+    return torch.cat([x[:, n:], pad], dim=1)
+
+
+def step_loss(head, h, target_probs, supervised):
+    """Soft cross-entropy summed over supervised positions, and the count of top-1 agreements."""
+    logits = head.logits(h)
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    loss = -(target_probs * logp).sum(-1)[supervised].sum()
+    correct = (logits.argmax(-1) == target_probs.argmax(-1))[supervised].sum()
+    return loss, correct
+
+
+def ttt_loss(head, aux_hidden, input_ids, loss_mask, target_probs, in_draft, ttt_length: int = 7,
+             decay: float = 0.8, checkpoint_logits: bool = False):
+    """Unroll `head` for `ttt_length` steps and return (loss, metrics).
+
+    loss = sum_i decay**i * loss_i, loss_i the soft cross-entropy of step i averaged over its
+    supervised positions. metrics (detached scalars): `loss`, `loss_i`, `acc_i` (top-1 agreement
+    of draft and target over step i's supervised positions) and `count_i` (their number).
+
+    Each step's draft logits [B, T, Vd] dominate memory (Vd >> H). With `checkpoint_logits`
+    they are not kept for backward but recomputed from the step's [B, T, H] output.
+    Right padding needs no key mask: attention is causal (plus same-position diagonal keys), so a
+    real position never sees a later padded one, and padded positions have loss_mask False.
+    """
+    if ttt_length < 1:
+        raise ValueError(f"ttt_length must be >= 1, got {ttt_length}")
+    b, t = input_ids.shape
+    positions = torch.arange(t, device=input_ids.device).expand(b, t)
+    hidden, past = head.fc(aux_hidden), []
+    total = 0.0
+    metrics = {}
+    for i in range(ttt_length):
+        step_ids = shift_left(input_ids, i + 1)
+        hidden = head.ttt_step(hidden, step_ids, positions + i, past)
+        supervised = shift_left(loss_mask, i + 2, False) & shift_left(in_draft, i + 1, False)
+        probs = shift_left(target_probs, i + 1)
+        if checkpoint_logits and torch.is_grad_enabled():
+            loss_sum, correct = checkpoint(step_loss, head, hidden, probs, supervised, use_reentrant=False)
+        else:
+            loss_sum, correct = step_loss(head, hidden, probs, supervised)
+        count = supervised.sum()
+        loss_i = loss_sum / count.clamp(min=1)
+        total = total + decay ** i * loss_i
+        metrics[f"loss_{i}"] = loss_i.detach()
+        metrics[f"acc_{i}"] = (correct / count.clamp(min=1)).detach()
+        metrics[f"count_{i}"] = count.detach()
+    metrics["loss"] = total.detach()
+    return total, metrics
+
+
+def simulated_acceptance_length(accs) -> float:
+    """Acceptance length of chain drafting predicted from per-step top-1 accuracies.
+
+    TTT step k drafts after k earlier drafts were (as in training) all right, so acc_k estimates
+    P(draft k accepted | drafts < k accepted) under greedy verification. The expected number of
+    accepted drafts is then sum_k prod_{i<=k} acc_i, and every verification adds one token:
+    AL = 1 + sum_k prod_{i<=k} acc_i  (1 <= AL <= K+1 for K = len(accs) drafts).
+    It ignores the draft's own earlier mistakes feeding later steps, so it is an upper-ish guide
+    to the runtime's measured AL, not a substitute for it.
+    """
+    al, run = 1.0, 1.0
+    for a in accs:
+        run *= float(a)
+        al += run
+    return al
+
+
+def eagle3_objective(ttt_length: int = 7, decay: float = 0.8, checkpoint_logits: bool = False):
+    """The trainer's objective for EAGLE-3: one TTT unroll and one backward per micro-batch."""
+
+    def objective(model, batch, backward):
+        loss, metrics = model(ttt_loss, batch["aux_hidden"], batch["input_ids"], batch["loss_mask"],
+                              batch["target_probs"], batch["in_draft"], ttt_length=ttt_length, decay=decay,
+                              checkpoint_logits=checkpoint_logits)
+        backward(loss)
+        return metrics
+
+    return objective

@@ -1,0 +1,158 @@
+"""Training-time test loss: equal to a hand-computed reference, gradients only into the head."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eagle_train.draft_config import DraftConfig
+from eagle_train.eagle3 import Eagle3Head
+from eagle_train.ttt import simulated_acceptance_length, target_distribution, ttt_loss
+
+H, NH, NKV, D, V, VD = 32, 4, 2, 8, 50, 40
+
+
+def tiny_head(seed=0) -> Eagle3Head:
+    torch.manual_seed(seed)
+    cfg = DraftConfig(hidden_size=H, num_attention_heads=NH, num_key_value_heads=NKV, head_dim=D,
+                      intermediate_size=64, vocab_size=V, draft_vocab_size=VD, rms_norm_eps=1e-6,
+                      rope_theta=10000.0, rope_scaling=None, max_position_embeddings=256,
+                      target_hidden_size=H, target_num_layers=8, aux_layer_ids=(2, 4, 5))
+    head = Eagle3Head(cfg)
+    for p in head.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    draft_ids = torch.randperm(V)[:VD].sort().values  # a scattered draft vocabulary
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[draft_ids] = True
+    head.set_vocab_map(draft_ids - torch.arange(VD), t2d)
+    return head.double()
+
+
+def random_batch(b=2, t=13, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    aux = torch.randn(b, t, 3 * H, generator=g, dtype=torch.double)
+    ids = torch.randint(0, V, (b, t), generator=g)
+    mask = torch.rand(b, t, generator=g) < 0.7
+    final = torch.randn(b, t, H, generator=g, dtype=torch.double)
+    lm_head = torch.randn(V, H, generator=g, dtype=torch.double) * 0.5
+    return aux, ids, mask, final, lm_head
+
+
+def reference_losses(head, aux, ids, mask, final, lm_head, steps):
+    """Per-step (loss, acc, count) by the definition, one position at a time, through the runtime's
+    cached draft step (step i's keys in slots [i*T, (i+1)*T), diagonal visibility)."""
+    b, t = ids.shape
+    cache = head.new_cache(b, steps * t)
+    full = final @ lm_head.T  # target logits [B, T, V]
+    draft_targets = head.draft_to_target_ids(torch.arange(VD))  # target id of each draft id
+    hidden, out = head.fc(aux), []
+    for i in range(steps):
+        vis = torch.zeros(t, steps * t, dtype=torch.bool)
+        vis[:, :t] = torch.ones(t, t, dtype=torch.bool).tril()
+        for j in range(1, i + 1):
+            vis[torch.arange(t), j * t + torch.arange(t)] = True
+        step_ids = F.pad(ids[:, 1 + i:], (0, 1 + i))
+        pos = (torch.arange(t)[None] + i).expand(b, t)
+        hidden, logits = head.step(hidden, step_ids, pos, cache, torch.arange(i * t, (i + 1) * t), vis[None, None])
+        losses, hits = [], 0
+        for bb in range(b):
+            for p in range(t):
+                q = p + i + 1  # the target position this draft imitates; it predicts token q + 1
+                if q + 1 >= t or not mask[bb, q + 1] or not head.t2d[full[bb, q].argmax()]:
+                    continue
+                target = torch.softmax(full[bb, q, draft_targets], -1)
+                losses.append(-(target * torch.log_softmax(logits[bb, p], -1)).sum())
+                hits += int(logits[bb, p].argmax() == target.argmax())
+        n = len(losses)
+        out.append((torch.stack(losses).mean() if n else torch.tensor(0.0), hits / max(n, 1), n))
+    return out
+
+
+def test_target_distribution_is_the_target_softmax_on_the_draft_vocab():
+    head = tiny_head()
+    _, _, _, final, lm_head = random_batch()
+    probs, in_draft = target_distribution(final, lm_head, head.t2d)
+    full = final.float() @ lm_head.float().T
+    draft_targets = head.draft_to_target_ids(torch.arange(VD))
+    assert torch.allclose(probs, torch.softmax(full[..., draft_targets], -1), atol=1e-6)
+    assert torch.equal(in_draft, head.t2d[full.argmax(-1)])
+    assert 0 < in_draft.float().mean() < 1  # the test exercises both cases
+    # where the target's argmax is a draft token, the draft-vocab argmax maps back to it
+    assert torch.equal(draft_targets[probs.argmax(-1)][in_draft], full.argmax(-1)[in_draft])
+
+
+def test_step0_loss_equals_hand_computed_cross_entropy_of_a_plain_forward():
+    head = tiny_head(1)
+    aux, ids, mask, final, lm_head = random_batch(seed=1)
+    probs, in_draft = target_distribution(final, lm_head, head.t2d)
+    with torch.no_grad():
+        loss, metrics = ttt_loss(head, aux, ids, mask, probs.double(), in_draft, ttt_length=1)
+        (ref_loss, ref_acc, ref_n), = reference_losses(head, aux, ids, mask, final, lm_head, 1)
+    assert ref_n > 5
+    assert metrics["count_0"] == ref_n
+    assert abs(loss.item() - ref_loss.item()) < 1e-6
+    assert abs(metrics["acc_0"].item() - ref_acc) < 1e-9
+
+
+def test_every_ttt_step_loss_matches_the_cached_runtime_reference():
+    head = tiny_head(2)
+    aux, ids, mask, final, lm_head = random_batch(seed=2, t=15)
+    probs, in_draft = target_distribution(final, lm_head, head.t2d)
+    with torch.no_grad():
+        loss, metrics = ttt_loss(head, aux, ids, mask, probs.double(), in_draft, ttt_length=4, decay=0.8)
+        ref = reference_losses(head, aux, ids, mask, final, lm_head, 4)
+    for i, (ref_loss, ref_acc, ref_n) in enumerate(ref):
+        assert metrics[f"count_{i}"] == ref_n, f"step {i}"
+        assert abs(metrics[f"loss_{i}"].item() - ref_loss.item()) < 1e-6, f"step {i}"
+        assert abs(metrics[f"acc_{i}"].item() - ref_acc) < 1e-9, f"step {i}"
+    assert ref[3][2] < ref[0][2]  # later steps lose positions at the end
+    assert abs(loss.item() - sum(0.8 ** i * r[0].item() for i, r in enumerate(ref))) < 1e-6
+
+
+def test_logit_checkpointing_gives_the_same_loss_and_gradients():
+    aux, ids, mask, final, lm_head = random_batch(seed=3)
+    grads = []
+    for checkpoint_logits in (False, True):
+        head = tiny_head(3)
+        probs, in_draft = target_distribution(final, lm_head, head.t2d)
+        loss, _ = ttt_loss(head, aux, ids, mask, probs.double(), in_draft, ttt_length=3,
+                           checkpoint_logits=checkpoint_logits)
+        loss.backward()
+        grads.append((loss.item(), {n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None}))
+    (l0, g0), (l1, g1) = grads
+    assert l0 == pytest.approx(l1, abs=1e-12)
+    assert g0.keys() == g1.keys() and len(g0) > 10
+    for n in g0:
+        assert torch.allclose(g0[n], g1[n], atol=1e-12), n
+
+
+def test_simulated_acceptance_length():
+    assert simulated_acceptance_length([]) == 1.0
+    assert simulated_acceptance_length([1.0, 1.0, 1.0]) == 4.0
+    assert simulated_acceptance_length([0.0, 1.0, 1.0]) == 1.0
+    assert math.isclose(simulated_acceptance_length([0.8, 0.5, 0.5]), 1 + 0.8 + 0.4 + 0.2)
+
+
+def test_gradients_reach_every_head_parameter_and_nothing_else(smollm2):
+    """On the real target: aux states from the target, the loss's gradient lands in every head
+    parameter, not in the frozen embedding and not in the target."""
+    from eagle_train.hidden_states import target_hidden_states
+
+    model, tokenizer = smollm2
+    torch.manual_seed(0)
+    head = Eagle3Head.from_target(model, draft_vocab_size=2048)
+    ids = tokenizer("The quick brown fox jumps over the lazy dog, then it runs away.", return_tensors="pt").input_ids
+    aux, final = target_hidden_states(model, ids)
+    probs, in_draft = target_distribution(final, model.lm_head.weight, head.t2d)
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    assert in_draft.any()
+    loss, _ = ttt_loss(head, aux, ids, mask, probs, in_draft, ttt_length=3)
+    loss.backward()
+    assert all(p.grad is None for p in model.parameters())
+    assert head.embed_tokens.weight.grad is None
+    assert head.embed_tokens.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    trainable = {n: p for n, p in head.named_parameters() if n != "embed_tokens.weight"}
+    assert set(trainable) == {n for n, p in head.named_parameters() if p.requires_grad}
+    for n, p in trainable.items():
+        assert p.grad is not None and p.grad.abs().sum() > 0, n
