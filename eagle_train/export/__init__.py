@@ -53,9 +53,9 @@ def export_head(head, out_dir, format: str = "eagle3", dtype="bf16", **provenanc
     """
     lay = layout(format)
     dtype = resolve_dtype(dtype)
-    if head.config.method != "eagle3" and lay.name in ("eagle3", "speculators"):
+    if lay.name not in ("speculators", head.config.method):
         raise ValueError(f"a {head.config.method} head cannot be written in the {lay.name} layout "
-                         f"(use --format {head.config.method})")
+                         f"(use --format {head.config.method} or --format speculators)")
     check_vocab_map(head)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -111,7 +111,7 @@ def import_head(directory, target_model=None, target_config=None):
                           for k, v in state.items()}, strict=False)
     if own_embedding is not None:
         head.embed_tokens.weight.data = own_embedding.float()
-    elif target_model is not None:
+    elif target_model is not None and "embed_tokens.weight" not in expected:
         head.use_target_embedding(target_model)
     return head
 

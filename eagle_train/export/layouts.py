@@ -151,7 +151,8 @@ def draft_config_from_llama(llama: dict, top: dict, target_config=None, aux_laye
 
 
 def eagle3_read(config: dict, target_config=None) -> DraftConfig:
-    return draft_config_from_llama(config, config, target_config)
+    cfg = draft_config_from_llama(config, config, target_config)
+    return as_peagle(cfg, config) if any(k in config for k in MASK_TOKEN_KEYS) else cfg
 
 
 def is_eagle3(config: dict) -> bool:
@@ -165,9 +166,10 @@ def speculators_config(cfg: DraftConfig, dtype: torch.dtype, extra: dict) -> dic
     extra = dict(extra)
     tokens = int(extra.pop("speculative_tokens", 3))
     layer = llama_keys(cfg, dtype)
+    peagle = cfg.method == "peagle"
     config = {
-        "speculators_model_type": "eagle3",
-        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": cfg.method,
+        "architectures": ["PEagleSpeculator" if peagle else "Eagle3Speculator"],
         "transformer_layer_config": layer,
         "draft_vocab_size": cfg.draft_vocab_size,
         # vLLM reads these ids with our convention; written always, like the speculators library.
@@ -177,7 +179,7 @@ def speculators_config(cfg: DraftConfig, dtype: torch.dtype, extra: dict) -> dic
         "tie_word_embeddings": False,
         "torch_dtype": DTYPE_NAMES[dtype],
         "speculators_config": {
-            "algorithm": "eagle3",
+            "algorithm": cfg.method,
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": tokens}],
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": cfg.target, "architectures": list(cfg.target_architectures)},
@@ -185,6 +187,8 @@ def speculators_config(cfg: DraftConfig, dtype: torch.dtype, extra: dict) -> dic
     }
     if cfg.target_hidden_size != cfg.hidden_size:
         config["target_hidden_size"] = cfg.target_hidden_size
+    if peagle:  # vLLM's speculators reader copies it to pard_token (update_peagle)
+        config["mask_token_id"] = cfg.mask_token_id
     config[PROVENANCE_KEY] = provenance(cfg, extra)
     return config
 
@@ -193,15 +197,49 @@ def speculators_read(config: dict, target_config=None) -> DraftConfig:
     layer = config.get("transformer_layer_config")
     if not isinstance(layer, dict):
         raise ValueError("speculators config.json has no transformer_layer_config dict")
-    if config.get("norm_before_residual", True):
+    if config.get("norm_before_residual", config.get("speculators_model_type") != "peagle"):  # vLLM's defaults
         raise ValueError("this speculators head applies hidden_norm before the residual "
                          "(norm_before_residual true or unset, as vLLM reads it); eagle-train heads keep "
                          "the un-normed residual, so it cannot be imported as an eagle3 head")
-    return draft_config_from_llama(layer, config, target_config)
+    cfg = draft_config_from_llama(layer, config, target_config)
+    if config.get("speculators_model_type") == "peagle":
+        tokens = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
+        as_peagle(cfg, config, tokens[0].get("speculative_tokens"))
+    return cfg
 
 
 def is_speculators(config: dict) -> bool:
-    return config.get("speculators_model_type") == "eagle3"
+    return config.get("speculators_model_type") in ("eagle3", "peagle")
+
+
+# ---- peagle (vLLM parallel drafting) -------------------------------------------------------------
+
+MASK_TOKEN_KEYS = ("ptd_token_id", "pard_token", "mask_token_id")  # vLLM versions read different ones
+DEFAULT_NUM_DEPTHS = 7  # K for P-EAGLE directories that do not record it (the published heads' K)
+
+
+def as_peagle(cfg: DraftConfig, config: dict, num_depths=None) -> DraftConfig:
+    """Mark a config read from a P-EAGLE directory: the mask token and K (our provenance, else
+    `num_depths`, else DEFAULT_NUM_DEPTHS)."""
+    layer = config.get("transformer_layer_config") or {}
+    ids = [config.get(k, layer.get(k)) for k in MASK_TOKEN_KEYS if config.get(k, layer.get(k)) is not None]
+    if not ids:
+        raise ValueError(f"P-EAGLE config.json names no mask token id (one of {', '.join(MASK_TOKEN_KEYS)})")
+    ours = config.get(PROVENANCE_KEY) or {}
+    cfg.method, cfg.mask_token_id = "peagle", int(ids[0])
+    cfg.num_depths = int(ours.get("num_depths") or num_depths or DEFAULT_NUM_DEPTHS)
+    return cfg
+
+
+def peagle_config(cfg: DraftConfig, dtype: torch.dtype, extra: dict) -> dict:
+    """The EAGLE-3 layout with N layers, the mask token id under all three names and
+    `parallel_drafting` (DESIGN.md section 6); `attention_bias` false comes with llama_keys."""
+    config = eagle3_config(cfg, dtype, extra)
+    config.update({k: cfg.mask_token_id for k in MASK_TOKEN_KEYS})
+    config["parallel_drafting"] = True
+    config[PROVENANCE_KEY] = config.pop(PROVENANCE_KEY)  # keep our block last
+    return config
+
 
 
 # ---- the table -----------------------------------------------------------------------------------
@@ -233,6 +271,9 @@ LAYOUTS: dict[str, Layout] = {
     "speculators": Layout("speculators", ("vllm",), speculators_config, speculators_read,
                           rename([("midlayer.", "layers.0.")]), rename([("layers.0.", "midlayer.")]),
                           is_speculators),
+    # On disk a P-EAGLE directory is the eagle3 layout plus keys, so it is read (and detected) as that
+    # row, whose reader sees the mask token; this row only writes.
+    "peagle": Layout("peagle", ("vllm",), peagle_config, eagle3_read, rename([]), rename([]), lambda config: False),
 }
 
 
@@ -243,7 +284,7 @@ def detect_layout(config: dict) -> Layout:
             return layout
     raise ValueError(
         "config.json is in no known draft layout (expected architectures [\"LlamaForCausalLMEagle3\"], "
-        f"or speculators_model_type \"eagle3\"; known layouts: {', '.join(LAYOUTS)})"
+        f"or speculators_model_type \"eagle3\" / \"peagle\"; known layouts: {', '.join(LAYOUTS)})"
     )
 
 
