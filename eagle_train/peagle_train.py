@@ -1,0 +1,131 @@
+"""P-EAGLE's two plug-ins for the shared trainer loop (`eagle_train.trainer.train`): the head
+builder and the objective.
+
+`objective(model, batch, backward) -> metrics`, with the trainer's batch (`input_ids`, `loss_mask`,
+`aux_hidden`, and the target distribution `target_probs` [B, T, Vd] / `in_draft` [B, T] from
+`ttt.target_distribution`, the very tensors EAGLE-3 trains on). Per batch: sample the (anchor,
+depth) elements, split them into `num_segments` sequence segments, and run one forward+backward
+per segment through `model(fn, ...)` (so DDP/FSDP see every pass). Each segment's loss is its
+owned supervised soft cross-entropy divided by the batch's TOTAL supervised count, so the summed
+gradient is that of the whole batch's mean whatever the segment count. Under DDP every segment
+but the last runs inside `no_sync`, so gradients are all-reduced once per micro-batch.
+
+The loss goes through `fused_ce.soft_cross_entropy`: the [E, Vd] draft logits never exist in
+full, which at 2048 tokens x K=7 (~6k elements x 32k vocab) would dominate memory.
+"""
+
+import contextlib
+
+import torch
+
+from eagle_train import peagle_batch as pb
+from eagle_train.fused_ce import soft_cross_entropy
+from eagle_train.peagle import PEagleHead, choose_mask_token_id
+
+
+def build_peagle_head(cfg, target_model, vocab_map: dict | None) -> PEagleHead:
+    """A new P-EAGLE head for the target with the data's vocab map (mask token: `cfg.mask_token_id`
+    or a spare special token the data never uses), or the P-EAGLE head at `init_from`."""
+    from eagle_train.checkpoint import load_draft_head
+    from eagle_train.target import load_tokenizer
+
+    if cfg.init_from:
+        head = load_draft_head(cfg.init_from, target_model)
+        if head.config.method != "peagle":
+            raise ValueError(f"init_from {cfg.init_from} holds a {head.config.method} head, not a P-EAGLE head")
+        if head.config.num_depths != cfg.num_depths:
+            raise ValueError(f"init_from {cfg.init_from} drafts K={head.config.num_depths} tokens per pass but "
+                             f"num_depths={cfg.num_depths}: set num_depths={head.config.num_depths}")
+        return head
+    mask_token_id = cfg.mask_token_id
+    if mask_token_id is None:
+        mask_token_id = choose_mask_token_id(load_tokenizer(cfg.target), vocab_map.get("counts"))
+    head = PEagleHead.from_target(target_model, mask_token_id=mask_token_id, num_depths=cfg.num_depths,
+                                  num_hidden_layers=cfg.draft_num_layers, draft_vocab_size=len(vocab_map["d2t"]),
+                                  aux_layer_ids=cfg.aux_layer_ids, target=cfg.target)
+    head.set_vocab_map(vocab_map["d2t"], vocab_map["t2d"])
+    return head
+
+
+def validate_peagle(cfg, target_config) -> None:
+    """The P-EAGLE keys of a TrainConfig, checked before any compute."""
+    vocab = (getattr(target_config, "text_config", None) or target_config).vocab_size
+    if cfg.num_depths < 2:
+        raise ValueError(f"num_depths (K, drafts per forward) must be >= 2, got {cfg.num_depths}")
+    if cfg.num_segments is not None and cfg.num_segments < 1:
+        raise ValueError(f"num_segments must be >= 1 (or null for the default), got {cfg.num_segments}")
+    if cfg.draft_num_layers is not None and cfg.draft_num_layers < 1:
+        raise ValueError(f"draft_num_layers must be >= 1 (or null for the default), got {cfg.draft_num_layers}")
+    if cfg.mask_token_id is not None and not 0 <= cfg.mask_token_id < vocab:
+        raise ValueError(f"mask_token_id {cfg.mask_token_id} is outside the target vocabulary [0, {vocab}); "
+                         "leave it null to pick a spare special token")
+
+
+def segments_for(cfg) -> int:
+    """The configured segment count, or the default for max_length and K."""
+    return cfg.num_segments or pb.default_num_segments(cfg.max_length, cfg.num_depths)
+
+
+def batch_lengths(batch) -> torch.Tensor:
+    """Per row, the tokens that matter: `lengths` or the attention mask when the batch has them,
+    else up to the last loss-masked token (later tokens are neither predicted nor read by a
+    supervised element, and right padding is never loss-masked)."""
+    if "lengths" in batch:
+        return batch["lengths"]
+    if "attention_mask" in batch:
+        return batch["attention_mask"].sum(1)
+    mask = batch["loss_mask"].bool()
+    t = mask.shape[1]
+    last = torch.where(mask, torch.arange(t, device=mask.device), -1).amax(1)
+    return last + 1
+
+
+def segment_loss(head, seg: pb.Elements, batch, total):
+    """(loss to backpropagate, per-element soft CE [N] and top-1 agreement [N] of the owned
+    supervised elements) of one segment."""
+    aux, is_mask, ids, pos = pb.gather_inputs(seg, batch["input_ids"], batch["aux_hidden"], head.config.mask_token_id)
+    h = head.hidden_states(aux, is_mask, ids, pos, pb.attention_mask(seg))
+    sup = seg.supervised
+    probs = batch["target_probs"]
+    b, t, vd = probs.shape
+    rows = (torch.arange(b, device=h.device)[:, None] * t + seg.anchor + seg.depth + 1)[sup]
+    ce, agree = soft_cross_entropy(head.norm(h[sup]), head.lm_head.weight, probs.reshape(b * t, vd), rows)
+    return ce.sum() / total, ce.detach(), agree
+
+
+class PEagleObjective:
+    """`num_segments`: sequence partition count (1 = no partitioning; see
+    `peagle_batch.default_num_segments`). Depth sampling draws from torch's global RNG, which the
+    trainer seeds and checkpoints."""
+
+    def __init__(self, num_depths: int, num_segments: int = 1):
+        if num_segments < 1:
+            raise ValueError(f"num_segments must be >= 1, got {num_segments}")
+        if num_depths < 1:
+            raise ValueError(f"num_depths must be >= 1, got {num_depths}")
+        self.num_depths = num_depths
+        self.num_segments = num_segments
+
+    def __call__(self, model, batch, backward):
+        loss_mask = batch["loss_mask"].bool()
+        elements = pb.build_elements(loss_mask, batch["in_draft"], batch_lengths(batch), self.num_depths)
+        total = elements.supervised.sum().clamp(min=1)
+        segments = pb.partition(elements, self.num_segments, loss_mask.shape[1])
+        device = loss_mask.device
+        loss_sum, correct, count = (torch.zeros(self.num_depths, dtype=torch.float64, device=device) for _ in range(3))
+        for s, seg in enumerate(segments):
+            last = s == len(segments) - 1
+            sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
+            with sync:
+                loss, ce, agree = model(segment_loss, seg, batch, total)
+                if loss.requires_grad:
+                    backward(loss)
+            depth = seg.depth[seg.supervised]
+            loss_sum.index_add_(0, depth, ce.double())
+            correct.index_add_(0, depth, agree.double())
+            count.index_add_(0, depth, torch.ones_like(depth, dtype=torch.float64))
+        metrics = {"loss": loss_sum.sum() / total}
+        for d in range(self.num_depths):
+            n = count[d].clamp(min=1)
+            metrics[f"loss_{d}"], metrics[f"acc_{d}"], metrics[f"count_{d}"] = loss_sum[d] / n, correct[d] / n, count[d]
+        return metrics

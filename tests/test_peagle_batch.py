@@ -1,0 +1,184 @@
+"""P-EAGLE training layout: depth sampling, the attention rule (hand-worked), exact partitioning."""
+
+import pytest
+import torch
+
+from eagle_train import peagle_batch as pb
+from eagle_train.draft_config import DraftConfig
+from eagle_train.peagle import PEagleHead
+from eagle_train.peagle_train import PEagleObjective
+from eagle_train.ttt import target_distribution
+
+H, NH, NKV, D, V, VD, K = 32, 4, 2, 8, 50, 40, 4
+
+
+def tiny_peagle(seed=0, layers=2) -> PEagleHead:
+    torch.manual_seed(seed)
+    cfg = DraftConfig(hidden_size=H, num_attention_heads=NH, num_key_value_heads=NKV, head_dim=D,
+                      intermediate_size=64, vocab_size=V, draft_vocab_size=VD, rms_norm_eps=1e-6,
+                      rope_theta=10000.0, rope_scaling=None, max_position_embeddings=256,
+                      target_hidden_size=H, target_num_layers=8, aux_layer_ids=(2, 4, 5),
+                      num_hidden_layers=layers, method="peagle", mask_token_id=V - 1, num_depths=K)
+    head = PEagleHead(cfg)
+    for p in head.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    # a draft vocabulary that is not a prefix: every target id but 3, 7, ... (10 of them)
+    keep = torch.ones(V, dtype=torch.bool)
+    keep[torch.arange(3, V, 5)] = False
+    draft_ids = keep.nonzero().squeeze(1)
+    head.set_vocab_map(draft_ids - torch.arange(VD), keep)
+    return head.double()
+
+
+def test_attention_rule_hand_worked():
+    """Row 0: length 5, depth-1 chains at anchors 1, 2 and a depth-2 chain at 1.
+    Row 1: length 3 (anchors 0, 1), padded to the same width."""
+    rows = [dict(anchor=torch.tensor([0, 1, 2, 3, 1, 2, 1]), depth=torch.tensor([0, 0, 0, 0, 1, 1, 2])),
+            dict(anchor=torch.tensor([0, 1]), depth=torch.tensor([0, 0]))]
+    for r in rows:
+        r["supervised"] = r["owned"] = torch.ones(len(r["anchor"]), dtype=torch.bool)
+    mask = pb.dense_mask(pb.Elements.stack(rows))
+    #            keys: (0,0) (1,0) (2,0) (3,0) (1,1) (2,1) (1,2)
+    expected_0 = [[1, 0, 0, 0, 0, 0, 0],  # (0,0)
+                  [1, 1, 0, 0, 0, 0, 0],  # (1,0)
+                  [1, 1, 1, 0, 0, 0, 0],  # (2,0)
+                  [1, 1, 1, 1, 0, 0, 0],  # (3,0)
+                  [1, 1, 0, 0, 1, 0, 0],  # (1,1): depth 0 up to anchor 1, itself
+                  [1, 1, 1, 0, 0, 1, 0],  # (2,1): depth 0 up to anchor 2, itself
+                  [1, 1, 0, 0, 1, 0, 1]]  # (1,2): depth 0 up to anchor 1, (1,1), itself
+    #            keys: (0,0) (1,0) pad x5
+    expected_1 = [[1, 0, 0, 0, 0, 0, 0],
+                  [1, 1, 0, 0, 0, 0, 0]] + [[0, 0, 1, 1, 1, 1, 1]] * 5  # padding sees only padding
+    assert mask.shape == (2, 1, 7, 7)
+    assert mask[0, 0].int().tolist() == expected_0
+    assert mask[1, 0].int().tolist() == expected_1
+
+
+def test_depth_sampling_nested_seeded_and_sized():
+    t = 400
+    loss_mask = torch.zeros(t, dtype=torch.bool)
+    loss_mask[50:350] = True
+    in_draft = torch.ones(t, dtype=torch.bool)
+    in_draft[100:110] = False
+    anchor, depth = pb.sample_chains(loss_mask, in_draft, t, 8, torch.Generator().manual_seed(1))
+    again = pb.sample_chains(loss_mask, in_draft, t, 8, torch.Generator().manual_seed(1))
+    assert torch.equal(anchor, again[0]) and torch.equal(depth, again[1])
+    assert torch.equal(anchor[depth == 0], torch.arange(t - 1))
+    n = int(pb.is_supervised(torch.arange(t - 1), 0, loss_mask, in_draft, t).sum())
+    assert n == 300 - 10
+    for d in range(1, 8):
+        here, before = set(anchor[depth == d].tolist()), set(anchor[depth == d - 1].tolist())
+        assert here <= before, f"depth {d} chains are not extensions of depth {d - 1} chains"
+        assert len(here) == round(n * max(0.7 ** d, 0.2)), d
+        sup = pb.is_supervised(anchor[depth == d], d, loss_mask, in_draft, t)
+        assert sup.all()  # depth >= 1 elements are only sampled where they are trained
+    other = pb.sample_chains(loss_mask, in_draft, t, 8, torch.Generator().manual_seed(2))
+    assert not torch.equal(anchor, other[0])
+
+
+def random_batch(seed=0, b=2, t=23, lengths=(23, 17), lm_head=None):
+    """A trainer-style batch; the target distribution comes from `ttt.target_distribution`."""
+    g = torch.Generator().manual_seed(seed)
+    loss_mask = torch.rand(b, t, generator=g) < 0.7
+    for i, n in enumerate(lengths):
+        loss_mask[i, n:] = False
+    lm_head = torch.randn(V, H, generator=g, dtype=torch.double) * 3 if lm_head is None else lm_head
+    final = torch.randn(b, t, H, generator=g, dtype=torch.double)
+    probs, in_draft = target_distribution(final, lm_head, tiny_peagle().t2d)
+    return dict(input_ids=torch.randint(0, V - 1, (b, t), generator=g), loss_mask=loss_mask,
+                aux_hidden=torch.randn(b, t, 3 * H, generator=g, dtype=torch.double),
+                target_probs=probs, in_draft=in_draft)
+
+
+def runner(head):
+    """The trainer's HeadRunner protocol: model(fn, *args) = fn(head, *args)."""
+    return lambda fn, *args: fn(head, *args)
+
+
+def gradients(head, batch, segments):
+    head.zero_grad()
+    torch.manual_seed(3)  # the same depth sampling for every segment count
+    metrics = PEagleObjective(K, num_segments=segments)(runner(head), batch, lambda loss: loss.backward())
+    return {n: p.grad.clone() for n, p in head.named_parameters()}, metrics
+
+
+def test_partitioned_gradients_equal_unpartitioned():
+    head = tiny_peagle()
+    batch = random_batch()
+    ref, ref_metrics = gradients(head, batch, 1)
+    assert ref_metrics["count_3"] > 0  # deep chains exist
+    for s in (2, 4):
+        got, metrics = gradients(head, batch, s)
+        assert torch.allclose(metrics["loss"], ref_metrics["loss"], rtol=1e-10)
+        for name, g in ref.items():
+            assert g.abs().max() > 0, name
+            rel = (got[name] - g).norm() / g.norm()
+            assert rel < 1e-5, f"S={s} {name}: relative error {rel:.2e}"
+
+
+def test_loss_equals_a_direct_reference():
+    """The objective's loss is the mean soft CE over supervised elements, recomputed here from
+    plain logits of the unpartitioned forward and the target distribution at a+d+1."""
+    head = tiny_peagle()
+    batch = random_batch(1)
+    torch.manual_seed(5)
+    metrics = PEagleObjective(K, num_segments=3)(runner(head), batch, lambda loss: None)
+    torch.manual_seed(5)
+    lengths = torch.tensor([int(m.nonzero().max()) + 1 for m in batch["loss_mask"]])
+    el = pb.build_elements(batch["loss_mask"], batch["in_draft"], lengths, K)
+    with torch.no_grad():
+        logits = head(*pb.gather_inputs(el, batch["input_ids"], batch["aux_hidden"], V - 1), pb.dense_mask(el))
+    target = pb.gather_targets(el, batch["target_probs"])
+    ce = -(target * torch.log_softmax(logits, -1)).sum(-1)[el.supervised]
+    assert torch.allclose(metrics["loss"], ce.mean(), rtol=1e-10)
+    for d in range(K):
+        assert metrics[f"count_{d}"] == (el.depth[el.supervised] == d).sum()
+
+
+def test_partition_owns_each_element_once_and_carries_left_context():
+    g = torch.Generator().manual_seed(0)
+    batch = random_batch()
+    in_draft = torch.ones_like(batch["loss_mask"])
+    el = pb.build_elements(batch["loss_mask"], in_draft, torch.tensor([23, 17]), K, g)
+    segs = pb.partition(el, 4, 23)
+    for b in range(2):
+        owned = sorted((a, d) for s in segs for a, d, o in zip(s.row(b)["anchor"].tolist(),
+                                                               s.row(b)["depth"].tolist(), s.row(b)["owned"]) if o)
+        assert owned == sorted(zip(el.row(b)["anchor"].tolist(), el.row(b)["depth"].tolist()))
+    last = segs[-1].row(0)
+    context = ~last["owned"]
+    assert (last["depth"][context] == 0).all() and context.sum() > 0
+    assert not last["supervised"][context].any()
+    # Memory is bounded: no segment computes as many elements as the whole batch.
+    assert max(s.anchor.shape[1] for s in segs) < el.anchor.shape[1]
+
+
+def test_unsupervised_elements_do_not_count():
+    head = tiny_peagle()
+    batch = random_batch()
+    batch["loss_mask"][:] = False
+    metrics = PEagleObjective(K, 2)(runner(head), batch, lambda loss: loss.backward())
+    assert metrics["loss"] == 0 and all(metrics[f"count_{d}"] == 0 for d in range(K))
+
+
+def test_default_num_segments():
+    assert pb.default_num_segments(512, 7) == 1
+    assert pb.default_num_segments(2048, 7) == 2
+    assert pb.default_num_segments(8192, 8) == 7
+
+
+@pytest.mark.gpu
+def test_block_mask_equals_dense_mask_on_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    g = torch.Generator().manual_seed(0)
+    batch = random_batch(t=300, lengths=(300, 200))
+    el = pb.build_elements(batch["loss_mask"], torch.ones_like(batch["loss_mask"]), torch.tensor([300, 200]), K, g)
+    head = tiny_peagle().float().cuda()
+    aux, is_mask, ids, pos = pb.gather_inputs(el, batch["input_ids"], batch["aux_hidden"].float(), V - 1)
+    args = [x.cuda() for x in (aux, is_mask, ids, pos)]
+    el = el.to("cuda")
+    dense = head(*args, pb.dense_mask(el))
+    flex = head(*args, pb.block_mask(el))
+    real = el.document >= 0
+    assert (dense - flex)[real].abs().max() < 1e-3

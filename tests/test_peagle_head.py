@@ -1,0 +1,66 @@
+"""The P-EAGLE head: vLLM tensor names, save/load, and train/serve consistency of the K parallel drafts."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eagle_train import peagle_batch as pb
+from eagle_train.checkpoint import load_draft_head
+from eagle_train.peagle import PEagleHead
+from test_peagle_batch import H, K, NH, NKV, D, V, VD, tiny_peagle
+
+
+def training_logits(head, aux, ids, anchor: int, k: int):
+    """Training-mode logits of the chain at `anchor`: depth-0 elements 0..anchor plus (anchor, 1..k-1)."""
+    a = torch.cat([torch.arange(anchor + 1), torch.full((k - 1,), anchor)])
+    d = torch.cat([torch.zeros(anchor + 1, dtype=torch.long), torch.arange(1, k)])
+    one = torch.ones(len(a), dtype=torch.bool)
+    el = pb.Elements.stack([dict(anchor=a, depth=d, supervised=one, owned=one)])
+    x, is_mask, tok, pos = pb.gather_inputs(el, ids, aux, head.config.mask_token_id)
+    return head(x, is_mask, tok, pos, pb.dense_mask(el))[0, anchor:]
+
+
+def test_parallel_drafts_equal_training_outputs():
+    head = tiny_peagle(layers=3)
+    t = 14
+    aux = torch.randn(1, t, 3 * H, dtype=torch.double)
+    ids = torch.randint(0, V - 1, (1, t))
+    cache = head.new_cache(1, 32)
+    with torch.no_grad():
+        # The runtime first drafts from anchor 5 (prefill 0..5), then, after "verifying" 6..9,
+        # drafts from anchor 9 over the same cache: the mask slots 6..8 written by the first call
+        # must be overwritten, not read.
+        first, _ = head.draft_parallel(aux[:, :6], ids[:, 1:7], torch.arange(6), cache)
+        second, tokens = head.draft_parallel(aux[:, 6:10], ids[:, 7:11], torch.arange(6, 10), cache)
+        assert first.shape == (1, K, VD)
+        assert (first[0] - training_logits(head, aux, ids, 5, K)).abs().max() < 1e-10
+        assert (second[0] - training_logits(head, aux, ids, 9, K)).abs().max() < 1e-10
+    assert torch.equal(tokens, head.draft_to_target_ids(second.argmax(-1)))
+    assert (second[0, 1] - second[0, 2]).abs().max() > 1e-3  # the slots really differ
+
+
+def test_saved_tensors_follow_the_vllm_peagle_layout(tmp_path):
+    head = tiny_peagle(layers=3).float()
+    head.save_pretrained(tmp_path)
+    shapes = {k: tuple(v.shape) for k, v in load_file(tmp_path / "model.safetensors").items()}
+    assert shapes["embed_tokens.weight"] == (V, H)
+    assert shapes["mask_hidden"] == (1, 1, 3 * H)
+    assert shapes["midlayer.self_attn.q_proj.weight"] == (NH * D, 2 * H)
+    assert shapes["midlayer.hidden_norm.weight"] == (H,)
+    for i in (1, 2):
+        assert shapes[f"layers.{i}.self_attn.q_proj.weight"] == (NH * D, H)
+        assert shapes[f"layers.{i}.self_attn.k_proj.weight"] == (NKV * D, H)
+        assert f"layers.{i}.hidden_norm.weight" not in shapes
+    assert not any(k.startswith("layers.0.") or k.startswith("layers.3.") for k in shapes)
+    assert shapes["lm_head.weight"] == (VD, H) and shapes["d2t"] == (VD,) and shapes["t2d"] == (V,)
+    again = load_draft_head(tmp_path)
+    assert isinstance(again, PEagleHead) and again.config.num_depths == K
+    for k, v in head.saved_state_dict().items():
+        assert torch.equal(v, again.state_dict()[k]), k
+
+
+def test_config_without_mask_token_is_refused():
+    cfg = tiny_peagle().config
+    cfg.mask_token_id = None
+    with pytest.raises(ValueError, match="mask_token_id"):
+        PEagleHead(cfg)
