@@ -63,15 +63,22 @@ def pad_batch(samples: list[dict], pad_id: int, device) -> tuple[torch.Tensor, t
     return ids.to(device), mask.to(device)
 
 
-def capture_batch(model, samples: list[dict], aux_layer_ids, pad_id: int) -> list[dict]:
-    """One padded forward; per-sample dicts with input_ids, loss_mask, aux_hidden, final_hidden (CPU)."""
+def capture_batch(model, samples: list[dict], aux_layer_ids, pad_id: int, dtype: str = "float32") -> list[dict]:
+    """One padded forward; per-sample dicts with input_ids, loss_mask, aux_hidden, final_hidden (CPU).
+
+    For a bf16 store the states are cast on the device, and each tensor crosses to the CPU in one
+    copy per batch rather than one per sample (each copy is a GPU sync).
+    """
     device = next(model.parameters()).device
     ids, mask = pad_batch(samples, pad_id, device)
     aux, final = target_hidden_states(model, ids, mask, aux_layer_ids)
+    if dtype == "bfloat16":
+        aux, final = aux.to(torch.bfloat16), final.to(torch.bfloat16)
+    aux, final = aux.cpu(), final.cpu()
     out = []
     for b, s in enumerate(samples):
         n = len(s["input_ids"])
-        out.append({**s, "aux_hidden": aux[b, :n].cpu(), "final_hidden": final[b, :n].cpu()})
+        out.append({**s, "aux_hidden": aux[b, :n], "final_hidden": final[b, :n]})
     return out
 
 
@@ -146,7 +153,7 @@ def capture(model, data: str | Path, out: str | Path, *, target_name: str, aux_l
         for k in todo:
             captured = []
             for batch in plan[k]:
-                captured += capture_batch(model, [source.tokens(i) for i in batch], ids, pad_id)
+                captured += capture_batch(model, [source.tokens(i) for i in batch], ids, pad_id, dtype)
                 bar.update(sum(lengths[i] for i in batch))
             writer.add_shard(k, captured, [i for batch in plan[k] for i in batch])
     bar.close()
