@@ -1,0 +1,207 @@
+"""The training run's configuration: a YAML file plus `key=value` overrides, checked before any compute.
+
+One flat dataclass (like torchtune's recipe configs, minus the indirection): every knob a run
+has is a field below, so an unknown key is a typo and is refused with the list of valid keys.
+"""
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+METHODS = ("eagle3", "peagle")
+MODES = ("offline", "online")
+REPORT_TO = ("tensorboard", "wandb", "none")
+
+
+@dataclass
+class TrainConfig:
+    # what to train on
+    target: str = "smollm2-135m"  # alias, local HF dir, .gguf or hub id (must be the store's target)
+    data_path: str = ""  # hidden-state store (offline) or tokenized dataset (online; a store works too)
+    mode: str = "offline"  # offline: hidden states from the store; online: run the target per batch
+    method: str = "eagle3"
+    aux_layer_ids: list[int] | None = None  # None: the target's defaults (2, N//2, N-3)
+    draft_vocab_size: int | None = None  # None: the size of the data's vocab_map.safetensors
+    init_from: str = ""  # an eagle-train head/checkpoint dir or an engine-layout EAGLE-3 dir
+    # the objective
+    ttt_length: int = 7
+    ttt_decay: float = 0.8
+    # batching (per process): padded tokens per micro-batch; longer samples are truncated
+    max_length: int = 2048
+    tokens_per_batch: int = 8192
+    gradient_accumulation_steps: int = 1
+    eval_fraction: float = 0.02  # held-out share of the samples
+    num_workers: int = 0
+    # optimisation
+    num_epochs: int = 1
+    max_steps: int = 0  # > 0 overrides num_epochs
+    learning_rate: float = 1e-4
+    min_lr_ratio: float = 0.0  # cosine decays to learning_rate * min_lr_ratio
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    max_grad_norm: float = 0.5
+    gradient_checkpointing: bool = False  # recompute each TTT step's logits in backward
+    mixed_precision: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU; or "no" / "bf16"
+    seed: int = 0
+    # output
+    output_dir: str = "runs/eagle3"
+    save_every: int = 0  # steps; 0: only at the end
+    keep_checkpoints: int = 2
+    eval_every: int = 0  # steps; 0: before training and at the end only
+    log_every: int = 10
+    report_to: str = "tensorboard"  # falls back to none when tensorboard is not installed
+    run_name: str = ""
+    resume: str = ""  # "", "auto" (latest checkpoint in output_dir) or a checkpoint dir
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def field_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(TrainConfig)]
+
+
+def _as_type(value, annotation):
+    """`value` as `annotation` (int, float, bool, str, list[...] or X | None); TypeError when it is not one."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "")):
+            return None
+        (annotation,) = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) is list:
+        (item,) = typing.get_args(annotation)
+        if isinstance(value, str):  # "2,15,27" from a shell
+            value = [v for v in value.strip("[]").split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise TypeError
+        return [_as_type(v, item) for v in value]
+    if annotation is bool:
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+            return value.lower() in ("true", "yes", "1")
+        if not isinstance(value, bool):
+            raise TypeError
+        return value
+    if isinstance(value, bool) or isinstance(value, (dict, list)):
+        raise TypeError
+    if annotation is int:
+        if isinstance(value, float) and not value.is_integer():
+            raise TypeError
+        return int(value)
+    if annotation is float:
+        return float(value)  # YAML reads "1e-4" as a string
+    return str(value)
+
+
+def _coerce(name: str, value, annotation):
+    try:
+        return _as_type(value, annotation)
+    except (TypeError, ValueError):
+        kind = str(annotation).replace("<class '", "").replace("'>", "")
+        raise ValueError(f"config key {name!r} expects {kind}, got {value!r}") from None
+
+
+def make_config(values: dict) -> TrainConfig:
+    names = field_names()
+    unknown = sorted(set(values) - set(names))
+    if unknown:
+        raise ValueError(f"unknown config key(s) {unknown}; valid keys: {', '.join(names)}")
+    hints = typing.get_type_hints(TrainConfig)
+    return TrainConfig(**{k: _coerce(k, v, hints[k]) for k, v in values.items()})
+
+
+def parse_overrides(overrides: list[str]) -> dict:
+    """`key=value` strings -> dict; values are parsed as YAML scalars/lists (`ttt_length=5`, `aux_layer_ids=[2,15,27]`)."""
+    out = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"override {item!r} is not key=value (e.g. learning_rate=3e-4)")
+        try:
+            out[key.strip()] = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            out[key.strip()] = raw
+    return out
+
+
+def load_train_config(path: str | Path | None = None, overrides: list[str] = ()) -> TrainConfig:
+    """The YAML file at `path` (optional) with `overrides` applied on top."""
+    values = {}
+    if path:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file {path} does not exist")
+        values = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(values, dict):
+            raise ValueError(f"{path} must hold a mapping of config keys, not {type(values).__name__}")
+    values.update(parse_overrides(list(overrides)))
+    return make_config(values)
+
+
+def validate(cfg: TrainConfig, target_config) -> None:
+    """Every check that needs no compute: raise ValueError/FileNotFoundError naming the fix.
+
+    `target_config` is the target's HF config (`eagle_train.target.load_target_config`).
+    """
+    from eagle_train.store import check_store_matches, read_manifest, read_vocab_map
+
+    def need(ok, message):
+        if not ok:
+            raise ValueError(message)
+
+    need(cfg.method in METHODS, f"method {cfg.method!r} is not one of {METHODS}")
+    need(cfg.mode in MODES, f"mode {cfg.mode!r} is not one of {MODES}")
+    need(cfg.report_to in REPORT_TO, f"report_to {cfg.report_to!r} is not one of {REPORT_TO}")
+    need(cfg.mixed_precision in ("auto", "no", "bf16"), f"mixed_precision {cfg.mixed_precision!r} is not auto, no or bf16")
+    need(cfg.ttt_length >= 1, f"ttt_length must be >= 1 (the number of unrolled draft steps), got {cfg.ttt_length}")
+    need(0 < cfg.ttt_decay <= 1, f"ttt_decay must be in (0, 1], got {cfg.ttt_decay}")
+    need(cfg.max_length >= 4, f"max_length must be >= 4 tokens, got {cfg.max_length}")
+    need(cfg.tokens_per_batch >= cfg.max_length,
+         f"tokens_per_batch {cfg.tokens_per_batch} is smaller than max_length {cfg.max_length}: a longest sample "
+         "would not fit a micro-batch; raise tokens_per_batch or lower max_length")
+    need(cfg.gradient_accumulation_steps >= 1, "gradient_accumulation_steps must be >= 1")
+    need(0 <= cfg.eval_fraction < 1, f"eval_fraction must be in [0, 1), got {cfg.eval_fraction}")
+    need(cfg.learning_rate > 0, f"learning_rate must be > 0, got {cfg.learning_rate}")
+    need(0 <= cfg.min_lr_ratio <= 1, f"min_lr_ratio must be in [0, 1], got {cfg.min_lr_ratio}")
+    need(len(cfg.adam_betas) == 2 and all(0 <= b < 1 for b in cfg.adam_betas),
+         f"adam_betas must be two numbers in [0, 1), got {cfg.adam_betas}")
+    need(cfg.max_grad_norm >= 0, "max_grad_norm must be >= 0 (0 disables clipping)")
+    need(cfg.num_epochs >= 1 or cfg.max_steps > 0, "set num_epochs >= 1 or max_steps > 0")
+    need(cfg.keep_checkpoints >= 1, "keep_checkpoints must be >= 1")
+    if not cfg.data_path:
+        raise ValueError("data_path is not set: point it at a store from `eagle-prep capture` (offline) "
+                         "or a tokenized dataset from `eagle-prep tokenize` (online)")
+    if not Path(cfg.data_path).exists():
+        raise FileNotFoundError(f"data_path {cfg.data_path} does not exist: run `eagle-prep run --config ...` first "
+                                "or fix the path")
+    manifest = read_manifest(cfg.data_path)
+    if cfg.mode == "offline" and manifest["format"] != "eagle-hidden-states":
+        raise ValueError(f"{cfg.data_path} is a tokenized dataset without hidden states: train with mode=online, "
+                         "or capture a store with `eagle-prep capture` for mode=offline")
+    if manifest["format"] == "eagle-hidden-states":
+        check_store_matches(manifest, target_config, cfg.aux_layer_ids)
+    else:
+        check_store_matches(manifest, target_config)
+    n = target_config.num_hidden_layers
+    if cfg.aux_layer_ids is not None:
+        need(len(cfg.aux_layer_ids) == 3 and all(0 <= i < n for i in cfg.aux_layer_ids),
+             f"aux_layer_ids must be three layer indices in [0, {n - 1}], got {cfg.aux_layer_ids}")
+    vocab = target_config.vocab_size
+    if cfg.draft_vocab_size is not None and cfg.draft_vocab_size > vocab:
+        raise ValueError(f"draft_vocab_size {cfg.draft_vocab_size} is larger than the target vocabulary {vocab}; "
+                         f"use at most {vocab} (or leave it unset to take the vocab map's size)")
+    if not cfg.init_from:
+        vmap = read_vocab_map(cfg.data_path)
+        vd, v = len(vmap["d2t"]), len(vmap["t2d"])
+        need(v == vocab, f"{cfg.data_path}/vocab_map.safetensors covers a vocabulary of {v}, the target has {vocab}")
+        need(cfg.draft_vocab_size in (None, vd),
+             f"draft_vocab_size {cfg.draft_vocab_size} differs from the data's vocab map ({vd} draft tokens): "
+             f"leave it unset, or rebuild the map with `eagle-prep vocab --draft-vocab-size {cfg.draft_vocab_size}`")
+    elif not Path(cfg.init_from).exists():
+        raise FileNotFoundError(f"init_from {cfg.init_from} does not exist")
+    if cfg.resume not in ("", "auto") and not Path(cfg.resume).is_dir():
+        raise FileNotFoundError(f"resume checkpoint {cfg.resume} does not exist (use resume=auto for the latest "
+                                f"in output_dir, or a checkpoint-<step> dir)")

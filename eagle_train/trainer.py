@@ -1,0 +1,519 @@
+"""The training loop shared by EAGLE-3 and P-EAGLE.
+
+`train(cfg, build_head, objective)` owns everything but the method:
+
+- `build_head(cfg, target_model, vocab_map) -> nn.Module` makes the draft head (vocab_map is the
+  data's `read_vocab_map` dict, None with `init_from`);
+- `objective(model, batch, backward) -> dict` runs one micro-batch. `model(fn, *args)` returns
+  `fn(head, *args)` computed inside the distributed wrapper's forward (DDP/FSDP hook there, so
+  every forward must go through it); `backward(loss)` is `accelerator.backward` scaled for
+  gradient accumulation. An objective may run several forward+backward passes (P-EAGLE's sequence
+  partitioning). `batch` holds `input_ids` [B,T], `loss_mask` [B,T], `aux_hidden` [B,T,3H],
+  `target_probs` [B,T,Vd] and `in_draft` [B,T] (`eagle_train.ttt.target_distribution`). The
+  returned metrics are detached scalars; `acc_i` / `loss_i` are pooled weighted by `count_i`,
+  anything else averaged, and `sim_al` is derived from the `acc_i`.
+
+Data order: every epoch is a seeded permutation of the training samples, cut into length-grouped
+micro-batches of at most `tokens_per_batch` padded tokens. That list depends on the seed and the
+data only, never on the process count; step s hands micro-batches [s*W*A, (s+1)*W*A) round-robin
+to the W processes (A = gradient accumulation). The data position saved in a checkpoint is the
+number of samples consumed, so a resumed run, with any process count, continues where it stopped.
+Micro-batches are right-padded without a key mask: attention is causal, so real positions never
+see the padding, and padded positions are never supervised.
+"""
+
+import contextlib
+import json
+import math
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from tqdm import tqdm
+
+from eagle_train.hidden_states import target_hidden_states
+from eagle_train.store import ShardedSamples, read_manifest, read_vocab_map
+from eagle_train.target import load_target, load_target_config
+from eagle_train.train_config import TrainConfig, validate
+from eagle_train.ttt import simulated_acceptance_length, target_distribution
+
+GROUP_SAMPLES = 512  # samples sorted by length together: big enough to pad little, small enough to mix
+
+
+# ------------------------------------------------------------------------------------ data order
+
+
+def split_indices(n: int, eval_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """(train, eval) sample indices: a seeded held-out share, at least one sample when asked for any."""
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    n_eval = min(n - 1, max(1, round(n * eval_fraction))) if eval_fraction > 0 and n > 1 else 0
+    return sorted(perm[n_eval:]), sorted(perm[:n_eval])
+
+
+def pack_by_length(indices: list[int], lengths: list[int], tokens_per_batch: int) -> list[list[int]]:
+    """Longest first, greedily: a batch's padded size (count x its longest) stays within the budget."""
+    batches, batch = [], []
+    for i in sorted(indices, key=lambda i: (-lengths[i], i)):
+        if batch and (len(batch) + 1) * lengths[batch[0]] > tokens_per_batch:
+            batches.append(batch)
+            batch = []
+        batch.append(i)
+    return batches + ([batch] if batch else [])
+
+
+def epoch_batches(indices: list[int], lengths: list[int], tokens_per_batch: int, seed: int, epoch: int):
+    """Epoch `epoch`'s micro-batches: shuffle, length-group within blocks of GROUP_SAMPLES, shuffle batches."""
+    g = torch.Generator().manual_seed(seed * 100_003 + epoch + 1)
+    order = [indices[i] for i in torch.randperm(len(indices), generator=g).tolist()]
+    batches = []
+    for start in range(0, len(order), GROUP_SAMPLES):
+        batches += pack_by_length(order[start:start + GROUP_SAMPLES], lengths, tokens_per_batch)
+    return [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
+
+
+def pad_samples(samples: list[dict], max_length: int) -> dict[str, torch.Tensor]:
+    """Right-pad (and truncate to max_length) a list of store items into [B, T] / [B, T, D] tensors."""
+    longest = max(min(len(s["input_ids"]), max_length) for s in samples)
+    out = {}
+    for key, value in samples[0].items():
+        shape = (len(samples), longest, *value.shape[1:])
+        out[key] = torch.zeros(shape, dtype=value.dtype)
+        for b, s in enumerate(samples):
+            n = min(len(s[key]), max_length)
+            out[key][b, :n] = s[key][:n]
+    lengths = torch.tensor([min(len(s["input_ids"]), max_length) for s in samples])
+    out["attention_mask"] = (torch.arange(longest)[None] < lengths[:, None]).long()
+    return out
+
+
+class MicroBatches(torch.utils.data.Dataset):
+    """Item k = micro-batch k of a list, padded; lets a DataLoader prefetch them in workers."""
+
+    def __init__(self, data: ShardedSamples, batches: list[list[int]], max_length: int, with_hidden: bool):
+        self.data, self.batches, self.max_length, self.with_hidden = data, batches, max_length, with_hidden
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __getitem__(self, k):
+        read = self.data.__getitem__ if self.with_hidden else self.data.tokens
+        return pad_samples([read(i) for i in self.batches[k]], self.max_length)
+
+
+def loader(data, batches, cfg: TrainConfig, with_hidden: bool):
+    return torch.utils.data.DataLoader(MicroBatches(data, batches, cfg.max_length, with_hidden), batch_size=None,
+                                       shuffle=False, num_workers=cfg.num_workers)
+
+
+# ------------------------------------------------------------------------------------ model side
+
+
+class HeadRunner(nn.Module):
+    """Wraps the head so a distributed wrapper (DDP, FSDP) sees each pass: forward(fn, *a) = fn(head, *a)."""
+
+    def __init__(self, head: nn.Module):
+        super().__init__()
+        self.head = head
+
+    def forward(self, fn, *args, **kwargs):
+        return fn(self.head, *args, **kwargs)
+
+
+class BatchSource:
+    """Turns padded micro-batches into objective batches: aux states and the target distribution,
+    from the store (offline) or from running the target (online)."""
+
+    def __init__(self, cfg: TrainConfig, target_model, t2d, aux_layer_ids, device):
+        self.online = cfg.mode == "online"
+        self.target = target_model if self.online else None  # offline keeps no reference to it
+        self.aux_layer_ids = aux_layer_ids
+        self.lm_head_weight = target_model.get_output_embeddings().weight.detach().to(device, torch.float32)
+        self.t2d = t2d.to(device)
+        self.device = device
+
+    def __call__(self, padded: dict) -> dict:
+        ids = padded["input_ids"].to(self.device)
+        if self.online:
+            aux, final = target_hidden_states(self.target, ids, padded["attention_mask"].to(self.device),
+                                              self.aux_layer_ids)
+        else:
+            aux, final = padded["aux_hidden"].to(self.device), padded["final_hidden"].to(self.device)
+        probs, in_draft = target_distribution(final, self.lm_head_weight, self.t2d)
+        return {"input_ids": ids, "loss_mask": padded["loss_mask"].to(self.device), "aux_hidden": aux.float(),
+                "target_probs": probs, "in_draft": in_draft}
+
+
+def build_eagle3_head(cfg: TrainConfig, target_model, vocab_map: dict | None):
+    """A new EAGLE-3 head sized for the target with the data's vocab map, or the head at `init_from`
+    (an eagle-train head/checkpoint or an engine-layout EAGLE-3 dir), which keeps its own vocab map."""
+    from eagle_train.checkpoint import load_draft_head
+    from eagle_train.eagle3 import Eagle3Head
+
+    if cfg.init_from:
+        head = load_draft_head(cfg.init_from, target_model)
+        if head.config.method != "eagle3":
+            raise ValueError(f"init_from {cfg.init_from} holds a {head.config.method} head, not an EAGLE-3 head")
+        if head.config.target_hidden_size != target_model.config.hidden_size:
+            raise ValueError(f"init_from {cfg.init_from} was trained for a target with hidden size "
+                             f"{head.config.target_hidden_size}, not {target_model.config.hidden_size}")
+        return head
+    head = Eagle3Head.from_target(target_model, draft_vocab_size=len(vocab_map["d2t"]),
+                                  aux_layer_ids=cfg.aux_layer_ids, target=cfg.target)
+    head.set_vocab_map(vocab_map["d2t"], vocab_map["t2d"])
+    return head
+
+
+def count_weighted(key: str, metrics: dict) -> str | None:
+    """The count_i that weights `acc_i` / `loss_i`, if present."""
+    name, _, i = key.rpartition("_")
+    return f"count_{i}" if name in ("acc", "loss") and f"count_{i}" in metrics else None
+
+
+def pool_metrics(per_batch: list[dict], accelerator, keys=None) -> dict[str, float]:
+    """Pool micro-batch metrics over batches and processes (see the module docstring); a process
+    with no batches passes the `keys` the others report and contributes nothing."""
+    keys = sorted(keys or per_batch[0])
+    sums = torch.zeros(2 * len(keys), dtype=torch.float64)
+    for m in per_batch:
+        for k, key in enumerate(keys):
+            w = float(m[count_weighted(key, m)]) if count_weighted(key, m) else 1.0
+            sums[2 * k] += float(m[key]) * (1.0 if key.startswith("count_") else w)
+            sums[2 * k + 1] += 0.0 if key.startswith("count_") else w
+    sums = accelerator.reduce(sums.to(accelerator.device), "sum").cpu()
+    out = {key: float(sums[2 * k] / sums[2 * k + 1]) if not key.startswith("count_") else float(sums[2 * k])
+           for k, key in enumerate(keys) if key.startswith("count_") or sums[2 * k + 1] > 0}
+    accs = [out[f"acc_{i}"] for i in range(len(keys)) if f"acc_{i}" in out]
+    if accs:
+        out["sim_al"] = simulated_acceptance_length(accs)
+    return out
+
+
+def cosine_with_warmup(warmup: int, total: int, min_ratio: float):
+    def factor(step):
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+# ------------------------------------------------------------------------------------ checkpoints
+
+
+def checkpoint_dirs(output_dir) -> list[Path]:
+    """Finished checkpoints (trainer_state.json is written last), oldest first."""
+    found = [p for p in Path(output_dir).glob("checkpoint-*") if (p / "trainer_state.json").is_file()]
+    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+
+
+def resolve_resume(cfg: TrainConfig) -> Path | None:
+    if cfg.resume == "auto":
+        found = checkpoint_dirs(cfg.output_dir)
+        return found[-1] if found else None
+    if cfg.resume:
+        path = Path(cfg.resume)
+        if not (path / "trainer_state.json").is_file():
+            raise FileNotFoundError(f"{path} is not a finished checkpoint (no trainer_state.json)")
+        return path
+    return None
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def load_head_weights(head: nn.Module, directory: Path) -> None:
+    missing, unexpected = head.load_state_dict(load_file(directory / "model.safetensors"), strict=False)
+    missing = [k for k in missing if not k.startswith("embed_tokens.")]
+    if missing or unexpected:
+        raise ValueError(f"{directory}: missing tensors {missing}, unexpected tensors {unexpected}")
+
+
+def save_checkpoint(accelerator, model, optimizer, scheduler, state: dict, cfg: TrainConfig) -> Path:
+    """<output_dir>/checkpoint-<step>/{head/, optimizer.pt, scheduler.pt, rng-<rank>.pt, trainer_state.json}."""
+    path = Path(cfg.output_dir) / f"checkpoint-{state['step']}"
+    full = accelerator.get_state_dict(model)  # gathers FSDP/ZeRO-3 shards; every process must call it
+    sharded_optim = accelerator.distributed_type.value in ("FSDP", "DEEPSPEED")
+    if accelerator.is_main_process:
+        (path / "head").mkdir(parents=True, exist_ok=True)
+        head = accelerator.unwrap_model(model).head
+        head.config.save(path / "head")
+        tensors = {k.removeprefix("head."): v.detach().contiguous().cpu() for k, v in full.items()
+                   if not k.removeprefix("head.").startswith("embed_tokens.")}
+        save_file(tensors, path / "head" / "model.safetensors")
+        torch.save(scheduler.state_dict(), path / "scheduler.pt")
+        if not sharded_optim:
+            torch.save(optimizer.state_dict(), path / "optimizer.pt")
+    accelerator.wait_for_everyone()
+    if sharded_optim:  # each process keeps its shard; resuming these needs the same process count
+        torch.save(optimizer.state_dict(), path / f"optimizer-rank{accelerator.process_index}.pt")
+    torch.save(rng_state(), path / f"rng-rank{accelerator.process_index}.pt")
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        (path / "trainer_state.json").write_text(json.dumps({**state, "config": cfg.to_dict()}, indent=2))
+        for old in checkpoint_dirs(cfg.output_dir)[:-cfg.keep_checkpoints]:
+            shutil.rmtree(old)
+    accelerator.wait_for_everyone()
+    return path
+
+
+# ------------------------------------------------------------------------------------ logging
+
+
+class Reporter:
+    """Console lines, a metrics.jsonl in output_dir, and TensorBoard or wandb (main process only)."""
+
+    def __init__(self, cfg: TrainConfig, accelerator):
+        self.main = accelerator.is_main_process
+        self.tb = self.wandb = None
+        self.jsonl = Path(cfg.output_dir) / "metrics.jsonl"
+        if not self.main:
+            return
+        if cfg.report_to == "tensorboard":
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                print("tensorboard is not installed: logging to the console and metrics.jsonl only")
+            else:
+                self.tb = SummaryWriter(str(Path(cfg.output_dir) / "tensorboard" / (cfg.run_name or "run")))
+        elif cfg.report_to == "wandb":
+            import wandb
+
+            if not os.environ.get("WANDB_API_KEY"):
+                os.environ.setdefault("WANDB_MODE", "offline")
+            self.wandb = wandb.init(project="eagle-train", name=cfg.run_name or None, config=cfg.to_dict(),
+                                    dir=cfg.output_dir)
+
+    def log(self, step: int, metrics: dict, prefix: str):
+        if not self.main:
+            return
+        with open(self.jsonl, "a") as f:
+            f.write(json.dumps({"step": step, "split": prefix, **metrics}) + "\n")
+        if self.tb is not None:
+            for k, v in metrics.items():
+                self.tb.add_scalar(f"{prefix}/{k}", v, step)
+        if self.wandb is not None:
+            self.wandb.log({f"{prefix}/{k}": v for k, v in metrics.items()}, step=step)
+
+    def close(self):
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def summary(metrics: dict, steps: int = 3) -> str:
+    accs = " ".join(f"{metrics[f'acc_{i}']:.3f}" for i in range(steps) if f"acc_{i}" in metrics)
+    return f"loss {metrics['loss']:.4f} | acc {accs} | sim AL {metrics.get('sim_al', float('nan')):.3f}"
+
+
+# ------------------------------------------------------------------------------------ the loop
+
+
+def make_accelerator(cfg: TrainConfig):
+    from accelerate import Accelerator
+
+    cuda = torch.cuda.is_available()
+    mixed = cfg.mixed_precision if cfg.mixed_precision != "auto" else ("bf16" if cuda else "no")
+    return Accelerator(cpu=not cuda, mixed_precision=mixed)
+
+
+def evaluate(model, objective, data, batches, source, cfg, accelerator) -> dict | None:
+    """Pooled metrics over the eval micro-batches, split round-robin over processes. Processes with
+    fewer batches repeat one without counting it, so sharded models see the same number of passes."""
+    if not batches:
+        return None
+    w, r = accelerator.num_processes, accelerator.process_index
+    mine = batches[r::w]
+    rounds = math.ceil(len(batches) / w)
+    results = []
+    with torch.no_grad():
+        for k, padded in enumerate(loader(data, mine + batches[:1] * (rounds - len(mine)), cfg, not source.online)):
+            metrics = objective(model, source(padded), lambda loss: None)
+            if k < len(mine):
+                results.append(metrics)
+    return pool_metrics(results, accelerator, keys=metrics.keys())
+
+
+def train(cfg: TrainConfig, build_head, objective, *, stop_at_step: int | None = None) -> dict:
+    """Run (or resume) training; returns {"history", "eval_before", "eval_after", "checkpoint", "world_size"}.
+
+    `stop_at_step` ends the run right after that step's checkpoint, as a kill would (for tests).
+    """
+    target_config = load_target_config(cfg.target)
+    validate(cfg, target_config)  # before any compute
+    resume_from = resolve_resume(cfg)
+    accelerator = make_accelerator(cfg)
+    device, world, rank = accelerator.device, accelerator.num_processes, accelerator.process_index
+    accum = cfg.gradient_accumulation_steps
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+
+    data = ShardedSamples(cfg.data_path, dtype=torch.float32)
+    lengths = [min(n, cfg.max_length) for n in data.lengths()]
+    train_ids, eval_ids = split_indices(len(data), cfg.eval_fraction, cfg.seed)
+
+    # Offline needs only the embedding and lm_head; loading on CPU keeps the rest off the GPU.
+    online = cfg.mode == "online"
+    target_model, _ = load_target(cfg.target, dtype=None if online else torch.float32,
+                                  device=device if online else "cpu")
+    head = build_head(cfg, target_model, None if cfg.init_from else read_vocab_map(cfg.data_path))
+    aux_ids = list(head.config.aux_layer_ids)
+    manifest = read_manifest(cfg.data_path)
+    if manifest["format"] == "eagle-hidden-states" and not online and manifest["aux_layer_ids"] != aux_ids:
+        raise ValueError(f"the head reads aux layers {aux_ids} but {cfg.data_path} holds {manifest['aux_layer_ids']}: "
+                         "train online or capture a store with the head's layers")
+    if resume_from is not None:
+        load_head_weights(head, resume_from / "head")
+    head.float()
+    source = BatchSource(cfg, target_model, head.t2d, aux_ids, device)
+    if not online:
+        del target_model
+
+    model = accelerator.prepare(HeadRunner(head))
+    params = [p for p in model.parameters() if p.requires_grad]
+    raw_optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=tuple(cfg.adam_betas),
+                                      weight_decay=cfg.weight_decay)
+    per_step = world * accum
+    epochs = [epoch_batches(train_ids, lengths, cfg.tokens_per_batch, cfg.seed, e) for e in range(cfg.num_epochs)]
+    total_steps = cfg.max_steps if cfg.max_steps > 0 else sum(len(b) // per_step for b in epochs)
+    if total_steps == 0 or len(epochs[0]) < per_step:
+        raise ValueError(f"{len(train_ids)} training samples make {len(epochs[0])} micro-batches of "
+                         f"<= {cfg.tokens_per_batch} tokens, fewer than one step needs ({world} processes x "
+                         f"{accum} accumulation): use more data or a smaller tokens_per_batch")
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        raw_optimizer, cosine_with_warmup(cfg.warmup_steps, total_steps, cfg.min_lr_ratio))
+    optimizer = accelerator.prepare(raw_optimizer)
+
+    state = {"step": 0, "epoch": 0, "epoch_samples": 0, "samples_consumed": 0, "tokens_consumed": 0,
+             "num_processes": world, "total_steps": total_steps}
+    if resume_from is not None:
+        saved = json.loads((resume_from / "trainer_state.json").read_text())
+        state.update({k: saved[k] for k in ("step", "epoch", "epoch_samples", "samples_consumed", "tokens_consumed")})
+        optim_file = resume_from / "optimizer.pt"
+        if not optim_file.is_file():
+            optim_file = resume_from / f"optimizer-rank{rank}.pt"
+        optimizer.load_state_dict(torch.load(optim_file, map_location="cpu", weights_only=False))
+        scheduler.load_state_dict(torch.load(resume_from / "scheduler.pt", weights_only=False))
+        if (resume_from / f"rng-rank{rank}.pt").is_file():
+            set_rng_state(torch.load(resume_from / f"rng-rank{rank}.pt", weights_only=False))
+        accelerator.print(f"resumed from {resume_from}: step {state['step']}, {state['samples_consumed']} samples "
+                          f"consumed (saved by {saved['num_processes']} processes, now {world})")
+
+    Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+    reporter = Reporter(cfg, accelerator)
+    eval_batches = pack_by_length(eval_ids, lengths, cfg.tokens_per_batch)
+    result = {"history": [], "eval_before": None, "eval_after": None, "world_size": world}
+    accelerator.print(f"{cfg.method} on {cfg.target} ({cfg.mode}): {len(train_ids)} train / {len(eval_ids)} eval "
+                      f"samples, {total_steps} steps of {per_step} micro-batches (<= {cfg.tokens_per_batch} tokens "
+                      f"each), {world} process(es) on {device}")
+    if state["step"] == 0:
+        result["eval_before"] = evaluate(model, objective, data, eval_batches, source, cfg, accelerator)
+        if result["eval_before"]:
+            reporter.log(0, result["eval_before"], "eval")
+            accelerator.print(f"eval before training: {summary(result['eval_before'])}")
+
+    def backward(loss):
+        accelerator.backward(loss / accum)
+
+    bar = tqdm(total=total_steps, initial=state["step"], disable=not accelerator.is_main_process, desc="train")
+    last_saved = None
+    while state["step"] < total_steps:
+        e = state["epoch"]
+        batches = epochs[e] if e < len(epochs) else epoch_batches(train_ids, lengths, cfg.tokens_per_batch, cfg.seed, e)
+        done, skip = 0, 0
+        while done < state["epoch_samples"] and skip < len(batches):
+            done += len(batches[skip])
+            skip += 1
+        if done != state["epoch_samples"]:
+            raise ValueError(f"checkpoint data position {state['epoch_samples']} in epoch {e} is not a batch "
+                             "boundary: the data, seed or tokens_per_batch changed since it was saved")
+        batches = batches[skip:]
+        steps = batches[: len(batches) // per_step * per_step]
+        mine = [b for s in range(0, len(steps), per_step) for b in steps[s:s + per_step][rank::world]]
+        stream = iter(loader(data, mine, cfg, not online))
+        for s in range(0, len(steps), per_step):
+            start = time.perf_counter()
+            per_batch = []
+            for j in range(accum):
+                padded = next(stream)
+                sync = contextlib.nullcontext() if j == accum - 1 else accelerator.no_sync(model)
+                with sync:
+                    per_batch.append(objective(model, source(padded), backward))
+            grad_norm = accelerator.clip_grad_norm_(params, cfg.max_grad_norm) if cfg.max_grad_norm > 0 else None
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+
+            group = steps[s:s + per_step]
+            tokens = sum(lengths[i] for b in group for i in b)
+            state["step"] += 1
+            state["epoch_samples"] += sum(len(b) for b in group)
+            state["samples_consumed"] += sum(len(b) for b in group)
+            state["tokens_consumed"] += tokens
+            metrics = pool_metrics(per_batch, accelerator)
+            metrics.update(lr=scheduler.get_last_lr()[0], tokens_per_s=tokens / (time.perf_counter() - start))
+            if grad_norm is not None:
+                metrics["grad_norm"] = float(grad_norm)
+            result["history"].append(metrics)
+            reporter.log(state["step"], metrics, "train")
+            bar.update(1)
+            bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc0=f"{metrics.get('acc_0', 0):.3f}",
+                            al=f"{metrics.get('sim_al', 0):.2f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
+            if cfg.log_every and state["step"] % cfg.log_every == 0 and accelerator.is_main_process:
+                bar.write(f"step {state['step']}/{total_steps} | {summary(metrics)} | lr {metrics['lr']:.2e} | "
+                          f"{metrics['tokens_per_s']:.0f} tok/s")
+            if cfg.eval_every and state["step"] % cfg.eval_every == 0 and state["step"] < total_steps:
+                ev = evaluate(model, objective, data, eval_batches, source, cfg, accelerator)
+                if ev:
+                    reporter.log(state["step"], ev, "eval")
+                    accelerator.print(f"eval step {state['step']}: {summary(ev)}")
+            if cfg.save_every and state["step"] % cfg.save_every == 0:
+                last_saved = save_checkpoint(accelerator, model, optimizer, scheduler, state, cfg)
+            if state["step"] == stop_at_step:
+                if last_saved is None or last_saved.name != f"checkpoint-{state['step']}":
+                    last_saved = save_checkpoint(accelerator, model, optimizer, scheduler, state, cfg)
+                bar.close()
+                reporter.close()
+                return {**result, "checkpoint": last_saved}
+            if state["step"] >= total_steps:
+                break
+        if state["step"] < total_steps:
+            state["epoch"] += 1
+            state["epoch_samples"] = 0
+    bar.close()
+
+    if last_saved is None or last_saved.name != f"checkpoint-{state['step']}":
+        last_saved = save_checkpoint(accelerator, model, optimizer, scheduler, state, cfg)
+    result["eval_after"] = evaluate(model, objective, data, eval_batches, source, cfg, accelerator)
+    if result["eval_after"]:
+        reporter.log(state["step"], result["eval_after"], "eval")
+        accelerator.print(f"eval after training: {summary(result['eval_after'])}")
+    if accelerator.is_main_process:
+        final = Path(cfg.output_dir) / "final"
+        shutil.rmtree(final, ignore_errors=True)
+        shutil.copytree(last_saved / "head", final)
+        print(f"final head: {final} ({state['step']} steps, {state['tokens_consumed']} tokens)")
+    accelerator.wait_for_everyone()
+    reporter.close()
+    result["checkpoint"] = last_saved
+    return result

@@ -1,0 +1,178 @@
+"""The trainer on the real SmolLM2 target: config errors before compute, offline == online, exact
+resume, init_from, checkpoints that load, and 2-process training (accelerate launch, gloo)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle_train.checkpoint import load_draft_head
+from eagle_train.train_config import load_train_config
+from eagle_train.trainer import build_eagle3_head, epoch_batches, train
+from eagle_train.ttt import eagle3_objective
+
+REPO = Path(__file__).resolve().parents[1]
+DRAFT_VOCAB = 256  # keeps the draft lm_head (the head's largest matmul) small on the CPU
+
+
+def with_small_vocab_map(path):
+    from data_prep.vocab import make_vocab_map
+
+    make_vocab_map(path, 49152, DRAFT_VOCAB)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tokenized(tmp_path_factory, small_tokenized):
+    """A private copy of the tokenized conversations with a 256-token draft vocabulary."""
+    path = tmp_path_factory.mktemp("trainer") / "tokenized"
+    shutil.copytree(small_tokenized, path)
+    return with_small_vocab_map(path)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory, tokenized, smollm2):
+    """fp32 hidden-state store of the same conversations, captured by data_prep (same vocab map)."""
+    from data_prep.capture import capture
+
+    path = tmp_path_factory.mktemp("trainer") / "store"
+    capture(smollm2[0], tokenized, path, target_name="smollm2-135m", dtype="float32", token_budget=512,
+            pad_id=smollm2[1].pad_token_id, progress=False)
+    return with_small_vocab_map(path)
+
+
+def config(data_path, out, *overrides):
+    base = [f"data_path={data_path}", f"output_dir={out}", "ttt_length=3", "tokens_per_batch=128", "max_length=128",
+            "learning_rate=1e-3", "warmup_steps=2", "eval_fraction=0", "report_to=none", "log_every=0", "seed=0"]
+    return load_train_config(None, base + list(overrides))
+
+
+def run(cfg, **kwargs):
+    objective = eagle3_objective(cfg.ttt_length, cfg.ttt_decay, cfg.gradient_checkpointing)
+    return train(cfg, build_eagle3_head, objective, **kwargs)
+
+
+def losses(result):
+    return [m["loss"] for m in result["history"]]
+
+
+def test_overrides_are_typed_and_unknown_keys_name_the_valid_ones():
+    cfg = load_train_config(REPO / "configs" / "eagle3_smollm2.yaml",
+                            ["learning_rate=2e-4", "ttt_length=5", "aux_layer_ids=[2,15,27]", "gradient_checkpointing=true",
+                             "adam_betas=0.9,0.99", "draft_vocab_size=null"])
+    assert (cfg.learning_rate, cfg.ttt_length, cfg.aux_layer_ids) == (2e-4, 5, [2, 15, 27])
+    assert cfg.gradient_checkpointing is True and cfg.adam_betas == [0.9, 0.99] and cfg.draft_vocab_size is None
+    with pytest.raises(ValueError, match=r"unknown config key\(s\) \['lerning_rate'\]; valid keys: .*learning_rate"):
+        load_train_config(None, ["lerning_rate=1e-4"])
+    with pytest.raises(ValueError, match="'ttt_length' expects int, got 'seven'"):
+        load_train_config(None, ["ttt_length=seven"])
+    with pytest.raises(ValueError, match="not key=value"):
+        load_train_config(None, ["ttt_length"])
+
+
+@pytest.mark.parametrize("overrides, error, match", [
+    (["draft_vocab_size=50000"], ValueError, "draft_vocab_size 50000 is larger than the target vocabulary 49152"),
+    (["ttt_length=0"], ValueError, "ttt_length must be >= 1"),
+    (["data_path=/nonexistent/store"], FileNotFoundError, "data_path /nonexistent/store does not exist"),
+    (["draft_vocab_size=1000"], ValueError, "differs from the data's vocab map"),
+    (["aux_layer_ids=[3,15,27]"], ValueError, "store holds aux layers"),
+    (["resume=/nonexistent/ckpt"], FileNotFoundError, "resume checkpoint"),
+])
+def test_bad_runs_fail_before_any_compute(monkeypatch, store, tmp_path, overrides, error, match):
+    def no_compute(*args, **kwargs):
+        raise AssertionError("the target was loaded before the config was checked")
+
+    monkeypatch.setattr("eagle_train.trainer.load_target", no_compute)
+    with pytest.raises(error, match=match):
+        run(config(store, tmp_path, *overrides))
+
+
+def test_a_store_from_another_target_or_a_dataset_without_hidden_states_is_refused(
+        monkeypatch, store, tokenized, tiny_llama_dir, tmp_path):
+    monkeypatch.setattr("eagle_train.trainer.load_target", lambda *a, **k: pytest.fail("target loaded"))
+    with pytest.raises(ValueError, match="does not match target"):
+        run(config(store, tmp_path, f"target={tiny_llama_dir}"))
+    with pytest.raises(ValueError, match="tokenized dataset without hidden states: train with mode=online"):
+        run(config(tokenized, tmp_path, "mode=offline"))
+
+
+def test_offline_and_online_training_give_the_same_step0_loss(store, tokenized, tmp_path):
+    offline = run(config(store, tmp_path / "off", "max_steps=1"))
+    online = run(config(tokenized, tmp_path / "on", "max_steps=1", "mode=online"))
+    a, b = offline["history"][0], online["history"][0]
+    assert a["count_0"] == b["count_0"] > 10
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+    assert a["acc_0"] == pytest.approx(b["acc_0"], abs=1e-6)
+    assert a["loss"] > 0
+
+
+def test_batches_are_length_grouped_within_budget_and_seeded():
+    lengths = [5, 90, 30, 31, 64, 7, 100, 12, 45, 46]
+    batches = epoch_batches(list(range(10)), lengths, 128, seed=3, epoch=0)
+    assert sorted(i for b in batches for i in b) == list(range(10))
+    assert all(len(b) * max(lengths[i] for i in b) <= 128 or len(b) == 1 for b in batches)
+    assert batches == epoch_batches(list(range(10)), lengths, 128, seed=3, epoch=0)
+    assert batches != epoch_batches(list(range(10)), lengths, 128, seed=3, epoch=1)
+
+
+def test_resume_after_a_stop_continues_the_identical_loss_curve(store, smollm2, tmp_path):
+    overrides = ["num_epochs=2", "eval_fraction=0.2", "save_every=2"]
+    straight = run(config(store, tmp_path / "a", *overrides))
+    n = len(straight["history"])
+    assert n >= 6
+    stop = n // 2 + 1  # mid-epoch, off the save_every grid: the stop writes its own checkpoint
+    first = run(config(store, tmp_path / "b", *overrides), stop_at_step=stop)
+    ckpt = first["checkpoint"]
+    assert ckpt.name == f"checkpoint-{stop}"
+    assert {p.name for p in ckpt.iterdir()} == {"head", "optimizer.pt", "scheduler.pt", "rng-rank0.pt",
+                                                "trainer_state.json"}
+    saved = json.loads((ckpt / "trainer_state.json").read_text())
+    assert saved["step"] == stop and saved["num_processes"] == 1 and saved["samples_consumed"] > 0
+    resumed = run(config(store, tmp_path / "b", *overrides, "resume=auto"))
+    assert losses(first) == losses(straight)[:stop]
+    assert losses(resumed) == losses(straight)[stop:]  # bit-identical on CPU, fp32
+    assert resumed["eval_after"] == straight["eval_after"]
+    assert straight["eval_after"]["loss"] < straight["eval_before"]["loss"]
+
+    # <output_dir>/final is the last head; it loads through the common loader, shares the target embedding
+    model = smollm2[0]
+    head = load_draft_head(tmp_path / "b" / "final", model)
+    again = load_draft_head(resumed["checkpoint"], model)
+    for k, v in head.saved_state_dict().items():
+        assert torch.equal(v, again.saved_state_dict()[k]), k
+    assert head.embed_tokens.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+
+    # init_from that head: training starts exactly where it ended
+    init = run(config(store, tmp_path / "c", *overrides, "max_steps=1", f"init_from={tmp_path / 'b' / 'final'}"))
+    assert init["eval_before"] == straight["eval_after"]
+
+
+@pytest.mark.slow
+def test_two_processes_train_and_the_loss_decreases(store, tmp_path):
+    """accelerate launch with 2 CPU processes (gloo): world size 2 inside the run, loss goes down."""
+    out = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           str(REPO / "scripts" / "train_eagle3.py"), f"data_path={store}", f"output_dir={out}", "num_epochs=6",
+           "ttt_length=3", "tokens_per_batch=128", "max_length=128", "learning_rate=2e-3", "warmup_steps=2",
+           "eval_fraction=0", "report_to=none", "log_every=1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    state = json.loads((out / f"checkpoint-{_last_step(out)}" / "trainer_state.json").read_text())
+    assert state["num_processes"] == 2
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train_losses = [r["loss"] for r in rows if r["split"] == "train"]
+    assert len(train_losses) == state["step"] >= 6
+    k = len(train_losses) // 3
+    assert sum(train_losses[-k:]) / k < 0.9 * sum(train_losses[:k]) / k
+    assert load_draft_head(out / "final").config.draft_vocab_size == DRAFT_VOCAB
+
+
+def _last_step(out: Path) -> int:
+    return max(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*"))
