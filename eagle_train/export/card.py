@@ -4,7 +4,7 @@ how well it drafts (when eagle-eval's results are given) and how to serve it."""
 import json
 from pathlib import Path
 
-from eagle_train.export.layouts import PROVENANCE_KEY
+from eagle_train.export.layouts import PROVENANCE_KEY, servable_target
 
 SERVE = {
     "eagle3": """```bash
@@ -63,7 +63,8 @@ def write_model_card(out: Path, config: dict, layout_name: str, dtype, eval_resu
             eval_results = json.loads(Path(eval_results).read_text())
         lines += ["", "## Measured with eagle-eval", ""] + (eval_summary(eval_results) or
                                                             ["- (the results file reports no acceptance length)"])
-    lines += ["", "## Serving", "", SERVE[layout_name].format(target=target, out=out) if layout_name in SERVE
+    lines += ["", "## Serving", "", SERVE[layout_name].format(target=servable_target(target), out=out)
+              if layout_name in SERVE
               else "See docs/deploying.md.", ""]
     path = out / "README.md"
     path.write_text("\n".join(lines))

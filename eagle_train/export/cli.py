@@ -38,6 +38,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, help="training steps for the model card (default: from checkpoint-N)")
     p.add_argument("--speculative-tokens", type=int, default=3, help="draft tokens per step vLLM uses for a "
                                                                      "speculators export (default 3)")
+    p.add_argument("--verifier", help="the target as vLLM should load it, for a speculators export (default: "
+                                      "the head's target; embedded aliases map to their hub id)")
     p.add_argument("--check", metavar="DIR", help="report what each engine would do with DIR")
     p.add_argument("--engine", choices=[*ENGINE_NAMES, "all"], help="engine for --check (default: the engines "
                                                                   "the directory's layout is meant for)")
@@ -106,6 +108,8 @@ def run(args) -> int:
     provenance.update({k: v for k, v in (("data", args.data), ("steps", args.steps)) if v is not None})
     if args.format == "speculators":
         provenance["speculative_tokens"] = args.speculative_tokens
+        if args.verifier:
+            provenance["verifier"] = args.verifier
     if args.eval_results:
         provenance["eval_results"] = args.eval_results
     out = export_head(head, args.out, args.format, dtype=args.dtype, **provenance)

@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 from eagle_train.draft_config import DraftConfig, target_rope
 from eagle_train.export.layouts import PROVENANCE_KEY, detect_layout, draft_config_from_llama
 from eagle_train.hidden_states import default_aux_layer_ids
+from eagle_train.target import HUB_IDS
 
 ENGINE_NAMES = ("vllm", "sglang", "trtllm")
 MASK_TOKEN_KEYS = ("ptd_token_id", "pard_token", "mask_token_id")
@@ -376,6 +377,11 @@ def check_config_keys(report, eng, files, llama, layout_name, cfg):
     elif norm_first:
         report.add("error", f"norm_before_residual true: {eng.title} ignores the key and keeps the un-normed "
                             "residual, so this head's outputs would silently differ; serve it with vLLM")
+    if layout_name == "speculators" and name == "vllm":
+        verifier = ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+        if not verifier or verifier in HUB_IDS:
+            report.add("error", f"speculators_config.verifier.name_or_path is {verifier!r}: `vllm serve DIR` cannot "
+                                "load the target from it; write its hub id or path (eagle-export --verifier)")
     if llama.get("tie_word_embeddings"):
         sev = "warning" if name == "vllm" else "error"
         report.add(sev, f"tie_word_embeddings true: {eng.title} may tie the draft lm_head to the embedding; "

@@ -25,6 +25,7 @@ import torch
 
 from eagle_train.draft_config import DraftConfig, target_rope
 from eagle_train.hidden_states import default_aux_layer_ids
+from eagle_train.target import HUB_IDS
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 PROVENANCE_KEY = "eagle_train"  # our own block in config.json; every engine ignores unknown keys
@@ -74,6 +75,11 @@ def provenance(cfg: DraftConfig, extra: dict) -> dict:
     if cfg.num_depths:
         ours["num_depths"] = cfg.num_depths
     return {**ours, **extra}
+
+
+def servable_target(target: str) -> str:
+    """The name an engine loads the target by (an embedded alias becomes the hub id it came from)."""
+    return HUB_IDS.get(target, target)
 
 
 def non_default_aux_ids(cfg: DraftConfig) -> list[int] | None:
@@ -165,6 +171,7 @@ def is_eagle3(config: dict) -> bool:
 def speculators_config(cfg: DraftConfig, dtype: torch.dtype, extra: dict) -> dict:
     extra = dict(extra)
     tokens = int(extra.pop("speculative_tokens", 3))
+    verifier = extra.pop("verifier", None) or servable_target(cfg.target)
     layer = llama_keys(cfg, dtype)
     peagle = cfg.method == "peagle"
     config = {
@@ -182,7 +189,7 @@ def speculators_config(cfg: DraftConfig, dtype: torch.dtype, extra: dict) -> dic
             "algorithm": cfg.method,
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": tokens}],
             "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": cfg.target, "architectures": list(cfg.target_architectures)},
+            "verifier": {"name_or_path": verifier, "architectures": list(cfg.target_architectures)},
         },
     }
     if cfg.target_hidden_size != cfg.hidden_size:
