@@ -242,7 +242,7 @@ def set_rng_state(state: dict) -> None:
 
 def load_head_weights(head: nn.Module, directory: Path) -> None:
     missing, unexpected = head.load_state_dict(load_file(directory / "model.safetensors"), strict=False)
-    missing = [k for k in missing if not k.startswith("embed_tokens.")]
+    missing = [k for k in missing if k in head.saved_state_dict()]  # EAGLE-3 shares the target's embedding
     if missing or unexpected:
         raise ValueError(f"{directory}: missing tensors {missing}, unexpected tensors {unexpected}")
 
@@ -256,8 +256,9 @@ def save_checkpoint(accelerator, model, optimizer, scheduler, state: dict, cfg: 
         (path / "head").mkdir(parents=True, exist_ok=True)
         head = accelerator.unwrap_model(model).head
         head.config.save(path / "head")
+        saved = head.saved_state_dict()  # EAGLE-3 leaves the frozen target embedding out, P-EAGLE keeps its own
         tensors = {k.removeprefix("head."): v.detach().contiguous().cpu() for k, v in full.items()
-                   if not k.removeprefix("head.").startswith("embed_tokens.")}
+                   if k.removeprefix("head.") in saved}
         save_file(tensors, path / "head" / "model.safetensors")
         torch.save(scheduler.state_dict(), path / "scheduler.pt")
         if not sharded_optim:
@@ -364,6 +365,9 @@ def train(cfg: TrainConfig, build_head, objective, *, stop_at_step: int | None =
     accelerator = make_accelerator(cfg)
     device, world, rank = accelerator.device, accelerator.num_processes, accelerator.process_index
     accum = cfg.gradient_accumulation_steps
+    if accelerator.distributed_type.value == "DEEPSPEED" and accum != 1:
+        raise ValueError("DeepSpeed steps its optimizer inside every backward: use gradient_accumulation_steps=1 "
+                         "(raise tokens_per_batch or the process count instead), or DDP/FSDP")
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
