@@ -30,6 +30,11 @@ class TrainConfig:
     # the objective
     ttt_length: int = 7
     ttt_decay: float = 0.8
+    # P-EAGLE (method peagle; checked by eagle_train.peagle_train.validate_peagle)
+    num_depths: int = 7  # K: drafts per forward
+    draft_num_layers: int | None = None  # N: None -> 2 below target hidden 2048, else 4
+    mask_token_id: int | None = None  # None: a spare special token the data never uses
+    num_segments: int | None = None  # sequence partitioning; None -> peagle_batch.default_num_segments
     # batching (per process): padded tokens per micro-batch; longer samples are truncated
     max_length: int = 2048
     tokens_per_batch: int = 8192
