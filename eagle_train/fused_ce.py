@@ -65,26 +65,23 @@ def soft_cross_entropy(hidden, weight, target_probs, target_rows=None, chunk_siz
         dtype = torch.get_autocast_dtype(device_type)
         hidden, weight = hidden.to(dtype), weight.to(dtype)
     with torch.autocast(device_type, enabled=False):
-        loss, draft_argmax = _SoftCrossEntropy.apply(hidden, weight, target_probs, target_rows.long(),
-                                                     chunk_size, impl == "triton")
-    agree = draft_argmax == target_probs.argmax(-1)[target_rows]
-    return loss, agree
+        loss, draft_argmax, target_argmax = _SoftCrossEntropy.apply(hidden, weight, target_probs, target_rows.long(),
+                                                                    chunk_size, impl == "triton")
+    return loss, draft_argmax == target_argmax
 
 
 class _SoftCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, probs, rows, chunk_size, use_triton):
-        if use_triton:
-            lse, psum, pz, draft_argmax = _triton_forward(hidden, weight, probs, rows)
-        else:
-            lse, psum, pz, draft_argmax = _chunked_forward(hidden, weight, probs, rows, chunk_size)
+        forward = _triton_forward if use_triton else _chunked_forward
+        lse, psum, pz, draft_argmax, target_argmax = forward(hidden, weight, probs, rows, chunk_size)
         ctx.save_for_backward(hidden, weight, probs, rows, lse, psum)
         ctx.chunk_size, ctx.use_triton = chunk_size, use_triton
-        ctx.mark_non_differentiable(draft_argmax)
-        return lse * psum - pz, draft_argmax
+        ctx.mark_non_differentiable(draft_argmax, target_argmax)
+        return lse * psum - pz, draft_argmax, target_argmax
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_argmax):
+    def backward(ctx, grad_loss, _grad_draft_argmax, _grad_target_argmax):
         hidden, weight, probs, rows, lse, psum = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[:2]
         acc = lse.dtype
@@ -115,6 +112,8 @@ def _chunked_forward(hidden, weight, probs, rows, chunk_size):
     run_sum, pz, psum = torch.zeros(n, **acc), torch.zeros(n, **acc), torch.zeros(n, **acc)
     best = torch.full((n,), float("-inf"), **acc)
     best_idx = torch.zeros(n, dtype=torch.long, device=hidden.device)
+    best_p = torch.full((n,), float("-inf"), **acc)
+    best_p_idx = torch.zeros(n, dtype=torch.long, device=hidden.device)
     for c0 in range(0, weight.shape[0], chunk_size):
         w = weight[c0:c0 + chunk_size]
         z = (hidden @ w.t()).to(acc["dtype"])
@@ -125,28 +124,32 @@ def _chunked_forward(hidden, weight, probs, rows, chunk_size):
         better = chunk_max > best  # strict: ties keep the earlier id, like torch.argmax
         best_idx = torch.where(better, chunk_idx + c0, best_idx)
         best = torch.maximum(best, chunk_max)
+        p_max, p_idx = p.max(-1)
+        best_p_idx = torch.where(p_max > best_p, p_idx + c0, best_p_idx)
+        best_p = torch.maximum(best_p, p_max)
         new_max = torch.maximum(run_max, chunk_max)
         run_sum = run_sum * torch.exp(run_max - new_max) + torch.exp(z - new_max[:, None]).sum(-1)
         run_max = new_max
-    return run_max + torch.log(run_sum), psum, pz, best_idx
+    return run_max + torch.log(run_sum), psum, pz, best_idx, best_p_idx
 
 
 # ------------------------------------------------------------------------------------ Triton path
 
-def _triton_forward(hidden, weight, probs, rows):
+def _triton_forward(hidden, weight, probs, rows, chunk_size=None):
     n, h = hidden.shape
     v = weight.shape[0]
     out = [torch.empty(n, dtype=torch.float32, device=hidden.device) for _ in range(3)]
     draft_argmax = torch.empty(n, dtype=torch.int64, device=hidden.device)
+    target_argmax = torch.empty(n, dtype=torch.int64, device=hidden.device)
     hidden, weight = hidden.contiguous(), weight.contiguous()
     block_n, block_v, block_k = 64, 128, 32
     grid = (triton.cdiv(n, block_n),)
     # fp32 inputs get true fp32 products (the reference); bf16/fp16 inputs use the tensor cores.
     precision = "ieee" if hidden.dtype == torch.float32 else "tf32"
-    _fused_forward_kernel[grid](hidden, weight, probs, rows, *out, draft_argmax, n, v, h, probs.stride(0),
+    _fused_forward_kernel[grid](hidden, weight, probs, rows, *out, draft_argmax, target_argmax, n, v, h, probs.stride(0),
                                 BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_K=block_k, DOT_PRECISION=precision)
     lse, psum, pz = out
-    return lse, psum, pz, draft_argmax
+    return lse, psum, pz, draft_argmax, target_argmax
 
 
 def _triton_softmax_grad_(z, probs, rows, c0, lse, psum, g):
@@ -161,7 +164,7 @@ def _triton_softmax_grad_(z, probs, rows, c0, lse, psum, g):
 if triton is not None:
 
     @triton.jit
-    def _fused_forward_kernel(h_ptr, w_ptr, p_ptr, rows_ptr, lse_ptr, psum_ptr, pz_ptr, argmax_ptr,
+    def _fused_forward_kernel(h_ptr, w_ptr, p_ptr, rows_ptr, lse_ptr, psum_ptr, pz_ptr, argmax_ptr, p_argmax_ptr,
                               N, V, H, p_stride, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
                               BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
         """One program per BLOCK_N rows: loop over vocab blocks, logits stay in registers.
@@ -178,6 +181,8 @@ if triton is not None:
         psum = tl.zeros((BLOCK_N,), tl.float32)
         best = tl.full((BLOCK_N,), float("-inf"), tl.float32)
         best_idx = tl.zeros((BLOCK_N,), tl.int64)
+        best_p = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+        best_p_idx = tl.zeros((BLOCK_N,), tl.int64)
         for v0 in range(0, V, BLOCK_V):
             offs_v = v0 + tl.arange(0, BLOCK_V)
             mask_v = offs_v < V
@@ -192,6 +197,11 @@ if triton is not None:
             p = tl.load(p_ptr + prow[:, None] * p_stride + offs_v[None, :], mask=mask_n[:, None] & mask_v[None, :],
                         other=0.0).to(tl.float32)
             pz += tl.sum(p * z, axis=1)  # masked columns have z = 0 and p = 0
+            p_masked = tl.where(mask_v[None, :], p, float("-inf"))
+            p_max = tl.max(p_masked, axis=1)
+            p_idx = tl.argmax(p_masked, axis=1).to(tl.int64) + v0
+            best_p_idx = tl.where(p_max > best_p, p_idx, best_p_idx)
+            best_p = tl.maximum(best_p, p_max)
             z = tl.where(mask_v[None, :], z, float("-inf"))
             psum += tl.sum(p, axis=1)
             chunk_max = tl.max(z, axis=1)
@@ -206,6 +216,7 @@ if triton is not None:
         tl.store(psum_ptr + offs_n, psum, mask=mask_n)
         tl.store(pz_ptr + offs_n, pz, mask=mask_n)
         tl.store(argmax_ptr + offs_n, best_idx, mask=mask_n)
+        tl.store(p_argmax_ptr + offs_n, best_p_idx, mask=mask_n)
 
     @triton.jit
     def _softmax_grad_kernel(z_ptr, p_ptr, rows_ptr, lse_ptr, psum_ptr, g_ptr, N, C, c0, z_stride, p_stride,
