@@ -24,8 +24,8 @@ from tqdm import tqdm
 
 from eagle_train.hidden_states import default_aux_layer_ids, target_hidden_states
 from eagle_train.store import (HIDDEN_FORMAT, MANIFEST, STORE_DTYPES, VOCAB_MAP, ShardedSamples, StoreWriter,
-                               check_store_matches, finalize_manifest, list_shards, shard_name, shard_sample_ids,
-                               target_identity, write_json_atomic)
+                               check_store_matches, encode_hidden, finalize_manifest, list_shards, shard_name,
+                               shard_sample_ids, target_identity, write_json_atomic)
 
 
 def plan_shards(lengths: list[int], token_budget: int, shard_tokens: int) -> list[list[list[int]]]:
@@ -64,21 +64,20 @@ def pad_batch(samples: list[dict], pad_id: int, device) -> tuple[torch.Tensor, t
 
 
 def capture_batch(model, samples: list[dict], aux_layer_ids, pad_id: int, dtype: str = "float32") -> list[dict]:
-    """One padded forward; per-sample dicts with input_ids, loss_mask, aux_hidden, final_hidden (CPU).
+    """One padded forward; per-sample dicts of input_ids, loss_mask and the hidden states, on the CPU,
+    already in the store's form (`encode_hidden`: cast or fp8-quantized on the target's device).
 
-    For a bf16 store the states are cast on the device, and each tensor crosses to the CPU in one
-    copy per batch rather than one per sample (each copy is a GPU sync).
+    Each tensor crosses to the host in one copy per batch, not one per sample (each is a GPU sync).
     """
     device = next(model.parameters()).device
     ids, mask = pad_batch(samples, pad_id, device)
     aux, final = target_hidden_states(model, ids, mask, aux_layer_ids)
-    if dtype == "bfloat16":
-        aux, final = aux.to(torch.bfloat16), final.to(torch.bfloat16)
-    aux, final = aux.cpu(), final.cpu()
+    b, t = ids.shape
+    hidden = {k: v.view(b, t, -1).cpu() for k, v in encode_hidden(aux.flatten(0, 1), final.flatten(0, 1), dtype).items()}
     out = []
-    for b, s in enumerate(samples):
+    for i, s in enumerate(samples):
         n = len(s["input_ids"])
-        out.append({**s, "aux_hidden": aux[b, :n], "final_hidden": final[b, :n]})
+        out.append({**s, **{k: v[i, :n] for k, v in hidden.items()}})
     return out
 
 

@@ -79,8 +79,24 @@ def quantize_fp8(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tens
     return q.view(t, d), scale.squeeze(-1)
 
 
+def encode_hidden(aux: torch.Tensor, final: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
+    """aux [T, 3H] and final [T, H] in the store's on-disk form (fp8 adds the per-token scales).
+
+    Capture calls this on the target's device, so fp8 quantization runs on the GPU and only half
+    the bytes cross to the host.
+    """
+    if dtype == "float8_e4m3fn":
+        aux_q, aux_scale = quantize_fp8(aux, groups=3)
+        final_q, final_scale = quantize_fp8(final, groups=1)
+        return {"aux_hidden": aux_q, "aux_scale": aux_scale, "final_hidden": final_q, "final_scale": final_scale}
+    return {"aux_hidden": aux.to(STORE_DTYPES[dtype]), "final_hidden": final.to(STORE_DTYPES[dtype])}
+
+
 def pack_shard(samples: list[dict], sample_ids: list[int], dtype: str = "bfloat16") -> dict[str, torch.Tensor]:
-    """Concatenate per-sample dicts (input_ids, loss_mask[, aux_hidden, final_hidden]) into shard tensors."""
+    """Concatenate per-sample dicts (input_ids, loss_mask[, aux_hidden, final_hidden]) into shard tensors.
+
+    Hidden states may come raw (encoded here) or already encoded by `encode_hidden` (fp8 with scales).
+    """
     lengths = [len(s["input_ids"]) for s in samples]
     out = {
         "input_ids": torch.cat([s["input_ids"] for s in samples]).to(torch.int32),
@@ -89,14 +105,11 @@ def pack_shard(samples: list[dict], sample_ids: list[int], dtype: str = "bfloat1
         "sample_ids": torch.tensor(sample_ids, dtype=torch.int64),
     }
     if "aux_hidden" in samples[0]:
-        aux = torch.cat([s["aux_hidden"] for s in samples])
-        final = torch.cat([s["final_hidden"] for s in samples])
-        if dtype == "float8_e4m3fn":
-            out["aux_hidden"], out["aux_scale"] = quantize_fp8(aux, groups=3)
-            out["final_hidden"], out["final_scale"] = quantize_fp8(final, groups=1)
-        else:
-            out["aux_hidden"] = aux.to(STORE_DTYPES[dtype])
-            out["final_hidden"] = final.to(STORE_DTYPES[dtype])
+        keys = [k for k in ("aux_hidden", "aux_scale", "final_hidden", "final_scale") if k in samples[0]]
+        hidden = {k: torch.cat([s[k] for s in samples]) for k in keys}
+        if (dtype == "float8_e4m3fn") != ("aux_scale" in hidden) or hidden["aux_hidden"].dtype != STORE_DTYPES[dtype]:
+            hidden = encode_hidden(hidden["aux_hidden"], hidden["final_hidden"], dtype)
+        out.update(hidden)
     return {k: v.contiguous() for k, v in out.items()}
 
 
