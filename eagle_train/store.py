@@ -312,6 +312,9 @@ class ShardedSamples:
     def lengths(self) -> list[int]:
         return [b - a for off in self.offsets for a, b in zip(off[:-1], off[1:])]
 
+    def __getstate__(self):  # picklable for spawned DataLoader workers: open maps are not sent
+        return {**self.__dict__, "_handles": {}}
+
     def _handle(self, k: int):
         if self._pid != os.getpid():  # forked into a DataLoader worker: open our own maps
             self._handles, self._pid = {}, os.getpid()

@@ -1,6 +1,7 @@
 """The hidden-state store format: round trips, fp8, vocab map, and refusing another target's store."""
 
 import json
+import pickle
 from types import SimpleNamespace
 
 import pytest
@@ -60,6 +61,8 @@ def test_round_trip(tmp_path, dtype, tol):
     with pytest.raises(IndexError):
         data[5]
     assert ShardedSamples(tmp_path, dtype=torch.bfloat16)[0]["aux_hidden"].dtype == torch.bfloat16
+    clone = pickle.loads(pickle.dumps(data))  # DataLoader workers started by spawn get a pickled copy
+    assert torch.equal(clone[3]["aux_hidden"], data[3]["aux_hidden"])
 
 
 def test_fp8_halves_the_bytes(tmp_path):
