@@ -1,0 +1,152 @@
+"""Evaluation on the bench prompt sets: acceptance length, per-position acceptance, speed.
+
+Each prompt runs twice on the same runtime and the same prompt tokens: speculative decoding, then
+plain decoding (the speedup's reference). Multi-turn prompts (MT-Bench) ask turn 2 after the
+model's own (speculative) answer to turn 1. AL follows DESIGN.md section 3: tokens emitted by
+verification forwards / verification forwards, pooled over every turn of every prompt, prefill
+and its token left out, so it can be recounted from the JSON as
+sum(len(output_ids) - 1) / sum(forwards).
+"""
+
+import json
+from importlib import resources
+from pathlib import Path
+
+BENCHES = ("mt_bench", "humaneval", "gsm8k")
+
+
+def load_bench(name_or_file: str, num_prompts: int | None = None) -> list[dict]:
+    """A packaged bench (mt_bench, humaneval, gsm8k) or a .jsonl file of {"turns": [...]} lines."""
+    if name_or_file in BENCHES:
+        text = resources.files("inference").joinpath(f"bench/{name_or_file}.jsonl").read_text()
+        source = name_or_file
+    else:
+        path = Path(name_or_file)
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"bench {name_or_file!r} is neither one of {', '.join(BENCHES)} nor an existing .jsonl file"
+            )
+        text, source = path.read_text(), str(path)
+    prompts = []
+    for i, line in enumerate(text.splitlines()):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        turns = row.get("turns") or ([row["prompt"]] if "prompt" in row else None)
+        if not turns or not all(isinstance(t, str) for t in turns):
+            raise ValueError(f"{source} line {i + 1}: expected a 'turns' list of strings (or a 'prompt' string)")
+        prompts.append({"question_id": row.get("question_id", i), "category": row.get("category", ""),
+                        "turns": turns})
+    if num_prompts is not None:
+        if num_prompts < 1:
+            raise ValueError(f"--num-prompts must be >= 1, got {num_prompts}")
+        prompts = prompts[:num_prompts]
+    if not prompts:
+        raise ValueError(f"{source} holds no prompts")
+    return prompts
+
+
+def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """The prompt tokens for `messages` through the target's own chat template."""
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+        return list(ids)
+    return tokenizer("\n\n".join(m["content"] for m in messages)).input_ids  # base models
+
+
+def run_prompt(runtime, tokenizer, prompt: dict, max_new_tokens: int) -> dict:
+    """Speculative then plain decoding of every turn of one prompt."""
+    messages, turns = [], []
+    for text in prompt["turns"]:
+        messages.append({"role": "user", "content": text})
+        ids = chat_ids(tokenizer, messages)
+        spec = runtime.generate(ids, max_new_tokens)
+        plain = runtime.generate_plain(ids, max_new_tokens)
+        answer = tokenizer.decode(spec.output_ids, skip_special_tokens=True)
+        messages.append({"role": "assistant", "content": answer})
+        turns.append({
+            "prompt_tokens": len(ids),
+            "spec": {"output_ids": spec.output_ids, "forwards": spec.forwards, "emitted": spec.emitted,
+                     "accepted": spec.accepted, "seconds": spec.seconds},
+            "plain": {"output_ids": plain.output_ids, "forwards": plain.forwards, "seconds": plain.seconds},
+            "identical": spec.output_ids == plain.output_ids,
+            "answer": answer,
+        })
+    return {"question_id": prompt["question_id"], "category": prompt["category"], "turns": turns}
+
+
+def summarise(results: list[dict], depth: int) -> dict:
+    """Pooled figures over every turn of every prompt."""
+    turns = [t for r in results for t in r["turns"]]
+    forwards = sum(t["spec"]["forwards"] for t in turns)
+    emitted = sum(sum(t["spec"]["emitted"]) for t in turns)
+    accepted = [a for t in turns for a in t["spec"]["accepted"]]
+    reached = [sum(a >= i for a in accepted) for i in range(depth + 1)]  # reached[i]: rounds with >= i accepted
+    spec_tokens = sum(len(t["spec"]["output_ids"]) for t in turns)
+    plain_tokens = sum(len(t["plain"]["output_ids"]) for t in turns)
+    spec_s = sum(t["spec"]["seconds"] for t in turns)
+    plain_s = sum(t["plain"]["seconds"] for t in turns)
+    per_forward = [e for t in turns for e in t["spec"]["emitted"]]
+    histogram = {str(k): per_forward.count(k) for k in range(max(per_forward, default=0) + 1)}
+    spec_tps = spec_tokens / spec_s if spec_s else 0.0
+    plain_tps = plain_tokens / plain_s if plain_s else 0.0
+    return {
+        "acceptance_length": emitted / forwards if forwards else 0.0,
+        "verify_forwards": forwards,
+        "tokens_from_verify_forwards": emitted,
+        # share of verification forwards whose draft position i (1-based) was accepted ...
+        "acceptance_per_position": [reached[i] / len(accepted) if accepted else 0.0 for i in range(1, depth + 1)],
+        # ... and the same given that position i-1 was
+        "acceptance_per_position_conditional": [reached[i] / reached[i - 1] if reached[i - 1] else 0.0
+                                                for i in range(1, depth + 1)],
+        "tokens_per_forward_histogram": histogram,
+        "spec_tokens_per_s": spec_tps,
+        "plain_tokens_per_s": plain_tps,
+        "speedup": spec_tps / plain_tps if plain_tps else 0.0,
+        "turns": len(turns),
+        "turns_identical_to_plain": sum(t["identical"] for t in turns),
+        "new_tokens_spec": spec_tokens,
+        "new_tokens_plain": plain_tokens,
+    }
+
+
+def format_table(summary: dict, title: str) -> str:
+    s = summary
+    lines = [
+        title,
+        f"  acceptance length (AL)      {s['acceptance_length']:.3f}   "
+        f"({s['tokens_from_verify_forwards']} tokens / {s['verify_forwards']} verification forwards)",
+        "  acceptance per position     " + " ".join(f"{a:.2f}" for a in s["acceptance_per_position"]),
+        "  ... conditional             " + " ".join(f"{a:.2f}" for a in s["acceptance_per_position_conditional"]),
+        f"  tokens/s speculative        {s['spec_tokens_per_s']:.1f}",
+        f"  tokens/s plain              {s['plain_tokens_per_s']:.1f}",
+        f"  speedup                     {s['speedup']:.2f}x",
+        f"  turns identical to plain    {s['turns_identical_to_plain']}/{s['turns']}",
+    ]
+    return "\n".join(lines)
+
+
+def plot(summary: dict, path, title: str):
+    """Acceptance per draft position and the distribution of tokens per verification forward."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    acc = summary["acceptance_per_position"]
+    positions = list(range(1, len(acc) + 1))
+    left.bar(positions, acc, label="accepted (share of forwards)")
+    left.plot(positions, summary["acceptance_per_position_conditional"], "o-", color="C1",
+              label="given previous accepted")
+    left.set(xlabel="draft position", ylabel="acceptance", ylim=(0, 1.05), xticks=positions,
+             title="acceptance per position")
+    left.legend()
+    hist = summary["tokens_per_forward_histogram"]
+    right.bar([int(k) for k in hist], list(hist.values()))
+    right.set(xlabel="tokens per verification forward", ylabel="forwards",
+              title=f"AL = {summary['acceptance_length']:.2f}")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

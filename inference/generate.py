@@ -1,0 +1,204 @@
+"""The generation loop at batch 1: prefill, draft, verify, accept, compact; and plain decoding.
+
+State between rounds: the target cache holds the committed tokens x_0..x_{L-1} in slots 0..L-1,
+the draft cache holds their step-0 entries, and `pending` = x_L has been emitted but not yet run
+through the target. A round verifies [x_L, tree nodes] in one target forward (tree mask over
+slots L..L+total), accepts a path, emits it plus one bonus/correction token, moves the path's
+cache entries to consecutive slots, and lets the drafter catch up on the accepted positions.
+
+Counters follow DESIGN.md section 3: the prefill forward and the token it emits are not counted;
+each verification forward counts the tokens it emitted (after eos / max-token truncation).
+"""
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from inference.drafting import Drafter, TreeShape
+from inference.graphs import GraphedStep
+from inference.llama import TargetModel
+from inference.sampling import Sampler, accept_greedy, accept_sampling
+
+
+@dataclass
+class GenerationResult:
+    output_ids: list[int]  # new tokens, the prefill's first token included
+    forwards: int  # target forwards after prefill (verification forwards, or plain decode steps)
+    emitted: list[int] = field(default_factory=list)  # tokens emitted by each of those forwards
+    accepted: list[int] = field(default_factory=list)  # draft tokens accepted by each verification
+    seconds: float = 0.0
+
+    @property
+    def acceptance_length(self) -> float:
+        return sum(self.emitted) / max(self.forwards, 1)
+
+
+class Runtime:
+    """A target (and optionally a draft head) ready to generate; caches and graphs are reused."""
+
+    def __init__(self, hf_model, head=None, shape: TreeShape | None = None, sampler: Sampler = Sampler(),
+                 eos_token_ids=(), cuda_graphs: bool = True, seed: int | None = None):
+        aux_ids = head.config.aux_layer_ids if head is not None else None
+        self.target = TargetModel(hf_model, aux_ids)
+        self.device = self.target.device
+        self.use_graphs = cuda_graphs and self.device.type == "cuda"
+        self.sampler = sampler
+        self.eos = set(int(e) for e in eos_token_ids)
+        if seed is not None:
+            torch.manual_seed(seed)
+        target_step = self.target.forward
+        self.target_step = GraphedStep(target_step) if self.use_graphs else target_step
+        self.drafter = None
+        if head is not None:
+            shape = shape or TreeShape.chain(5)
+            step = GraphedStep(head.step) if self.use_graphs else head.step
+            self.drafter = Drafter(head, shape, sampler, step)
+
+    # ---- helpers --------------------------------------------------------------------------------
+
+    def width(self, needed: int) -> int:
+        """Attention width: the whole cache under CUDA graphs (fixed shapes), else what is needed."""
+        return self.target.max_len if self.use_graphs else needed
+
+    def setup(self, prompt_len: int, max_new_tokens: int):
+        extra = self.drafter.shape.total + 1 if self.drafter else 1
+        max_len = prompt_len + max_new_tokens + extra + 1
+        if self.use_graphs:  # round up so graphs captured for one prompt serve the next ones
+            max_len = -(-max_len // 256) * 256
+        before = self.target.max_len
+        self.target.setup_cache(max_len)
+        if self.drafter:
+            self.drafter.setup_cache(self.target.max_len)
+        if self.use_graphs and self.target.max_len != before:  # new buffers: recapture
+            self.target_step.reset()
+            if self.drafter:
+                self.drafter.step_fn.reset()
+
+    def prefill(self, prompt: torch.Tensor):
+        n = prompt.shape[1]
+        pos = torch.arange(n, device=self.device)
+        mask = (pos[None, :] <= pos[:, None])[None, None]
+        final, aux = self.target.forward(prompt, pos[None], pos, mask)
+        first = self.sampler.sample(self.target.logits(final[:, -1]))  # [1]
+        return first, aux
+
+    @staticmethod
+    def finish(out: list[int], new: list[int], eos: set, max_new: int) -> tuple[list[int], bool]:
+        """Append `new` up to eos / max_new; returns (what was appended, whether to stop)."""
+        kept = []
+        for t in new:
+            if len(out) + len(kept) >= max_new:
+                return kept, True
+            kept.append(t)
+            if t in eos:
+                return kept, True
+        return kept, len(out) + len(kept) >= max_new
+
+    def check_prompt(self, prompt_ids):
+        prompt = torch.as_tensor(prompt_ids, dtype=torch.long, device=self.device).reshape(1, -1)
+        if prompt.shape[1] == 0:
+            raise ValueError("empty prompt: give at least one token")
+        return prompt
+
+    def sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    # ---- decoding -------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def generate_plain(self, prompt_ids, max_new_tokens: int) -> GenerationResult:
+        """Plain autoregressive decoding on the same runtime (the speedup's reference)."""
+        prompt = self.check_prompt(prompt_ids)
+        n = prompt.shape[1]
+        self.setup(n, max_new_tokens)
+        self.sync()
+        t0 = time.perf_counter()
+        token, _ = self.prefill(prompt)
+        out, stop = self.finish([], [int(token.item())], self.eos, max_new_tokens)
+        result = GenerationResult(out, 0)
+        length = n
+        keys = torch.arange(self.target.max_len, device=self.device)
+        while not stop:
+            pos = torch.tensor([length], device=self.device)
+            mask = (keys[: self.width(length + 1)] <= length)[None, None, None]
+            final, _ = self.target_step(token.reshape(1, 1), pos[None], pos, mask)
+            token = self.sampler.sample(self.target.logits(final[:, -1]))
+            kept, stop = self.finish(out, [int(token.item())], self.eos, max_new_tokens)
+            out += kept
+            result.forwards += 1
+            result.emitted.append(len(kept))
+            length += 1
+        self.sync()
+        result.seconds = time.perf_counter() - t0
+        return result
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids, max_new_tokens: int) -> GenerationResult:
+        """Speculative decoding with the draft head."""
+        if self.drafter is None:
+            raise ValueError("this runtime has no draft head; use generate_plain")
+        drafter, target, shape = self.drafter, self.target, self.drafter.shape
+        prompt = self.check_prompt(prompt_ids)
+        n = prompt.shape[1]
+        self.setup(n, max_new_tokens)
+        self.sync()
+        t0 = time.perf_counter()
+        pending, aux = self.prefill(prompt)
+        out, stop = self.finish([], [int(pending.item())], self.eos, max_new_tokens)
+        result = GenerationResult(out, 0)
+        next_ids = torch.cat([prompt[:, 1:], pending.reshape(1, 1)], dim=1)
+        h_root, logits_root = drafter.catch_up(aux, next_ids, 0)
+        length = n  # committed tokens (in both caches); `pending` is x_length
+        keys = torch.arange(target.max_len, device=self.device)
+        steps = torch.arange(shape.total + 1, device=self.device)
+        while not stop:
+            tree = drafter.draft(pending.reshape(()), h_root, logits_root, length)
+            # verify [x_L, nodes] at positions L + depth, slots L..L+total
+            slots = length + steps
+            width = self.width(length + shape.total + 1)
+            mask = (keys[:width] < length)[None].expand(shape.total + 1, -1).clone()
+            mask[:, length:length + shape.total + 1] = tree.ancestors
+            final, aux = self.target_step(tree.tokens[None], (length + tree.depths)[None], slots, mask[None, None])
+            logits = target.logits(final[0])
+            path, bonus, tokens_of = self.accept(tree, logits)
+            result.forwards += 1
+            result.accepted.append(len(path))
+            new = [tokens_of[i] for i in path] + [bonus]
+            kept, stop = self.finish(out, new, self.eos, max_new_tokens)
+            out += kept
+            result.emitted.append(len(kept))
+            if stop:
+                break
+            rows = torch.tensor([0] + path, device=self.device)
+            if path != list(range(1, len(path) + 1)):  # off the first branch: compact the cache
+                target.compact(length + rows[1:], length + 1 + torch.arange(len(path), device=self.device))
+            pending = torch.tensor(bonus, device=self.device)
+            next_ids = torch.tensor([new], device=self.device)
+            h_root, logits_root = drafter.catch_up_padded(aux[:, rows], next_ids, length)
+            length += len(path) + 1
+        self.sync()
+        result.seconds = time.perf_counter() - t0
+        return result
+
+    def accept(self, tree, logits):
+        """The round's accept decision (the one host sync): (accepted tree indices, bonus token,
+        the tree's tokens as a list)."""
+        greedy = self.sampler.greedy
+        rows = [tree.parents, tree.tokens] + ([logits.argmax(-1)] if greedy else [])
+        parents, tokens, *argmax = torch.stack(rows).tolist()
+        children = [[] for _ in parents]
+        for i, p in enumerate(parents[1:], start=1):
+            children[p].append(i)
+        if greedy:
+            return *accept_greedy(tokens, children, argmax[0]), tokens
+        head = self.drafter.head
+        p = self.sampler.probs(logits)
+
+        def draft_q(node):
+            q = torch.zeros(p.shape[-1], device=p.device)
+            return q.index_add_(0, head.draft_to_target_ids(torch.arange(tree.dists.shape[-1], device=p.device)),
+                                tree.dists[tree.dist_index[node]].float())
+
+        return *accept_sampling(tokens, children, p, draft_q), tokens

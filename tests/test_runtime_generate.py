@@ -1,0 +1,182 @@
+"""Greedy speculative decoding is lossless: token for token the target's own greedy output."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from eagle_train.draft_config import DraftConfig
+from eagle_train.eagle3 import Eagle3Head
+from inference.drafting import TreeShape
+from inference.evaluate import chat_ids, load_bench
+from inference.generate import Runtime
+from inference.llama import TargetModel
+
+V, VD = 16, 12
+
+
+def tiny_pair(seed=0):
+    """A tiny Llama with a 16-token vocabulary and a random head over 12 of those tokens: random
+    drafts are accepted often enough to exercise multi-token acceptance and tree compaction."""
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=5, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)  # confident targets: acceptance well above chance
+    head = Eagle3Head(DraftConfig.from_target_config(cfg, draft_vocab_size=VD)).eval()
+    for p in head.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    targets = torch.randperm(V)[:VD].sort().values  # draft id i -> target id targets[i]
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[targets] = True
+    head.set_vocab_map(targets - torch.arange(VD), t2d)
+    head.use_target_embedding(model)
+    return model, head
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt, n):
+    """The target's greedy tokens from plain HF forwards over the whole sequence (no cache)."""
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(prompt):]
+
+
+def hf_generate(model, prompt, n, eos):
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=eos,
+                         pad_token_id=eos)
+    return out[0, len(prompt):].tolist()
+
+
+def noisy_oracle(head, true_seq):
+    """Replace the head's logits by a noisy oracle of the target's greedy continuation `true_seq`
+    (the head still runs, so its cache is written as usual): at a position whose input token is on
+    the true path the oracle ranks the true next token first, second, or nowhere, depending on the
+    position. Drafts get accepted 0..K at a time and tree paths leave the first branch."""
+    real_step = head.step
+    t2d_index = torch.cumsum(head.t2d.long(), 0) - 1  # target id -> draft id where t2d
+
+    def step(hidden, ids, pos, cache=None, slots=None, mask=None):
+        h, logits = real_step(hidden, ids, pos, cache, slots, mask)
+        logits = torch.zeros_like(logits)
+        for r, (token, p) in enumerate(zip(ids[0].tolist(), pos[0].tolist())):
+            if p + 2 < len(true_seq) and token == true_seq[p + 1] and head.t2d[true_seq[p + 2]]:
+                true_draft = t2d_index[true_seq[p + 2]]
+                mode = (p * 7) % 5
+                logits[0, r, true_draft] = {0: 5.0, 1: 5.0, 2: 5.0, 3: 3.0, 4: -5.0}[mode]
+                logits[0, r, (true_draft + 1) % VD] = 4.0  # the wrong favourite when mode 3
+        return h, logits
+
+    head.step = step
+
+
+@pytest.mark.parametrize("shape", [TreeShape.chain(1), TreeShape.chain(4), TreeShape(3, 3, 8), TreeShape(4, 2, 6)],
+                         ids=["chain1", "chain4", "tree3-3-8", "tree4-2-6"])
+def test_tiny_greedy_speculative_equals_target_greedy(shape, monkeypatch):
+    model, head = tiny_pair()
+    compactions = []
+    real = TargetModel.compact
+    monkeypatch.setattr(TargetModel, "compact", lambda self, s, d: (compactions.append(1), real(self, s, d)))
+    accepted = 0
+    for i in range(4):
+        prompt = torch.randint(0, V, (3 + 5 * i,)).tolist()
+        reference = hf_greedy(model, prompt, 30)
+        noisy_oracle(head, prompt + reference)
+        runtime = Runtime(model, head, shape)
+        spec = runtime.generate(prompt, 30)
+        plain = runtime.generate_plain(prompt, 30)
+        assert spec.output_ids == plain.output_ids == reference, i
+        assert len(spec.output_ids) == 30 and spec.forwards == len(spec.emitted)
+        assert sum(spec.emitted) == 29  # every token but the prefill's comes from a verification
+        assert all(1 <= e <= shape.depth + 1 for e in spec.emitted)
+        accepted += sum(spec.accepted)
+        del head.step
+    assert accepted > 15 * min(shape.depth, 2)  # drafts really were accepted, several at a time
+    if not shape.is_chain:
+        assert compactions  # accepted paths left the first branch
+
+
+def test_draft_cache_holds_step0_entries_of_the_committed_sequence():
+    """After generation the head's cache equals one catch-up over the whole committed sequence
+    with the target's hidden states: every round fed the right aux states, tokens and positions."""
+    from eagle_train.hidden_states import target_hidden_states
+
+    model, head = tiny_pair(2)
+    prompt = torch.randint(0, V, (9,)).tolist()
+    noisy_oracle(head, prompt + hf_greedy(model, prompt, 24))
+    runtime = Runtime(model, head, TreeShape(3, 2, 5))
+    spec = runtime.generate(prompt, 24)
+    assert sum(spec.accepted) > 3
+    committed = len(prompt) + sum(spec.emitted[:-1])  # the last round ends before its catch-up
+    seq = torch.tensor([prompt + spec.output_ids])
+    with torch.no_grad():
+        aux, _ = target_hidden_states(model, seq[:, :committed])
+        cache = head.new_cache(1, committed)
+        pos = torch.arange(committed)
+        head.step(head.fc(aux), seq[:, 1:committed + 1], pos[None], cache, pos,
+                  (pos[None, :] <= pos[:, None])[None, None])
+    got = runtime.drafter.cache
+    assert (got.k[:, :, :committed] - cache.k).abs().max() < 1e-5
+    assert (got.v[:, :, :committed] - cache.v).abs().max() < 1e-5
+
+
+def test_eos_stops_generation_and_is_emitted():
+    model, head = tiny_pair(1)
+    prompt = [3, 1, 4, 1, 5]
+    free = Runtime(model, head, TreeShape.chain(3)).generate(prompt, 20).output_ids
+    eos = free[7]
+    first = free.index(eos)
+    for runtime in (Runtime(model, head, TreeShape.chain(3), eos_token_ids=[eos]),
+                    Runtime(model, head, TreeShape(3, 2, 5), eos_token_ids=[eos])):
+        assert runtime.generate(prompt, 20).output_ids == free[:first + 1]
+        assert runtime.generate_plain(prompt, 20).output_ids == free[:first + 1]
+
+
+@pytest.fixture(scope="module")
+def smollm2_random_head(smollm2):
+    torch.manual_seed(0)
+    model, tokenizer = smollm2
+    return model, tokenizer, Eagle3Head.from_target(model).eval()
+
+
+def bench_prompt_ids(tokenizer, bench, num):
+    return [chat_ids(tokenizer, [{"role": "user", "content": p["turns"][0]}]) for p in load_bench(bench, num)]
+
+
+@pytest.fixture(scope="module")
+def smollm2_greedy_reference(smollm2):
+    """Two bench prompts and HF generate's greedy continuations (20 tokens; the CPU is slow)."""
+    model, tokenizer = smollm2
+    prompts = bench_prompt_ids(tokenizer, "mt_bench", 1) + bench_prompt_ids(tokenizer, "gsm8k", 1)
+    return [(p, hf_generate(model, p, 20, tokenizer.eos_token_id)) for p in prompts]
+
+
+@pytest.mark.parametrize("shape", [TreeShape.chain(3), TreeShape(2, 4, 6)], ids=["chain3", "tree2-4-6"])
+def test_smollm2_random_head_greedy_is_lossless(smollm2_random_head, smollm2_greedy_reference, shape):
+    model, tokenizer, head = smollm2_random_head
+    runtime = Runtime(model, head, shape, eos_token_ids=[tokenizer.eos_token_id])
+    forwards = emitted = 0
+    for prompt, reference in smollm2_greedy_reference:
+        spec = runtime.generate(prompt, 20)
+        assert spec.output_ids == reference
+        forwards, emitted = forwards + spec.forwards, emitted + sum(spec.emitted)
+    assert 1.0 <= emitted / forwards < 1.15  # a random head is (almost) never right
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bench", ["mt_bench", "humaneval", "gsm8k"])
+def test_smollm2_every_bench_prompt_lossless(smollm2_random_head, bench):
+    model, tokenizer, head = smollm2_random_head
+    chain = Runtime(model, head, TreeShape.chain(3), eos_token_ids=[tokenizer.eos_token_id])
+    tree = Runtime(model, head, TreeShape(3, 4, 10), eos_token_ids=[tokenizer.eos_token_id])
+    for prompt in bench_prompt_ids(tokenizer, bench, None):
+        plain = chain.generate_plain(prompt, 48).output_ids
+        assert chain.generate(prompt, 48).output_ids == plain
+        assert tree.generate(prompt, 48).output_ids == plain
+
+
+def test_runtime_without_head_refuses_speculation():
+    model, _ = tiny_pair()
+    with pytest.raises(ValueError, match="no draft head"):
+        Runtime(model).generate([1, 2, 3], 4)
