@@ -24,12 +24,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from eagle_train.draft_config import DraftConfig, target_rope
-from eagle_train.export.layouts import PROVENANCE_KEY, detect_layout, draft_config_from_llama
+from eagle_train.export.layouts import MASK_TOKEN_KEYS, PROVENANCE_KEY, detect_layout, draft_config_from_llama
 from eagle_train.hidden_states import default_aux_layer_ids
 from eagle_train.target import HUB_IDS
 
 ENGINE_NAMES = ("vllm", "sglang", "trtllm")
-MASK_TOKEN_KEYS = ("ptd_token_id", "pard_token", "mask_token_id")
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
                       "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn}
@@ -369,9 +368,9 @@ def check_config_keys(report, eng, files, llama, layout_name, cfg):
         report.add("error", f"no max_position_embeddings: {eng.title} sizes the draft's RoPE for 2048 tokens")
     report.context_length = cfg.max_position_embeddings
     norm_first = config.get("norm_before_residual")
-    if name == "vllm" and layout_name == "speculators" and norm_first is None:
-        report.add("error", "norm_before_residual unset: vLLM takes true for speculators configs, the speculators "
-                            "library false; write it explicitly (eagle-train heads: false)")
+    if name == "vllm" and config.get("speculators_model_type") == "eagle3" and norm_first is None:
+        report.add("error", "norm_before_residual unset: vLLM takes true for speculators eagle3 configs, the "
+                            "speculators library false; write it explicitly (eagle-train heads: false)")
     elif name == "vllm" and norm_first:
         report.add("info", "norm_before_residual true: vLLM normalises the hidden input before the residual")
     elif norm_first:
