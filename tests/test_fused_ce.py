@@ -174,3 +174,4 @@ def test_triton_matches_chunked_on_cuda(dtype):
     if dtype == torch.float32:
         ref = grads(reference, *cuda)
         torch.testing.assert_close(got[0], ref[0], rtol=1e-4, atol=1e-4)
+

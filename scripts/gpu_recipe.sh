@@ -1,0 +1,207 @@
+#!/usr/bin/env bash
+# The whole SmolLM2-135M-Instruct pipeline on one H100, in two stages that each fit a 10-minute
+# device call (docs/performance.md has the figures and the reasons for the choices):
+#
+#   kernels: environment, HBM bandwidth, matmul peak, the TTT loss kernels (needs neither model nor data).
+#   stage1: unpack the carried GGUF + ShareGPT, dequantise the GGUF, tokenize all 17.6k
+#           conversations (max length 2048) with their vocab map, then train EAGLE-3 and P-EAGLE
+#           online for one epoch each, side by side on the one GPU (neither saturates an H100 alone).
+#   stage2: export both heads (+ the engines' checks), scripts/bench_gpu.py (decoding on the three
+#           benches for every drafting shape, capture, training MFU), eagle-eval on mt_bench /
+#           humaneval / gsm8k for as many shapes as the stage's time allows.
+#
+# Device calls (the working tree travels with each; /tmp/eg survives between calls while the
+# machine stays warm):
+#   1. carry .carry/part1:  mkdir -p /tmp/eg && cp .carry/part1/* /tmp/eg/ && bash scripts/gpu_recipe.sh kernels
+#   2. carry .carry/part2:  bash scripts/gpu_recipe.sh stage1
+#   3.                      bash scripts/gpu_recipe.sh stage2
+# Everything is written under $RUNS (default /tmp/eg/runs); summaries, logs and metrics are copied
+# to $OUT (at most 8 files come back). A stage is resumable: finished steps are skipped on rerun.
+#
+# Knobs (environment): SCALE=tiny runs every command line at toy size on a CPU (a dry run);
+# STAGE_SECONDS (default 540) is the wall-clock budget of a stage: training stops in time for what
+# follows it (the newest checkpoint is then used); EVAL_PROMPTS, EVAL_TOKENS, NUM_CONV override sizes.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+STAGE=${1:?usage: gpu_recipe.sh kernels|stage1|stage2|all}
+START=$(date +%s)
+SCALE=${SCALE:-full}
+EG=${EG:-/tmp/eg}
+PY=${PYTHON:-python3}
+export PYTHONPATH="$EG/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export EAGLE_TRAIN_CACHE="$EG/cache" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+TARGET="$EG/SmolLM2-135M-Instruct.Q4_1.gguf"
+DATA="$EG/sharegpt.jsonl"
+if [ "$SCALE" = tiny ]; then
+  RUNS=${RUNS:-$EG/runs-tiny}
+  NUM_CONV=${NUM_CONV:-40}; MAX_LEN=256; WORKERS=2
+  TRAIN_ARGS=(max_length=256 tokens_per_batch=1024 max_steps=3 save_every=2 log_every=1 num_workers=0
+              eval_fraction=0.1 mixed_precision=auto warmup_steps=1)
+  EVAL_PROMPTS=${EVAL_PROMPTS:-2}; EVAL_TOKENS=${EVAL_TOKENS:-16}; TREE=3,2,4
+  BENCH_ARGS=(--tree "$TREE" --hf-prompts 2 --train-tokens 512 --train-steps 2 --capture-tokens 1024
+              --capture-token-budget 512 --loss-tokens 256 --repeat 2)
+  STAGE_SECONDS=${STAGE_SECONDS:-3000}
+else
+  RUNS=${RUNS:-$EG/runs}
+  NUM_CONV=${NUM_CONV:-null}; MAX_LEN=2048; WORKERS=$(nproc)
+  TRAIN_ARGS=()
+  EVAL_PROMPTS=${EVAL_PROMPTS:-80}; EVAL_TOKENS=${EVAL_TOKENS:-128}; TREE=6,8,60
+  BENCH_ARGS=(--tree "$TREE")
+  STAGE_SECONDS=${STAGE_SECONDS:-540}
+fi
+OUT=${OUT:-$RUNS/out}
+mkdir -p "$RUNS/logs" "$OUT"
+LOG="$OUT/$STAGE.log"
+TIMES="$RUNS/timings.tsv"
+
+say() { echo "[$(date -u +%H:%M:%S) +$(( $(date +%s) - START ))s] $*" | tee -a "$LOG"; }
+left() { echo $(( START + STAGE_SECONDS - $(date +%s) )); }
+
+# step NAME CMD...: run CMD with its output in $RUNS/logs/NAME.log (tail in $LOG), time it in $TIMES.
+step() {
+  local name=$1; shift
+  say "step $name: $*"
+  local t0 rc=0 dt
+  t0=$(date +%s%N)
+  "$@" > "$RUNS/logs/$name.log" 2>&1 || rc=$?
+  dt=$(( ($(date +%s%N) - t0) / 1000000 ))
+  dt="$(( dt / 1000 )).$(( dt % 1000 / 100 ))"
+  printf '%s\t%s\t%s\t%s\n' "$STAGE" "$name" "$dt" "$rc" >> "$TIMES"
+  tail -n 25 "$RUNS/logs/$name.log" | sed 's/\r/\n/g' | grep -v '^\s*$' | tail -n 25 >> "$LOG"
+  say "step $name: rc=$rc in ${dt}s"
+  return $rc
+}
+
+# newest head of a training run: final/ when it finished, else its newest checkpoint
+head_of() {
+  if [ -f "$1/final/config.json" ]; then echo "$1/final"; return; fi
+  local ck
+  ck=$(ls -d "$1"/checkpoint-* 2>/dev/null | sort -t- -k2 -n | tail -n 1)
+  [ -n "$ck" ] || { say "no head in $1: its training did not save a checkpoint" >&2; return 1; }
+  echo "$ck"
+}
+
+# train NAME SCRIPT CONFIG RESERVE: train with a time guard that leaves RESERVE seconds of the stage
+train() {
+  local name=$1 script=$2 config=$3 reserve=$4
+  if [ -f "$RUNS/$name/final/config.json" ]; then say "$name: already trained"; return 0; fi
+  local budget=$(( $(left) - reserve ))
+  [ "$budget" -gt 30 ] || { say "$name: only ${budget}s left for training, skipped"; return 1; }
+  local rc=0
+  step "train_$name" timeout -k 20 "$budget" "$PY" -m accelerate.commands.launch --num_processes 1 \
+      --num_machines 1 --dynamo_backend no --mixed_precision no "$script" --config "$config" \
+      target="$TARGET" data_path="$RUNS/prep/tokenized" output_dir="$RUNS/$name" resume=auto "${TRAIN_ARGS[@]}" \
+    || rc=$?
+  cp "$RUNS/$name/metrics.jsonl" "$OUT/${name}_metrics.jsonl" 2>/dev/null || true
+  if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+    say "$name: stopped by the time guard after ${budget}s; newest checkpoint: $(head_of "$RUNS/$name" || echo none)"
+  elif [ "$rc" != 0 ]; then
+    return "$rc"
+  fi
+}
+
+stage_kernels() {
+  step env bash -c "nvidia-smi || true; $PY -c 'import torch, transformers, sys; print(sys.version); print(torch.__version__, transformers.__version__, torch.cuda.is_available())'"
+  step bench_kernels "$PY" scripts/bench_gpu.py --only kernels --out "$OUT/bench_kernels.json" "${BENCH_ARGS[@]}"
+  cp "$RUNS/logs/bench_kernels.log" "$OUT/bench_kernels.txt"
+}
+
+stage1() {
+  if [ ! -f "$DATA" ] || [ ! -f "$TARGET" ]; then
+    [ -d .carry/part2 ] || { say "no $DATA and no .carry/part2: carry .carry/part2 (scripts/device_pack.sh)"; exit 2; }
+    [ -f "$EG/gguf.0" ] || { say "no $EG/gguf.0: the previous call must copy .carry/part1 to $EG"; exit 2; }
+    step unpack bash scripts/device_unpack.sh
+  fi
+  step env bash -c "nvidia-smi || true; $PY -c 'import torch, transformers, sys; print(sys.version); print(torch.__version__, transformers.__version__, torch.cuda.is_available())'; nproc; df -h /tmp | tail -1"
+  step convert "$PY" -c "from eagle_train.target import resolve_target; print(resolve_target('$TARGET'))"
+  if [ ! -f "$RUNS/prep/tokenized/manifest.json" ]; then
+    "$PY" - "$RUNS/prep.yaml" <<PY
+import sys, yaml
+cfg = yaml.safe_load(open("configs/gpu_smollm2.yaml"))
+cfg.update(target="$TARGET", data="$DATA", out_dir="$RUNS/prep")
+cfg["prep"].update(num_conversations=yaml.safe_load("$NUM_CONV"), max_length=$MAX_LEN, workers=$WORKERS)
+yaml.safe_dump(cfg, open(sys.argv[1], "w"), sort_keys=False)
+PY
+    step tokenize "$PY" -m data_prep.cli run --config "$RUNS/prep.yaml"
+  fi
+  cp "$RUNS/prep/tokenized/manifest.json" "$OUT/tokenized_manifest.json"
+  local rc_e3=0 rc_pe=0
+  train eagle3 scripts/train_eagle3.py configs/eagle3_smollm2_gpu.yaml 25 &
+  local pid_e3=$!
+  train peagle scripts/train_peagle.py configs/peagle_smollm2_gpu.yaml 25 &
+  wait "$pid_e3" || rc_e3=$?
+  wait $! || rc_pe=$?
+  say "training: eagle3 rc=$rc_e3, peagle rc=$rc_pe (stage2 retrains a missing P-EAGLE head first)"
+  return "$rc_e3"
+}
+
+stage2() {
+  [ -f "$RUNS/prep/tokenized/manifest.json" ] || { say "no tokenized data in $RUNS/prep: run stage1 first"; exit 2; }
+  local e3 pe rc=0
+  e3=$(head_of "$RUNS/eagle3") || { say "no EAGLE-3 head: run stage1 first"; exit 2; }
+  if ! head_of "$RUNS/peagle" > /dev/null 2>&1; then  # stage1's P-EAGLE run failed: half the stage for it
+    train peagle scripts/train_peagle.py configs/peagle_smollm2_gpu.yaml $(( STAGE_SECONDS / 2 )) || rc=$?
+  fi
+  pe=$(head_of "$RUNS/peagle") || pe=""
+  step export_eagle3 "$PY" -m eagle_train.export.cli "$e3" --format eagle3 --out "$RUNS/export/eagle3" --target "$TARGET" || rc=$?
+  step check_eagle3 "$PY" -m eagle_train.export.cli --check "$RUNS/export/eagle3" --engine all --target "$TARGET" || rc=$?
+  if [ -n "$pe" ]; then
+    step export_peagle "$PY" -m eagle_train.export.cli "$pe" --format peagle --out "$RUNS/export/peagle" --target "$TARGET" || rc=$?
+    step check_peagle "$PY" -m eagle_train.export.cli --check "$RUNS/export/peagle" --target "$TARGET" || rc=$?
+  fi
+  # the benchmark covers every figure the issue asks for; it saves after each section and drafting
+  # shape, and leaves EVAL_RESERVE seconds of the stage to eagle-eval
+  step bench timeout -k 10 $(( $(left) - ${EVAL_RESERVE:-90} )) "$PY" scripts/bench_gpu.py --target "$TARGET" \
+      --eagle3 "$e3" ${pe:+--peagle "$pe"} --data "$RUNS/prep/tokenized" --out "$OUT/bench.json" \
+      --prompts "$EVAL_PROMPTS" --max-new-tokens "$EVAL_TOKENS" "${BENCH_ARGS[@]}" || rc=$?
+  cp "$RUNS/logs/bench.log" "$OUT/bench_table.txt" 2>/dev/null || true
+  # eagle-eval, most wanted shape first, while the stage has time (each run: load, warm-up, every
+  # prompt speculative + plain); a run cut by the guard leaves no JSON and is reported as such.
+  local shapes=("eagle3|--chain 5" "peagle|--parallel 7" "eagle3|--tree $TREE" "eagle3|--chain 3"
+                "eagle3|--chain 7" "peagle|--parallel 3" "peagle|--parallel 5")
+  local evals=() spec method flags draft name budget
+  for spec in "${shapes[@]}"; do
+    method=${spec%%|*}; flags=${spec#*|}
+    draft=$e3; [ "$method" = peagle ] && draft=$pe
+    [ -n "$draft" ] || continue
+    for bench in mt_bench humaneval gsm8k; do
+      name="eval_${method}_$(echo "$flags" | tr -d ' -' | tr ',' '_')_$bench"
+      budget=$(( $(left) - 10 ))
+      if [ "$budget" -lt "${EVAL_MIN_SECONDS:-45}" ]; then say "$name: skipped, ${budget}s left"; continue; fi
+      # shellcheck disable=SC2086
+      step "$name" timeout -k 5 "$budget" "$PY" -m inference.cli --target "$TARGET" --draft "$draft" \
+          --bench "$bench" --num-prompts "$EVAL_PROMPTS" --max-new-tokens "$EVAL_TOKENS" $flags \
+          --out "$RUNS/eval/$name.json" || rc=$?
+      evals+=("$RUNS/eval/$name.json")
+    done
+  done
+  "$PY" - "$OUT/eval.json" "${evals[@]}" <<'PY' || rc=$?
+import json, os, sys
+out = {}
+for p in sys.argv[2:]:
+    if os.path.isfile(p):
+        r = json.load(open(p))
+        r.pop("prompts", None)  # per-prompt outputs stay on the device; the summary comes back
+        out[os.path.basename(p)[:-5]] = r
+json.dump(out, open(sys.argv[1], "w"), indent=1)
+print(f"{len(out)} of {len(sys.argv) - 2} eval runs -> {sys.argv[1]}")
+PY
+  return $rc
+}
+
+finish() {
+  local rc=$?
+  cp "$TIMES" "$OUT/timings.tsv" 2>/dev/null || true
+  say "gpu_recipe $STAGE done: rc=$rc"
+}
+trap finish EXIT
+say "gpu_recipe $STAGE (SCALE=$SCALE, runs in $RUNS, results in $OUT, budget ${STAGE_SECONDS}s)"
+# Stages run under set -e (a failed data or training step ends the run); stage2 goes on past a failed
+# export or evaluation so that everything else still comes back, and exits non-zero at the end.
+case $STAGE in
+  kernels) stage_kernels ;;
+  stage1) stage1 ;;
+  stage2) stage2 ;;
+  all) stage1; START=$(date +%s); stage2 ;;
+  *) echo "unknown stage $STAGE: kernels, stage1, stage2 or all" >&2; exit 2 ;;
+esac
