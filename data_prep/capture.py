@@ -73,7 +73,8 @@ def capture_batch(model, samples: list[dict], aux_layer_ids, pad_id: int, dtype:
     ids, mask = pad_batch(samples, pad_id, device)
     aux, final = target_hidden_states(model, ids, mask, aux_layer_ids)
     b, t = ids.shape
-    hidden = {k: v.view(b, t, -1).cpu() for k, v in encode_hidden(aux.flatten(0, 1), final.flatten(0, 1), dtype).items()}
+    encoded = encode_hidden(aux.flatten(0, 1), final.flatten(0, 1), dtype)
+    hidden = {k: v.view(b, t, -1).cpu() for k, v in encoded.items()}
     out = []
     for i, s in enumerate(samples):
         n = len(s["input_ids"])
@@ -140,7 +141,8 @@ def capture(model, data: str | Path, out: str | Path, *, target_name: str, aux_l
         expected = [i for batch in plan[k] for i in batch]
         if k in done:
             if shard_sample_ids(out / shard_name(k)) != expected:
-                raise ValueError(f"{out / shard_name(k)} holds other samples than this plan; capture into a new directory")
+                raise ValueError(f"{out / shard_name(k)} holds other samples than this plan; "
+                                 "capture into a new directory")
         else:
             todo.append(k)
     lengths = source.lengths()

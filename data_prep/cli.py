@@ -160,7 +160,8 @@ def cmd_run(a) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="eagle-prep", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="eagle-prep", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def add(name, fn, help_):
@@ -169,8 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
         return s
 
     def source(s, out_help=None):
-        s.add_argument("--target", default="smollm2-135m", help="hub id, local HF dir, .gguf file or alias (smollm2-135m)")
-        s.add_argument("--data", default="sharegpt", help="'sharegpt', a .json/.jsonl/.parquet file, a saved datasets dir or a hub dataset")
+        s.add_argument("--target", default="smollm2-135m",
+                       help="hub id, local HF dir, .gguf file or alias (smollm2-135m)")
+        s.add_argument("--data", default="sharegpt",
+                       help="'sharegpt', a .json/.jsonl/.parquet file, a saved datasets dir or a hub dataset")
         s.add_argument("--split", default="train", help="split for hub / DatasetDict sources")
         s.add_argument("--max-length", type=int, default=2048, help="truncate conversations to this many tokens")
         s.add_argument("--system-prompt", default=None, help="replace every conversation's system prompt with this")
@@ -178,7 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
             s.add_argument("--out", required=True, help=out_help)
 
     s = add("tokenize", cmd_tokenize, "render conversations with the target's chat template, mask assistant tokens, "
-                                      "write a tokenized dataset dir (input of capture and online training) and its vocab map")
+                                      "write a tokenized dataset dir (input of capture and online training) "
+                                      "and its vocab map")
     source(s, "output directory")
     s.add_argument("--limit", type=int, default=None, help="stop after this many usable conversations")
     s.add_argument("--draft-vocab-size", type=int, default=32000)
@@ -192,7 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--template", default=None, help="a jinja chat template file to use instead of the tokenizer's")
     s.add_argument("--no-color", action="store_true", help="mark spans with [[ ]] instead of colour")
 
-    s = add("regenerate", cmd_regenerate, "replace assistant turns with the target's own responses (JSONL out, resumable)")
+    s = add("regenerate", cmd_regenerate,
+            "replace assistant turns with the target's own responses (JSONL out, resumable)")
     source(s, "output .jsonl (appended; ids already there are skipped)")
     s.add_argument("--limit", type=int, default=None)
     s.add_argument("--batch-size", type=int, default=8)
@@ -202,7 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--device", default=None, help="default: cuda if available, else cpu")
 
-    s = add("vocab", cmd_vocab, "recount loss-masked tokens of a tokenized dataset or store and rewrite its draft vocab map")
+    s = add("vocab", cmd_vocab,
+            "recount loss-masked tokens of a tokenized dataset or store and rewrite its draft vocab map")
     s.add_argument("--data", required=True, help="tokenized dataset or store directory")
     s.add_argument("--draft-vocab-size", type=int, default=32000)
 

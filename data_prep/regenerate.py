@@ -30,7 +30,9 @@ def done_ids(path: Path) -> set[str]:
 def _generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float, top_p: float) -> list[str]:
     enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
     enc = enc.to(next(model.parameters()).device)
-    kwargs = {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature > 0 else {"do_sample": False}
+    kwargs = {"do_sample": False}
+    if temperature > 0:
+        kwargs = {"do_sample": True, "temperature": temperature, "top_p": top_p}
     with torch.no_grad():
         out = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, **kwargs)
     return [t.strip() for t in tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)]
@@ -43,7 +45,8 @@ def regenerate_batch(model, tokenizer, conversations: list[dict], max_new_tokens
     A conversation stops at the first turn whose prompt leaves no room for `max_new_tokens`
     within `max_length`; one with no turn regenerated comes back with no messages.
     """
-    convs = [{"id": c["id"], "source": with_system_prompt(c["messages"], system_prompt), "messages": []} for c in conversations]
+    convs = [{"id": c["id"], "source": with_system_prompt(c["messages"], system_prompt), "messages": []}
+             for c in conversations]
     cursors = [0] * len(convs)
     active = list(range(len(convs)))
     while active:

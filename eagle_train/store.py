@@ -145,7 +145,8 @@ class StoreWriter:
             index, samples, sample_ids = job
             try:
                 if self.error is None:
-                    self.written.append(write_shard(self.path, index, pack_shard(samples, sample_ids, self.dtype), self.rank))
+                    tensors = pack_shard(samples, sample_ids, self.dtype)
+                    self.written.append(write_shard(self.path, index, tensors, self.rank))
             except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
                 self.error = e
 
@@ -259,7 +260,7 @@ def check_store_matches(manifest: dict, target_config, aux_layer_ids=None) -> No
             "or train with the target that made the store."
         )
     if manifest.get("format") == HIDDEN_FORMAT:
-        ids = list(aux_layer_ids) if aux_layer_ids is not None else list(default_aux_layer_ids(want["num_hidden_layers"]))
+        ids = list(aux_layer_ids if aux_layer_ids is not None else default_aux_layer_ids(want["num_hidden_layers"]))
         if list(manifest.get("aux_layer_ids", [])) != ids:
             raise ValueError(
                 f"store holds aux layers {manifest.get('aux_layer_ids')} but aux layers {ids} were asked for "

@@ -65,7 +65,8 @@ def test_capture_equals_output_hidden_states_batched_and_padded(smollm2, small_t
         for b, i in enumerate(batch):
             n = len(samples[b]["input_ids"])
             got = by_id[i]
-            assert torch.equal(got["input_ids"], samples[b]["input_ids"]) and torch.equal(got["loss_mask"], samples[b]["loss_mask"])
+            assert torch.equal(got["input_ids"], samples[b]["input_ids"])
+            assert torch.equal(got["loss_mask"], samples[b]["loss_mask"])
             ref_aux = torch.cat([hs[2][b, :n], hs[15][b, :n], hs[27][b, :n]], dim=-1)
             worst = max(worst, (got["aux_hidden"] - ref_aux).abs().max().item(),
                         (got["final_hidden"] - hs[-1][b, :n]).abs().max().item())

@@ -157,7 +157,8 @@ def test_system_prompt_override_and_truncation(smollm2):
     full = tokenize_conversation(tok, conv)
     cut = tokenize_conversation(tok, conv, max_length=len(full["input_ids"]) - 5)
     assert len(cut["input_ids"]) == len(full["input_ids"]) - 5
-    assert torch.equal(cut["input_ids"], full["input_ids"][:-5]) and torch.equal(cut["loss_mask"], full["loss_mask"][:-5])
+    assert torch.equal(cut["input_ids"], full["input_ids"][:-5])
+    assert torch.equal(cut["loss_mask"], full["loss_mask"][:-5])
     with pytest.raises(SkipSample, match="no assistant tokens within max_length"):
         tokenize_conversation(tok, conv, max_length=10)
     with pytest.raises(SkipSample, match="no assistant turn"):
@@ -178,7 +179,8 @@ def test_show_mask_makes_spans_visible(smollm2):
     plain = show_mask(tok, s["input_ids"], s["loss_mask"], color=False)
     assert "[[The capital of France is Paris.<|im_end|>]]" in plain
     assert plain.replace("[[", "").replace("]]", "") == tok.decode(s["input_ids"])
-    assert "\x1b[42;30mThe capital of France is Paris.<|im_end|>\x1b[0m" in show_mask(tok, s["input_ids"], s["loss_mask"])
+    coloured = show_mask(tok, s["input_ids"], s["loss_mask"])
+    assert "\x1b[42;30mThe capital of France is Paris.<|im_end|>\x1b[0m" in coloured
 
 
 # --------------------------------------------------------------------------- tokenized dataset, vocab
@@ -191,7 +193,8 @@ def test_tokenized_dataset_matches_tokenize_conversation(small_tokenized, smollm
     assert m["target"]["vocab_size"] == 49152 and m["tokenizer"] == SMOLLM2
     for i, conv in enumerate(CONVERSATIONS):
         ref = tokenize_conversation(smollm2[1], conv["messages"], 128)
-        assert torch.equal(data[i]["input_ids"], ref["input_ids"]) and torch.equal(data[i]["loss_mask"], ref["loss_mask"])
+        assert torch.equal(data[i]["input_ids"], ref["input_ids"])
+        assert torch.equal(data[i]["loss_mask"], ref["loss_mask"])
     vmap = read_vocab_map(small_tokenized)
     assert torch.equal(vmap["counts"], count_tokens((data[i] for i in range(len(data))), 49152))
 
