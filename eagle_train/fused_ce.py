@@ -85,7 +85,7 @@ class _SoftCrossEntropy(torch.autograd.Function):
         hidden, weight, probs, rows, lse, psum = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[:2]
         acc = lse.dtype
-        g = grad_loss.to(acc)
+        g = grad_loss.to(acc).contiguous()  # the grad of a .sum() is an expanded stride-0 view; the kernel reads g[n]
         d_hidden = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if need_h else None
         d_weight = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device) if need_w else None
         for c0 in range(0, weight.shape[0], ctx.chunk_size):
