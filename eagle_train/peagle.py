@@ -15,6 +15,7 @@ One stack of layers serves both uses:
 - `step` / `draft_parallel`: the runtime over per-layer static KV caches.
 """
 
+import functools
 from pathlib import Path
 
 import torch
@@ -52,6 +53,15 @@ def choose_mask_token_id(tokenizer, token_counts: torch.Tensor | None = None) ->
             "set `mask_token_id` in the run config to an id the training data never contains"
         )
     return max(candidates)
+
+
+@functools.cache
+def compiled_flex_attention():
+    """FlexAttention compiled once per process: uncompiled it materialises the full score matrix,
+    which is what the block mask is there to avoid."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=True)
 
 
 class PEagleCache(nn.Module):
@@ -184,7 +194,7 @@ class PEagleHead(nn.Module):
             def attend(i, attn, q, k, v):
                 return attn.attend(q, k, v, mask)
         else:
-            from torch.nn.attention.flex_attention import flex_attention
+            flex_attention = compiled_flex_attention()
 
             def attend(i, attn, q, k, v):
                 out = flex_attention(q, k, v, block_mask=mask, enable_gqa=attn.num_heads != attn.num_kv_heads)
