@@ -63,9 +63,10 @@ def pad_batch(samples: list[dict], pad_id: int, device) -> tuple[torch.Tensor, t
     return ids.to(device), mask.to(device)
 
 
-def capture_batch(model, samples: list[dict], aux_layer_ids, pad_id: int, dtype: str = "float32") -> list[dict]:
+def capture_batch(model, samples: list[dict], aux_layer_ids, pad_id: int, dtype: str | None = None) -> list[dict]:
     """One padded forward; per-sample dicts of input_ids, loss_mask and the hidden states, on the CPU,
-    already in the store's form (`encode_hidden`: cast or fp8-quantized on the target's device).
+    already in the store's form `dtype` (`encode_hidden`: cast or fp8-quantized on the target's device;
+    None keeps the model's dtype).
 
     Each tensor crosses to the host in one copy per batch, not one per sample (each is a GPU sync).
     """
@@ -73,7 +74,10 @@ def capture_batch(model, samples: list[dict], aux_layer_ids, pad_id: int, dtype:
     ids, mask = pad_batch(samples, pad_id, device)
     aux, final = target_hidden_states(model, ids, mask, aux_layer_ids)
     b, t = ids.shape
-    encoded = encode_hidden(aux.flatten(0, 1), final.flatten(0, 1), dtype)
+    if dtype is None:
+        encoded = {"aux_hidden": aux, "final_hidden": final}
+    else:
+        encoded = encode_hidden(aux.flatten(0, 1), final.flatten(0, 1), dtype)
     hidden = {k: v.view(b, t, -1).cpu() for k, v in encoded.items()}
     out = []
     for i, s in enumerate(samples):
