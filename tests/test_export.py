@@ -402,3 +402,42 @@ def test_cli_exports_a_training_checkpoint_with_a_model_card(tmp_path, capsys):
     assert cli_exit(["--check", str(out)]) == 0
     assert "all engines OK" in capsys.readouterr().out
     assert cli_exit(["--check", str(tmp_path / "nowhere")]) == 2
+
+
+def test_runtime_drafts_the_same_from_the_export_as_from_the_training_checkpoint(tmp_path):
+    """load_draft_head on an fp32 export gives the runtime the checkpoint's head: same tokens and the
+    same accepted drafts at every step. The draft vocabulary is the target's 4 likeliest tokens on this
+    prompt, so drafts from the head's random weights are often accepted."""
+    from collections import Counter
+
+    from transformers import LlamaForCausalLM
+
+    from eagle_train.checkpoint import load_draft_head
+    from inference.drafting import TreeShape
+    from inference.generate import Runtime
+
+    torch.manual_seed(0)
+    target_cfg = LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=5,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                             tie_word_embeddings=False)
+    model = LlamaForCausalLM(target_cfg).eval()
+    prompt = [1, 5, 9, 3]
+    plain = Runtime(model, cuda_graphs=False).generate_plain(prompt, 24).output_ids
+    vocab = sorted(t for t, _ in Counter(plain + list(range(16))).most_common(4))
+    torch.manual_seed(9)  # a head whose drafts are accepted 0, 1 or 3 at a time on this prompt
+    head = Eagle3Head.from_target(model, draft_vocab_size=4)
+    for name, p in head.named_parameters():
+        if not name.startswith("embed_tokens."):
+            torch.nn.init.normal_(p, std=0.2)
+    t2d = torch.zeros(16, dtype=torch.bool)
+    t2d[vocab] = True
+    head.set_vocab_map(torch.tensor(vocab) - torch.arange(4), t2d)
+    head.save_pretrained(tmp_path / "checkpoint-7" / "head")
+    for fmt in ("eagle3", "speculators"):
+        export_head(head, tmp_path / fmt, fmt, dtype="fp32")
+    runs = {name: Runtime(model, load_draft_head(tmp_path / name, model), TreeShape.chain(3), cuda_graphs=False)
+            .generate(prompt, 24) for name in ("checkpoint-7", "eagle3", "speculators")}
+    reference = runs.pop("checkpoint-7")
+    assert reference.output_ids == plain and sum(reference.accepted) >= 5 and 0 in reference.accepted
+    for name, run in runs.items():
+        assert run.output_ids == reference.output_ids and run.accepted == reference.accepted, name
