@@ -389,13 +389,18 @@ def test_cli_exports_a_training_checkpoint_with_a_model_card(tmp_path, capsys):
     tiny_head().save_pretrained(checkpoint / "head")
     (checkpoint / "trainer_state.json").write_text(json.dumps({"step": 1200, "config": {"data_path": "sharegpt"}}))
     results = tmp_path / "eval.json"
-    results.write_text(json.dumps({"acceptance_length": 3.21, "per_position_acceptance": [0.8, 0.6, 0.4]}))
+    results.write_text(json.dumps({  # the shape eagle-eval writes
+        "bench": "mt_bench", "drafting": {"depth": 3, "topk": 1, "total": 3, "chain": True},
+        "sampling": {"temperature": 0.0}, "device": "cuda", "dtype": "bfloat16",
+        "summary": {"acceptance_length": 3.21, "acceptance_per_position": [0.8, 0.6, 0.4], "speedup": 1.9}}))
     out = tmp_path / "exported"
     code = cli_exit([str(tmp_path / "run" / "checkpoint-1200"), "--format", "speculators", "--out", str(out),
                      "--dtype", "bf16", "--eval-results", str(results)])
     assert code == 0, capsys.readouterr().out
     card = (out / "README.md").read_text()
-    assert "acceptance length **3.21**" in card and "training steps: 1200" in card and "sharegpt" in card
+    assert "acceptance length **3.21** (mt_bench, chain K=3, temperature 0.0, cuda bfloat16)" in card
+    assert "0.80, 0.60, 0.40" in card and "1.90x" in card
+    assert "training steps: 1200" in card and "training data: sharegpt" in card
     assert "vllm serve" in card
     assert cli_exit(["--import", str(out), "--out", str(tmp_path / "ckpt")]) == 0
     assert (tmp_path / "ckpt" / "head" / "config.json").exists()

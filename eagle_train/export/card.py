@@ -21,22 +21,25 @@ vllm serve {out}    # the config names the verifier ({target}) and the number of
 }
 
 
-def eval_summary(results: dict) -> list[str]:
-    """Lines for the card from eagle-eval's JSON (any run that reports an acceptance length)."""
-    runs = results.get("runs") if isinstance(results.get("runs"), list) else [results]
-    lines = []
-    for run in runs:
-        al = run.get("acceptance_length", run.get("al"))
-        if al is None:
-            continue
-        where = ", ".join(f"{k} {run[k]}" for k in ("bench", "dataset", "method", "num_draft_tokens", "temperature")
-                          if k in run)
-        lines.append(f"- acceptance length **{float(al):.2f}**" + (f" ({where})" if where else ""))
-        if "per_position_acceptance" in run:
-            rates = ", ".join(f"{float(r):.2f}" for r in run["per_position_acceptance"])
-            lines.append(f"  - acceptance rate by draft position: {rates}")
-        if "speedup" in run:
-            lines.append(f"  - speedup over plain decoding: {float(run['speedup']):.2f}x")
+def eval_summary(record: dict) -> list[str]:
+    """Lines for the card from eagle-eval's results JSON (its "summary", bench, drafting, sampling)."""
+    summary = record.get("summary", record)
+    if "acceptance_length" not in summary:
+        return []
+    drafting, sampling = record.get("drafting") or {}, record.get("sampling") or {}
+    shape = ""
+    if drafting:
+        shape = (f"chain K={drafting['depth']}" if drafting.get("chain")
+                 else f"tree depth {drafting['depth']}, top-k {drafting['topk']}, {drafting['total']} tokens")
+    where = [record.get("bench"), shape, f"temperature {sampling['temperature']}" if "temperature" in sampling
+             else None, " ".join(str(record[k]) for k in ("device", "dtype") if k in record)]
+    where = ", ".join(w for w in where if w)
+    lines = [f"- acceptance length **{float(summary['acceptance_length']):.2f}**" + (f" ({where})" if where else "")]
+    if summary.get("acceptance_per_position"):
+        rates = ", ".join(f"{float(r):.2f}" for r in summary["acceptance_per_position"])
+        lines.append(f"- acceptance rate by draft position: {rates}")
+    if summary.get("speedup"):
+        lines.append(f"- speedup over plain decoding on the same runtime: {float(summary['speedup']):.2f}x")
     return lines
 
 
