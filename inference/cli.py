@@ -1,0 +1,138 @@
+"""`eagle-eval`: acceptance length and speed of a draft head on a bench prompt set.
+
+    eagle-eval --target smollm2-135m --draft runs/eagle3/final --bench mt_bench \
+        --num-prompts 20 --max-new-tokens 128 --chain 5 --out results.json
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def check_head_fits_target(head_cfg, target_cfg) -> None:
+    """Refuse a head trained for another target before any compute."""
+    target_cfg = getattr(target_cfg, "text_config", None) or target_cfg
+    n = target_cfg.num_hidden_layers
+    problems = []
+    if head_cfg.vocab_size != target_cfg.vocab_size:
+        problems.append(f"vocabulary {head_cfg.vocab_size} != target's {target_cfg.vocab_size}")
+    if head_cfg.target_hidden_size != target_cfg.hidden_size:
+        problems.append(f"hidden size {head_cfg.target_hidden_size} != target's {target_cfg.hidden_size}")
+    if any(not 0 <= i < n for i in head_cfg.aux_layer_ids):
+        problems.append(f"aux layer ids {list(head_cfg.aux_layer_ids)} do not exist in a {n}-layer target")
+    elif head_cfg.target_num_layers != n:
+        problems.append(f"trained on a {head_cfg.target_num_layers}-layer target, this one has {n}")
+    if problems:
+        built = f" (built for {head_cfg.target!r})" if head_cfg.target else ""
+        raise ValueError(
+            f"the draft head does not fit this target{built}: {'; '.join(problems)}. "
+            "Pass the --target the head was trained for, or train a head for this target."
+        )
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="eagle-eval", description=__doc__.split("\n")[0])
+    p.add_argument("--target", required=True, help="hub id, model directory, .gguf file or alias (smollm2-135m)")
+    p.add_argument("--draft", required=True, help="training checkpoint, head directory or exported directory")
+    p.add_argument("--bench", default="mt_bench", help="mt_bench | humaneval | gsm8k | FILE.jsonl")
+    p.add_argument("--num-prompts", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument("--chain", type=int, default=None, metavar="K", help="chain drafting, K drafts (default 5)")
+    shape.add_argument("--tree", default=None, metavar="DEPTH,TOPK,TOTAL", help="EAGLE-2 dynamic tree, e.g. 6,8,60")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--out", default="results.json", help="JSON results; the plot goes next to it (.png)")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        return evaluate(args)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"eagle-eval: error: {e}") from e
+
+
+def precheck_head(draft, target_cfg) -> None:
+    """The config-only check of a training checkpoint / head dir (exports are checked once loaded)."""
+    from eagle_train.checkpoint import head_directory
+    from eagle_train.draft_config import DraftConfig
+
+    config = json.loads((head_directory(draft) / "config.json").read_text())
+    if config.get("format") == "eagle-train-draft":
+        check_head_fits_target(DraftConfig.from_dict(config), target_cfg)
+
+
+def evaluate(args):
+    from eagle_train.checkpoint import load_draft_head
+    from eagle_train.target import load_target, load_target_config
+    from inference.drafting import TreeShape
+    from inference.evaluate import format_table, load_bench, plot, run_prompt, summarise
+    from inference.generate import Runtime
+    from inference.sampling import Sampler
+
+    # everything a user can get wrong is checked before the target's weights are loaded
+    shape = TreeShape.parse(args.tree) if args.tree else TreeShape.chain(5 if args.chain is None else args.chain)
+    sampler = Sampler(args.temperature, args.top_k, args.top_p)
+    if args.max_new_tokens < 1:
+        raise SystemExit(f"eagle-eval: --max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    prompts = load_bench(args.bench, args.num_prompts)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("eagle-eval: --device cuda but CUDA is not available")
+    precheck_head(args.draft, load_target_config(args.target))
+
+    model, tokenizer = load_target(args.target, dtype=args.dtype, device=device)
+    head = load_draft_head(args.draft, model)
+    check_head_fits_target(head.config, model.config)
+    head.to(device=device, dtype=model.dtype).eval()
+    eos = {tokenizer.eos_token_id} | set(_as_list(getattr(model.generation_config, "eos_token_id", None)))
+    runtime = Runtime(model, head, shape, sampler, eos_token_ids=eos - {None},
+                      cuda_graphs=not args.no_cuda_graphs, seed=args.seed)
+
+    from tqdm import tqdm
+
+    if device.type == "cuda":  # kernel selection and graph capture stay out of the timings
+        warmup = {"question_id": "warmup", "category": "", "turns": prompts[0]["turns"][:1]}
+        run_prompt(runtime, tokenizer, warmup, min(8, args.max_new_tokens))
+    results, t0 = [], time.time()
+    for prompt in tqdm(prompts, desc=f"eagle-eval {args.bench}", unit="prompt"):
+        results.append(run_prompt(runtime, tokenizer, prompt, args.max_new_tokens))
+    summary = summarise(results, shape.depth)
+    drafting = f"tree {shape.depth},{shape.topk},{shape.total}" if args.tree else f"chain K={shape.depth}"
+    title = (f"{args.bench}: {len(prompts)} prompts, {drafting}, temperature {args.temperature}, "
+             f"{device.type} {str(model.dtype).replace('torch.', '')}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    record = {
+        "target": args.target, "draft": str(args.draft), "bench": args.bench,
+        "drafting": {"depth": shape.depth, "topk": shape.topk, "total": shape.total, "chain": not args.tree},
+        "sampling": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed},
+        "device": str(device), "dtype": str(model.dtype).replace("torch.", ""),
+        "cuda_graphs": runtime.use_graphs, "max_new_tokens": args.max_new_tokens,
+        "wall_seconds": time.time() - t0, "summary": summary, "prompts": results,
+    }
+    out.write_text(json.dumps(record, indent=1))
+    plot_path = out.with_suffix(".png")
+    plot(summary, plot_path, title)
+    print(format_table(summary, title))
+    print(f"results: {out}   plot: {plot_path}")
+    return record
+
+
+def _as_list(x):
+    return [] if x is None else list(x) if isinstance(x, (list, tuple, set)) else [x]
+
+
+if __name__ == "__main__":
+    sys.exit(main() and 0)
