@@ -120,7 +120,7 @@ def capture(model, data: str | Path, out: str | Path, *, target_name: str, aux_l
         "chat_template_fingerprint": source.manifest["chat_template_fingerprint"],
         "source": str(data),
         "plan": {"token_budget": token_budget, "shard_tokens": shard_tokens, "num_shards": len(plan),
-                 "source_samples": len(source)},
+                 "source_samples": len(source), "source_tokens": source.manifest["num_tokens"]},
         "num_processes": world_size,
         "complete": False,
     }

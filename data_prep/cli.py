@@ -11,6 +11,7 @@
 """
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -130,6 +131,8 @@ def cmd_capture(a) -> dict | None:
 
 def cmd_run(a) -> None:
     """The whole pipeline from a YAML config: [regenerate] -> tokenize -> [capture]."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        sys.exit("`eagle-prep run` is one process; for several, run `accelerate launch -m data_prep.cli capture ...`")
     cfg = yaml.safe_load(Path(a.config).read_text())
     prep = cfg.get("prep", {})
     out = Path(cfg["out_dir"])
