@@ -32,18 +32,19 @@ def target_distribution(final_hidden, lm_head_weight, t2d):
 
 def shift_left(x, n: int, fill=0):
     """x[:, t] <- x[:, t + n] along dim 1, padding the last n positions with `fill`."""
-    if n == 0:
-        return x
     pad = torch.full_like(x[:, :n], fill)
     return torch.cat([x[:, n:], pad], dim=1)
 
 
-def step_loss(head, h, target_probs, supervised):
-    """Soft cross-entropy summed over supervised positions, and the count of top-1 agreements."""
+def step_loss(head, h, target_probs):
+    """Soft cross-entropy summed over the given rows, and the number of top-1 agreements.
+
+    h [N, H] are the supervised positions only: the lm_head (the head's largest matmul) and the
+    [N, Vd] logits are then paid for supervised positions alone.
+    """
     logits = head.logits(h)
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    loss = -(target_probs * logp).sum(-1)[supervised].sum()
-    correct = (logits.argmax(-1) == target_probs.argmax(-1))[supervised].sum()
+    loss = -(target_probs * torch.log_softmax(logits.float(), dim=-1)).sum()
+    correct = (logits.argmax(-1) == target_probs.argmax(-1)).sum()
     return loss, correct
 
 
@@ -55,8 +56,8 @@ def ttt_loss(head, aux_hidden, input_ids, loss_mask, target_probs, in_draft, ttt
     supervised positions. metrics (detached scalars): `loss`, `loss_i`, `acc_i` (top-1 agreement
     of draft and target over step i's supervised positions) and `count_i` (their number).
 
-    Each step's draft logits [B, T, Vd] dominate memory (Vd >> H). With `checkpoint_logits`
-    they are not kept for backward but recomputed from the step's [B, T, H] output.
+    Each step's draft logits [N, Vd] dominate memory (Vd >> H). With `checkpoint_logits`
+    they are not kept for backward but recomputed from the step's [N, H] output.
     Right padding needs no key mask: attention is causal (plus same-position diagonal keys), so a
     real position never sees a later padded one, and padded positions have loss_mask False.
     """
@@ -68,14 +69,15 @@ def ttt_loss(head, aux_hidden, input_ids, loss_mask, target_probs, in_draft, ttt
     total = 0.0
     metrics = {}
     for i in range(ttt_length):
-        step_ids = shift_left(input_ids, i + 1)
-        hidden = head.ttt_step(hidden, step_ids, positions + i, past)
-        supervised = shift_left(loss_mask, i + 2, False) & shift_left(in_draft, i + 1, False)
-        probs = shift_left(target_probs, i + 1)
+        hidden = head.ttt_step(hidden, shift_left(input_ids, i + 1), positions + i, past)
+        # position p is supervised iff p+i+2 < T, loss_mask[p+i+2] and in_draft[p+i+1]
+        n = max(t - i - 2, 0)
+        supervised = loss_mask[:, i + 2:] & in_draft[:, i + 1:t - 1]
+        h, probs = hidden[:, :n][supervised], target_probs[:, i + 1:t - 1][supervised]
         if checkpoint_logits and torch.is_grad_enabled():
-            loss_sum, correct = checkpoint(step_loss, head, hidden, probs, supervised, use_reentrant=False)
+            loss_sum, correct = checkpoint(step_loss, head, h, probs, use_reentrant=False)
         else:
-            loss_sum, correct = step_loss(head, hidden, probs, supervised)
+            loss_sum, correct = step_loss(head, h, probs)
         count = supervised.sum()
         loss_i = loss_sum / count.clamp(min=1)
         total = total + decay ** i * loss_i
