@@ -114,7 +114,8 @@ class Drafter:
         pos = torch.arange(start, start + n, device=dev)
         keys = torch.arange(self.max_len, device=dev)
         mask = (keys[None, :] <= pos[:, None])[None, None]
-        h, logits = self.step_fn(self.head.fc(aux), next_ids, pos[None], self.cache, pos, mask)
+        # eager: after a prefill its length varies (graphs replay only `catch_up_padded`)
+        h, logits = self.head.step(self.head.fc(aux), next_ids, pos[None], self.cache, pos, mask)
         return h[0, -1], logits[0, -1]
 
     def catch_up_padded(self, aux, next_ids, start: int):

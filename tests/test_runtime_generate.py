@@ -180,3 +180,23 @@ def test_runtime_without_head_refuses_speculation():
     model, _ = tiny_pair()
     with pytest.raises(ValueError, match="no draft head"):
         Runtime(model).generate([1, 2, 3], 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_equal_eager_and_target_greedy():
+    model, head = tiny_pair()
+    prompt = torch.randint(0, V, (11,)).tolist()
+    reference = hf_greedy(model, prompt, 40)
+    model, head = model.cuda(), head.cuda()
+    for shape in (TreeShape.chain(3), TreeShape(3, 3, 8)):
+        noisy_oracle(head, prompt + reference)
+        graphed = Runtime(model, head, shape, cuda_graphs=True)
+        eager = Runtime(model, head, shape, cuda_graphs=False)
+        assert graphed.use_graphs and not eager.use_graphs
+        for runtime in (graphed, eager):
+            spec = runtime.generate(prompt, 40)
+            assert spec.output_ids == reference and sum(spec.accepted) > 10
+            assert runtime.generate_plain(prompt, 40).output_ids == reference
+        assert graphed.generate(prompt, 40).output_ids == reference  # replayed graphs, second prompt
+        del head.step
