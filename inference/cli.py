@@ -58,7 +58,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     try:
-        return evaluate(args)
+        evaluate(args)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"eagle-eval: error: {e}") from e
 
@@ -135,4 +135,4 @@ def _as_list(x):
 
 
 if __name__ == "__main__":
-    sys.exit(main() and 0)
+    sys.exit(main())

@@ -26,7 +26,7 @@ def tiny_head_dir(tiny_llama, tmp_path_factory):
 
 def test_eval_tiny_target_mt_bench_two_turns(tiny_llama_dir, tiny_head_dir, tmp_path, capsys):
     out = tmp_path / "res" / "results.json"
-    record = main(["--target", str(tiny_llama_dir), "--draft", str(tiny_head_dir), "--bench", "mt_bench",
+    main(["--target", str(tiny_llama_dir), "--draft", str(tiny_head_dir), "--bench", "mt_bench",
                    "--num-prompts", "2", "--max-new-tokens", "10", "--tree", "3,2,4", "--out", str(out)])
     saved = json.loads(out.read_text())
     assert out.with_suffix(".png").stat().st_size > 1000
@@ -34,7 +34,6 @@ def test_eval_tiny_target_mt_bench_two_turns(tiny_llama_dir, tiny_head_dir, tmp_
     assert saved["summary"]["acceptance_length"] == pytest.approx(recount_al(saved), abs=1e-12)
     assert saved["summary"]["turns_identical_to_plain"] == 4  # greedy: spec == plain
     assert len(saved["summary"]["acceptance_per_position"]) == 3
-    assert record["summary"] == saved["summary"]
     assert "acceptance length (AL)" in capsys.readouterr().out
 
 
