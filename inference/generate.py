@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from inference.drafting import Drafter, TreeShape
+from inference.parallel_drafting import ParallelDrafter
 from inference.graphs import GraphedStep
 from inference.llama import TargetModel
 from inference.sampling import Sampler, accept_greedy, accept_sampling
@@ -53,7 +54,8 @@ class Runtime:
         if head is not None:
             shape = shape or TreeShape.chain(5)
             step = GraphedStep(head.step) if self.use_graphs else head.step
-            self.drafter = Drafter(head, shape, sampler, step)
+            drafter = ParallelDrafter if head.config.method == "peagle" else Drafter  # P-EAGLE: K drafts per pass
+            self.drafter = drafter(head, shape, sampler, step)
 
     # ---- helpers --------------------------------------------------------------------------------
 
