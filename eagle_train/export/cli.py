@@ -16,8 +16,8 @@ EPILOG = """examples:
   eagle-export --import yuhuili/EAGLE3-LLaMA3.1-Instruct-8B-local --out ckpt --target meta-llama/Llama-3.1-8B-Instruct
 
 formats: eagle3 = the EAGLE reference layout SGLang, TensorRT-LLM, vLLM and SafeAILab EAGLE load;
-speculators = vLLM's own format (`vllm serve DIR` needs no other flag); peagle = P-EAGLE for vLLM
-(available once the P-EAGLE head is in). --check exits 1 when an engine would fail to load the
+speculators = vLLM's own format (`vllm serve DIR` needs no other flag; P-EAGLE heads too); peagle =
+a P-EAGLE head for vLLM's parallel drafting. --check exits 1 when an engine would fail to load the
 directory or would load it and silently draft worse (missing d2t, short context, wrong aux layers,
 RoPE or sizes that disagree with the weights or the target, ...)."""
 

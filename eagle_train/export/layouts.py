@@ -2,7 +2,7 @@
 
 A layout is a row of `LAYOUTS`: how to write config.json for a head, how head tensor names map to
 file names, how to read a config.json of that layout back into a DraftConfig, and how to recognise
-one. Adding a format (P-EAGLE) is one more row built from the helpers below.
+one. Adding a format is one more row built from the helpers below.
 
 - `eagle3`: the EAGLE reference layout (SGLang, TensorRT-LLM, vLLM, SafeAILab EAGLE): a Llama
   config with `architectures: ["LlamaForCausalLMEagle3"]`, tensors `fc`, `midlayer.*`, `norm`,
@@ -10,6 +10,9 @@ one. Adding a format (P-EAGLE) is one more row built from the helpers below.
 - `speculators`: vLLM's own format (vllm-project/speculators): the Llama keys live under
   `transformer_layer_config`, the layer is `layers.0.*`, and `speculators_config` tells
   `vllm serve DIR` everything else.
+- `peagle`: P-EAGLE for vLLM's parallel drafting: the eagle3 layout with N layers (`layers.1..N-1.*`),
+  the trained `embed_tokens`, `mask_hidden`, the mask token id under all three names vLLM versions
+  read, `parallel_drafting` true.
 
 Aux-layer ids are written in each engine's own convention. vLLM reads the top-level
 `eagle_aux_hidden_state_layer_ids` as Hugging Face `output_hidden_states` indices (ours); SGLang
