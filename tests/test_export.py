@@ -356,6 +356,16 @@ def test_import_of_the_reference_layout_then_export_gives_identical_tensors(tmp_
     assert isinstance(load_draft_head(tmp_path / "again"), Eagle3Head)  # engine dirs load directly too
 
 
+def test_import_without_d2t_is_identity_for_a_full_vocabulary_and_refused_for_a_reduced_one(tmp_path):
+    tensors, config = reference_layout_dir(tmp_path / "ref")
+    save_file({k: v for k, v in tensors.items() if k not in ("d2t", "t2d")}, tmp_path / "ref" / "model.safetensors")
+    with pytest.raises(ValueError, match=r"missing tensors \['d2t'\]"):
+        import_head(tmp_path / "ref", target_config=tiny_target_config())
+    (tmp_path / "ref" / "config.json").write_text(json.dumps({**config, "vocab_size": VD}))
+    head = import_head(tmp_path / "ref", target_config=tiny_target_config())
+    assert torch.equal(head.draft_to_target_ids(torch.arange(VD)), torch.arange(VD)) and bool(head.t2d.all())
+
+
 def test_import_refuses_a_config_that_disagrees_with_the_weights(tmp_path):
     reference_layout_dir(tmp_path / "ref")
     path = tmp_path / "ref" / "config.json"

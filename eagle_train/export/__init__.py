@@ -92,6 +92,8 @@ def import_head(directory, target_model=None, target_config=None):
     expected = head.saved_state_dict()
     # An EAGLE-3 head shares the target's embedding; a file may still carry a copy (or its own).
     own_embedding = None if "embed_tokens.weight" in expected else state.pop("embed_tokens.weight", None)
+    if "d2t" not in state and cfg.draft_vocab_size == cfg.vocab_size:  # a full-vocabulary head: identity
+        state["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
     missing = sorted(set(expected) - set(state) - {"t2d"})
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
