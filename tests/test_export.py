@@ -227,9 +227,7 @@ def test_default_aux_ids_are_left_out_of_the_eagle3_config(exported):
     assert "eagle_aux_hidden_state_layer_ids" not in config and "eagle_config" not in config
 
 
-def test_check_flags_a_peagle_export_without_mask_hidden(tmp_path):
-    """A P-EAGLE directory laid out by hand as DESIGN.md section 6 describes it (eagle3 config + the
-    mask token ids, midlayer.* then layers.1.*, own embed_tokens, mask_hidden), from a PEagleHead."""
+def tiny_peagle_head():
     from eagle_train.peagle import PEagleHead
 
     cfg = tiny_head().config
@@ -239,6 +237,14 @@ def test_check_flags_a_peagle_export_without_mask_hidden(tmp_path):
     for p in head.parameters():
         torch.nn.init.normal_(p, std=0.3)
     set_random_vocab_map(head)
+    return head
+
+
+def test_check_flags_a_peagle_export_without_mask_hidden(tmp_path):
+    """A P-EAGLE directory laid out by hand as DESIGN.md section 6 describes it (eagle3 config + the
+    mask token ids, midlayer.* then layers.1.*, own embed_tokens, mask_hidden), from a PEagleHead."""
+    head = tiny_peagle_head()
+    cfg = head.config
     tensors = {k: v.contiguous() for k, v in head.saved_state_dict().items()}
     assert {k: tuple(v.shape) for k, v in tensors.items()} == head_shapes(cfg, parallel=True)
     config = LAYOUTS["eagle3"].write_config(cfg, torch.float32, {})
@@ -265,6 +271,16 @@ def test_check_flags_a_peagle_export_without_mask_hidden(tmp_path):
     assert any("without mask_hidden" in m for m in errors(bad)), bad.render()
     sglang = check_directory(directory, ["sglang"], tiny_target_config())["sglang"]
     assert any("P-EAGLE" in m for m in errors(sglang))
+
+
+def test_check_flags_a_speculators_peagle_config_without_mask_token_id(tmp_path):
+    out = export_head(tiny_peagle_head(), tmp_path / "spec", "speculators", dtype="bf16")
+    assert check_directory(out, None, tiny_target_config())["vllm"].ok
+    config = json.loads((out / "config.json").read_text())
+    config.pop("mask_token_id")
+    (out / "config.json").write_text(json.dumps(config))
+    vllm = check_directory(out, None, tiny_target_config())["vllm"]
+    assert any("needs it (it becomes pard_token)" in m for m in errors(vllm)), vllm.render()
 
 
 def test_check_flags_a_config_whose_hidden_size_disagrees_with_the_weights(exported):

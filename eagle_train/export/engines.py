@@ -529,7 +529,11 @@ def check_parallel(report, files, cfg):
         report.add("error", f"mask_hidden has shape {list(meta['mask_hidden'][0])}, vLLM needs "
                             f"3 x target hidden = {3 * cfg.target_hidden_size} values")
     ids = {k: config.get(k, layer.get(k)) for k in MASK_TOKEN_KEYS if k in config or k in layer}
-    if not ids:
+    if config.get("speculators_model_type") == "peagle":  # vLLM's update_peagle: pard_token = mask_token_id
+        if "mask_token_id" not in config:
+            report.add("error", "speculators P-EAGLE config without mask_token_id: vLLM's speculators reader "
+                                "needs it (it becomes pard_token)")
+    elif not ids:
         report.add("error", "P-EAGLE export without a mask token id: write ptd_token_id, pard_token and "
                             "mask_token_id (vLLM versions read different ones)")
     else:
