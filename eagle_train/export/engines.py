@@ -137,7 +137,7 @@ class Engine:
     rename: Callable[[str, int, set], str | None]
     layer_prefix: Callable[[int, int], str]  # parameter prefix of draft layer i of n
     top: dict  # head tensor name -> engine parameter (absent: the engine has none)
-    unknown_tensors: str  # "crash" (KeyError at load) or "ignored"
+    unknown_tensors: str  # "crash" (the load fails) or "ignored"
     parallel_drafting: bool  # has P-EAGLE (all K drafts in one pass)
 
 
@@ -355,8 +355,9 @@ def check_config_keys(report, eng, files, llama, layout_name, cfg):
     report.ignored += [f"config:{k}" for k in known if (k in config or k in llama) and k not in reads]
     if "draft_vocab_size" not in config:
         if name == "sglang":
-            report.add("error", "no draft_vocab_size: SGLang then loads the target's lm_head over the draft's "
-                                "(load_lm_head_from_target); write draft_vocab_size even when it equals vocab_size")
+            report.add("error", "no draft_vocab_size: SGLang then fails to build the head or, with it null, loads "
+                                "the target's lm_head over the draft's (load_lm_head_from_target); write "
+                                "draft_vocab_size even when it equals vocab_size")
         else:
             report.add("warning", f"no draft_vocab_size: {eng.title} assumes the full vocabulary ({cfg.vocab_size})")
     if "rope_theta" not in llama:
@@ -419,8 +420,7 @@ def check_weights(report, eng, files, cfg, parallel):
         where = stack(param)
         if where not in needed:
             if eng.unknown_tensors == "crash":
-                report.add("error", f"{file_name} -> {where[0]} is not a {eng.title} parameter: loading stops "
-                                    "with a KeyError")
+                report.add("error", f"{file_name} -> {where[0]} is not a {eng.title} parameter: loading fails")
             elif file_name in ("mask_hidden", "embed_tokens.weight"):
                 report.ignored.append(file_name)
             else:
