@@ -200,3 +200,29 @@ def test_cuda_graphs_equal_eager_and_target_greedy():
             assert runtime.generate_plain(prompt, 40).output_ids == reference
         assert graphed.generate(prompt, 40).output_ids == reference  # replayed graphs, second prompt
         del head.step
+
+
+def test_fixed_shape_path_of_cuda_graphs_is_lossless_on_cpu():
+    """The shapes CUDA graphs replay (full-cache attention widths, caches rounded up to 256 slots),
+    run eagerly on the CPU: same tokens as the target's greedy decoding."""
+    model, head = tiny_pair(3)
+    prompt = torch.randint(0, V, (13,)).tolist()
+    reference = hf_greedy(model, prompt, 30)
+    noisy_oracle(head, prompt + reference)
+    runtime = Runtime(model, head, TreeShape(3, 3, 8))
+    runtime.use_graphs = True  # the steps stay eager: only the fixed shapes are exercised
+
+    class Eager:  # stands in for GraphedStep: same calls, no capture
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __call__(self, *args):
+            return self.fn(*args)
+
+        def reset(self):
+            pass
+
+    runtime.target_step, runtime.drafter.step_fn = Eager(runtime.target_step), Eager(runtime.drafter.step_fn)
+    spec = runtime.generate(prompt, 30)
+    assert runtime.target.max_len == 256 and spec.output_ids == reference and sum(spec.accepted) > 10
+    assert runtime.generate_plain(prompt, 30).output_ids == reference
