@@ -34,7 +34,7 @@ TARGET="$EG/SmolLM2-135M-Instruct.Q4_1.gguf"
 DATA="$EG/sharegpt.jsonl"
 if [ "$SCALE" = tiny ]; then
   RUNS=${RUNS:-$EG/runs-tiny}
-  NUM_CONV=${NUM_CONV:-40}; MAX_LEN=256; WORKERS=2
+  NUM_CONV=${NUM_CONV:-40}; MAX_LEN=256; WORKERS=2; AMP=no
   TRAIN_ARGS=(max_length=256 tokens_per_batch=1024 max_steps=3 save_every=2 log_every=1 num_workers=0
               eval_fraction=0.1 mixed_precision=auto warmup_steps=1)
   EVAL_PROMPTS=${EVAL_PROMPTS:-2}; EVAL_TOKENS=${EVAL_TOKENS:-16}; TREE=3,2,4
@@ -43,7 +43,7 @@ if [ "$SCALE" = tiny ]; then
   STAGE_SECONDS=${STAGE_SECONDS:-3000}
 else
   RUNS=${RUNS:-$EG/runs}
-  NUM_CONV=${NUM_CONV:-null}; MAX_LEN=2048; WORKERS=$(nproc)
+  NUM_CONV=${NUM_CONV:-null}; MAX_LEN=2048; WORKERS=$(nproc); AMP=bf16
   TRAIN_ARGS=()
   EVAL_PROMPTS=${EVAL_PROMPTS:-80}; EVAL_TOKENS=${EVAL_TOKENS:-128}; TREE=6,8,60
   BENCH_ARGS=(--tree "$TREE")
@@ -75,8 +75,8 @@ step() {
 # newest head of a training run: final/ when it finished, else its newest checkpoint
 head_of() {
   if [ -f "$1/final/config.json" ]; then echo "$1/final"; return; fi
-  local ck
-  ck=$(ls -d "$1"/checkpoint-* 2>/dev/null | sort -t- -k2 -n | tail -n 1)
+  local ck  # a checkpoint is finished once its trainer_state.json is written (the trainer writes it last)
+  ck=$(ls -d "$1"/checkpoint-*/trainer_state.json 2>/dev/null | xargs -r -n1 dirname | sort -t- -k2 -n | tail -n 1)
   [ -n "$ck" ] || { say "no head in $1: its training did not save a checkpoint" >&2; return 1; }
   echo "$ck"
 }
@@ -89,7 +89,7 @@ train() {
   [ "$budget" -gt 30 ] || { say "$name: only ${budget}s left for training, skipped"; return 1; }
   local rc=0
   step "train_$name" timeout -k 20 "$budget" "$PY" -m accelerate.commands.launch --num_processes 1 \
-      --num_machines 1 --dynamo_backend no --mixed_precision no "$script" --config "$config" \
+      --num_machines 1 --dynamo_backend no --mixed_precision "$AMP" "$script" --config "$config" \
       target="$TARGET" data_path="$RUNS/prep/tokenized" output_dir="$RUNS/$name" resume=auto "${TRAIN_ARGS[@]}" \
     || rc=$?
   cp "$RUNS/$name/metrics.jsonl" "$OUT/${name}_metrics.jsonl" 2>/dev/null || true
