@@ -5,6 +5,7 @@ has is a field below, so an unknown key is a typo and is refused with the list o
 """
 
 import dataclasses
+import importlib.util
 import types
 import typing
 from dataclasses import dataclass, field
@@ -160,6 +161,8 @@ def validate(cfg: TrainConfig, target_config) -> None:
     need(cfg.method in METHODS, f"method {cfg.method!r} is not one of {METHODS}")
     need(cfg.mode in MODES, f"mode {cfg.mode!r} is not one of {MODES}")
     need(cfg.report_to in REPORT_TO, f"report_to {cfg.report_to!r} is not one of {REPORT_TO}")
+    need(cfg.report_to != "wandb" or importlib.util.find_spec("wandb") is not None,
+         "report_to=wandb needs the wandb package (pip install wandb); or use report_to=tensorboard or none")
     need(cfg.mixed_precision in ("auto", "no", "bf16"), f"mixed_precision {cfg.mixed_precision!r} is not auto, no or bf16")
     need(cfg.ttt_length >= 1, f"ttt_length must be >= 1 (the number of unrolled draft steps), got {cfg.ttt_length}")
     need(0 < cfg.ttt_decay <= 1, f"ttt_decay must be in (0, 1], got {cfg.ttt_decay}")

@@ -82,6 +82,7 @@ def test_overrides_are_typed_and_unknown_keys_name_the_valid_ones():
     (["draft_vocab_size=1000"], ValueError, "differs from the data's vocab map"),
     (["aux_layer_ids=[3,15,27]"], ValueError, "store holds aux layers"),
     (["resume=/nonexistent/ckpt"], FileNotFoundError, "resume checkpoint"),
+    (["mode=streaming"], ValueError, "mode 'streaming' is not one of"),
 ])
 def test_bad_runs_fail_before_any_compute(monkeypatch, store, tmp_path, overrides, error, match):
     def no_compute(*args, **kwargs):
@@ -172,6 +173,33 @@ def test_two_processes_train_and_the_loss_decreases(store, tmp_path):
     k = len(train_losses) // 3
     assert sum(train_losses[-k:]) / k < 0.9 * sum(train_losses[:k]) / k
     assert load_draft_head(out / "final").config.draft_vocab_size == DRAFT_VOCAB
+
+
+@pytest.mark.slow
+def test_resume_with_another_process_count_continues_the_run(store, tmp_path):
+    """1 process x 2 accumulated micro-batches, stopped, resumed as 2 processes x 1: every step sees
+    the same global batch, so the loss curve continues (equal up to float reduction order)."""
+    common = ["num_epochs=2", "gradient_accumulation_steps=2", "max_length=64", "tokens_per_batch=64"]
+    straight = run(config(store, tmp_path / "a", *common))
+    stop = len(straight["history"]) // 2
+    run(config(store, tmp_path / "b", *common), stop_at_step=stop)
+    out = tmp_path / "b"
+    args = [f"{k}={v}" for k, v in config(store, out, *common, "gradient_accumulation_steps=1",
+                                          "resume=auto").to_dict().items() if v is not None]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           str(REPO / "scripts" / "train_eagle3.py"), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "saved by 1 processes, now 2" in proc.stdout
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    resumed = [r["loss"] for r in rows if r["split"] == "train"][stop:]
+    assert len(resumed) == len(straight["history"]) - stop > 0
+    assert resumed == pytest.approx(losses(straight)[stop:], rel=1e-5)
+    state, reference = (json.loads((d / f"checkpoint-{_last_step(d)}" / "trainer_state.json").read_text())
+                        for d in (out, tmp_path / "a"))
+    assert state["num_processes"] == 2 and state["samples_consumed"] == reference["samples_consumed"]
 
 
 def _last_step(out: Path) -> int:
