@@ -26,7 +26,7 @@ class TrainConfig:
     mode: str = "offline"  # offline: hidden states from the store; online: run the target per batch
     method: str = "eagle3"
     aux_layer_ids: list[int] | None = None  # None: the target's defaults (2, N//2, N-3)
-    draft_vocab_size: int | None = None  # None: the size of the data's vocab_map.safetensors
+    draft_vocab_size: int | None = None  # None: the data's vocab map; else its most frequent ids (by its counts)
     init_from: str = ""  # an eagle-train head/checkpoint dir or an engine-layout EAGLE-3 dir
     # the objective
     ttt_length: int = 7
@@ -52,6 +52,7 @@ class TrainConfig:
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     max_grad_norm: float = 0.5
     gradient_checkpointing: bool = False  # recompute each TTT step's logits in backward
+    fused_loss: bool = False  # EAGLE-3 TTT loss through eagle_train.fused_ce (no [N, Vd] logits; Triton on CUDA)
     mixed_precision: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU; or "no" / "bf16"
     seed: int = 0
     # output
@@ -202,12 +203,8 @@ def validate(cfg: TrainConfig, target_config) -> None:
         raise ValueError(f"draft_vocab_size {cfg.draft_vocab_size} is larger than the target vocabulary {vocab}; "
                          f"use at most {vocab} (or leave it unset to take the vocab map's size)")
     if not cfg.init_from:
-        vmap = read_vocab_map(cfg.data_path)
-        vd, v = len(vmap["d2t"]), len(vmap["t2d"])
+        v = len(read_vocab_map(cfg.data_path)["t2d"])
         need(v == vocab, f"{cfg.data_path}/vocab_map.safetensors covers a vocabulary of {v}, the target has {vocab}")
-        need(cfg.draft_vocab_size in (None, vd),
-             f"draft_vocab_size {cfg.draft_vocab_size} differs from the data's vocab map ({vd} draft tokens): "
-             f"leave it unset, or rebuild the map with `eagle-prep vocab --draft-vocab-size {cfg.draft_vocab_size}`")
     elif not Path(cfg.init_from).exists():
         raise FileNotFoundError(f"init_from {cfg.init_from} does not exist")
     if cfg.resume not in ("", "auto") and not Path(cfg.resume).is_dir():

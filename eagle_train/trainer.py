@@ -149,6 +149,17 @@ class BatchSource:
                 "target_probs": probs, "in_draft": in_draft}
 
 
+def vocab_map_of_size(vmap: dict, size: int) -> dict:
+    """The `size` most frequent ids of a vocab map's counts (ties to the lower id), sorted ascending:
+    the DESIGN.md section 3 rule, so a run can use a smaller (faster) draft vocabulary than the data's map."""
+    if size == len(vmap["d2t"]):
+        return vmap
+    ids = torch.sort(-vmap["counts"], stable=True).indices[:size].sort().values
+    t2d = torch.zeros_like(vmap["t2d"])
+    t2d[ids] = True
+    return {"d2t": ids - torch.arange(size), "t2d": t2d, "counts": vmap["counts"]}
+
+
 def build_eagle3_head(cfg: TrainConfig, target_model, vocab_map: dict | None):
     """A new EAGLE-3 head sized for the target with the data's vocab map, or the head at `init_from`
     (an eagle-train head/checkpoint or an engine-layout EAGLE-3 dir), which keeps its own vocab map."""
@@ -380,7 +391,11 @@ def train(cfg: TrainConfig, build_head, objective, *, stop_at_step: int | None =
     online = cfg.mode == "online"
     target_model, _ = load_target(cfg.target, dtype=None if online else torch.float32,
                                   device=device if online else "cpu")
-    head = build_head(cfg, target_model, None if cfg.init_from else read_vocab_map(cfg.data_path))
+    vocab_map = None
+    if not cfg.init_from:
+        vocab_map = read_vocab_map(cfg.data_path)
+        vocab_map = vocab_map_of_size(vocab_map, cfg.draft_vocab_size or len(vocab_map["d2t"]))
+    head = build_head(cfg, target_model, vocab_map)
     aux_ids = list(head.config.aux_layer_ids)
     manifest = read_manifest(cfg.data_path)
     if manifest["format"] == "eagle-hidden-states" and not online and manifest["aux_layer_ids"] != aux_ids:
