@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from eagle_train.fused_ce import soft_cross_entropy
+
 
 @torch.no_grad()
 def target_distribution(final_hidden, lm_head_weight, t2d):
@@ -49,7 +51,7 @@ def step_loss(head, h, target_probs):
 
 
 def ttt_loss(head, aux_hidden, input_ids, loss_mask, target_probs, in_draft, ttt_length: int = 7,
-             decay: float = 0.8, checkpoint_logits: bool = False):
+             decay: float = 0.8, checkpoint_logits: bool = False, fused_loss: bool = False):
     """Unroll `head` for `ttt_length` steps and return (loss, metrics).
 
     loss = sum_i decay**i * loss_i, loss_i the soft cross-entropy of step i averaged over its
@@ -57,7 +59,8 @@ def ttt_loss(head, aux_hidden, input_ids, loss_mask, target_probs, in_draft, ttt
     of draft and target over step i's supervised positions) and `count_i` (their number).
 
     Each step's draft logits [N, Vd] dominate memory (Vd >> H). With `checkpoint_logits`
-    they are not kept for backward but recomputed from the step's [N, H] output.
+    they are not kept for backward but recomputed from the step's [N, H] output; with `fused_loss`
+    they never exist (`eagle_train.fused_ce`: lm_head + loss + agreement one vocab chunk at a time).
     Right padding needs no key mask: attention is causal (plus same-position diagonal keys), so a
     real position never sees a later padded one, and padded positions have loss_mask False.
     """
@@ -74,7 +77,10 @@ def ttt_loss(head, aux_hidden, input_ids, loss_mask, target_probs, in_draft, ttt
         n = max(t - i - 2, 0)
         supervised = loss_mask[:, i + 2:] & in_draft[:, i + 1:t - 1]
         h, probs = hidden[:, :n][supervised], target_probs[:, i + 1:t - 1][supervised]
-        if checkpoint_logits and torch.is_grad_enabled():
+        if fused_loss:
+            loss_rows, agree = soft_cross_entropy(head.norm(h), head.lm_head.weight, probs)
+            loss_sum, correct = loss_rows.sum(), agree.sum()
+        elif checkpoint_logits and torch.is_grad_enabled():
             loss_sum, correct = checkpoint(step_loss, head, h, probs, use_reentrant=False)
         else:
             loss_sum, correct = step_loss(head, h, probs)
@@ -105,13 +111,14 @@ def simulated_acceptance_length(accs) -> float:
     return al
 
 
-def eagle3_objective(ttt_length: int = 7, decay: float = 0.8, checkpoint_logits: bool = False):
+def eagle3_objective(ttt_length: int = 7, decay: float = 0.8, checkpoint_logits: bool = False,
+                     fused_loss: bool = False):
     """The trainer's objective for EAGLE-3: one TTT unroll and one backward per micro-batch."""
 
     def objective(model, batch, backward):
         loss, metrics = model(ttt_loss, batch["aux_hidden"], batch["input_ids"], batch["loss_mask"],
                               batch["target_probs"], batch["in_draft"], ttt_length=ttt_length, decay=decay,
-                              checkpoint_logits=checkpoint_logits)
+                              checkpoint_logits=checkpoint_logits, fused_loss=fused_loss)
         backward(loss)
         return metrics
 

@@ -30,7 +30,7 @@ def main(argv=None):
         sys.exit(f"error: {e}")
     if cfg.method != "eagle3":
         sys.exit(f"error: method={cfg.method}: this script trains EAGLE-3 heads (P-EAGLE: scripts/train_peagle.py)")
-    objective = eagle3_objective(cfg.ttt_length, cfg.ttt_decay, cfg.gradient_checkpointing)
+    objective = eagle3_objective(cfg.ttt_length, cfg.ttt_decay, cfg.gradient_checkpointing, cfg.fused_loss)
     train(cfg, build_eagle3_head, objective)
 
 

@@ -175,3 +175,36 @@ def test_triton_matches_chunked_on_cuda(dtype):
         ref = grads(reference, *cuda)
         torch.testing.assert_close(got[0], ref[0], rtol=1e-4, atol=1e-4)
 
+
+
+@pytest.mark.parametrize("ttt_length", [1, 3])
+def test_ttt_loss_fused_equals_log_softmax_path(tiny_llama, ttt_length):
+    """`ttt_loss(fused_loss=True)` (config key fused_loss) gives the log_softmax path's loss,
+    per-step metrics and head gradients, with right padding and partial loss masks."""
+    from eagle_train.eagle3 import Eagle3Head
+    from eagle_train.ttt import ttt_loss
+
+    model, _ = tiny_llama
+    torch.manual_seed(0)
+    head = Eagle3Head.from_target(model, draft_vocab_size=700).double()
+    b, t, vd = 3, 11, 700
+    aux = torch.randn(b, t, 3 * head.config.target_hidden_size, dtype=torch.float64)
+    ids = torch.randint(0, head.config.vocab_size, (b, t))
+    loss_mask = torch.rand(b, t) < 0.7
+    loss_mask[2, 6:] = False  # a right-padded sequence
+    probs = torch.softmax(torch.randn(b, t, vd, dtype=torch.float64) * 2, dim=-1)
+    in_draft = torch.rand(b, t) < 0.9
+    results = []
+    for fused in (False, True):
+        head.zero_grad()
+        loss, metrics = ttt_loss(head, aux, ids, loss_mask, probs, in_draft, ttt_length=ttt_length, fused_loss=fused)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None}
+        results.append((loss.detach(), metrics, grads))
+    (l0, m0, g0), (l1, m1, g1) = results
+    # step_loss takes log_softmax in fp32 (logits.float()), so the two paths agree to fp32 precision
+    torch.testing.assert_close(l1, l0, rtol=1e-6, atol=1e-8)
+    assert m0.keys() == m1.keys() and all(torch.allclose(m0[k].double(), m1[k].double(), rtol=1e-6) for k in m0)
+    assert g0.keys() == g1.keys() and len(g0) > 5
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], rtol=1e-5, atol=1e-7)
