@@ -86,6 +86,9 @@ def segment_loss(head, seg: pb.Elements, batch, total):
     aux, is_mask, ids, pos = pb.gather_inputs(seg, batch["input_ids"], batch["aux_hidden"], head.config.mask_token_id)
     h = head.hidden_states(aux, is_mask, ids, pos, pb.attention_mask(seg))
     sup = seg.supervised
+    if not sup.any():  # nothing to learn here; a zero loss still touches every parameter (DDP's reducer)
+        zero = sum(p.sum() for p in (h, head.norm.weight, head.lm_head.weight)) * 0
+        return zero, h.new_zeros(0), torch.zeros(0, dtype=torch.bool, device=h.device)
     probs = batch["target_probs"]
     b, t, vd = probs.shape
     rows = (torch.arange(b, device=h.device)[:, None] * t + seg.anchor + seg.depth + 1)[sup]
