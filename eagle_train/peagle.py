@@ -12,7 +12,8 @@ Tensor names follow the vLLM P-EAGLE layout: `midlayer.*` is layer 0 and the pla
 One stack of layers serves both uses:
 - `forward`: training over flattened (anchor, depth) elements with any attention mask (a dense
   boolean mask, or a FlexAttention BlockMask on CUDA);
-- `step` / `draft_parallel`: the runtime over per-layer static KV caches.
+- `step`: the runtime's cached step over per-layer static KV caches (`mask_inputs` gives the
+  parallel-drafting slots; `inference.parallel_drafting` lays out a round).
 """
 
 import functools
@@ -222,26 +223,3 @@ class PEagleHead(nn.Module):
 
         h = self.run_layers(hidden, input_ids, position_ids, attend)
         return h, self.logits(h)
-
-    def draft_parallel(self, aux, next_ids, positions, cache: PEagleCache, k: int | None = None):
-        """K drafts in one forward (batch 1 or batches sharing positions; cache slot = position).
-
-        aux [B, n, 3H] and next_ids [B, n]: the target's aux states of the n newly verified
-        positions `positions` [n] (contiguous, ending at p) and the token that follows each one;
-        the K-1 mask slots go to positions p+1..p+K-1 (overwritten by the next call, which starts
-        at p+1). Returns (draft logits [B, K, Vd], greedy draft tokens in target ids [B, K]).
-        """
-        k = k or self.config.num_depths
-        b, n = next_ids.shape
-        p = positions[-1]
-        mask_hidden, mask_ids = self.mask_inputs(b, k - 1, next_ids.device)
-        hidden = torch.cat([self.fc(aux), mask_hidden.to(aux.dtype)], dim=1)
-        ids = torch.cat([next_ids, mask_ids], dim=1)
-        pos = torch.cat([positions, p + 1 + torch.arange(k - 1, device=positions.device)])
-        max_len = cache.layers[0].k.shape[2]
-        if int(pos[-1]) >= max_len:
-            raise ValueError(f"draft positions up to {int(pos[-1])} do not fit the draft cache of {max_len} slots")
-        visible = torch.arange(max_len, device=pos.device)[None] <= pos[:, None]
-        _, logits = self.step(hidden, ids, pos[None].expand(b, -1), cache, pos, visible[None, None])
-        logits = logits[:, n - 1:]
-        return logits, self.draft_to_target_ids(logits.argmax(-1))

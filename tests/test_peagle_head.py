@@ -7,6 +7,9 @@ from safetensors.torch import load_file
 from eagle_train import peagle_batch as pb
 from eagle_train.checkpoint import load_draft_head
 from eagle_train.peagle import PEagleHead
+from inference.drafting import TreeShape
+from inference.parallel_drafting import ParallelDrafter
+from inference.sampling import Sampler
 from test_peagle_batch import H, K, NH, NKV, D, V, VD, tiny_peagle
 
 
@@ -20,23 +23,32 @@ def training_logits(head, aux, ids, anchor: int, k: int):
     return head(x, is_mask, tok, pos, pb.dense_mask(el))[0, anchor:]
 
 
+def parallel_drafts(head, k=K, max_len=32):
+    """The runtime's P-EAGLE drafter over a fresh cache (greedy, eager)."""
+    drafter = ParallelDrafter(head, TreeShape.chain(k), Sampler())
+    drafter.setup_cache(max_len)
+    return drafter
+
+
 def test_parallel_drafts_equal_training_outputs():
     head = tiny_peagle(layers=3)
     t = 14
     aux = torch.randn(1, t, 3 * H, dtype=torch.double)
     ids = torch.randint(0, V - 1, (1, t))
-    cache = head.new_cache(1, 32)
+    drafter = parallel_drafts(head)
     with torch.no_grad():
         # The runtime first drafts from anchor 5 (prefill 0..5), then, after "verifying" 6..9,
         # drafts from anchor 9 over the same cache: the mask slots 6..8 written by the first call
         # must be overwritten, not read.
-        first, _ = head.draft_parallel(aux[:, :6], ids[:, 1:7], torch.arange(6), cache)
-        second, tokens = head.draft_parallel(aux[:, 6:10], ids[:, 7:11], torch.arange(6, 10), cache)
-        assert first.shape == (1, K, VD)
-        assert (first[0] - training_logits(head, aux, ids, 5, K)).abs().max() < 1e-10
-        assert (second[0] - training_logits(head, aux, ids, 9, K)).abs().max() < 1e-10
-    assert torch.equal(tokens, head.draft_to_target_ids(second.argmax(-1)))
-    assert (second[0, 1] - second[0, 2]).abs().max() > 1e-3  # the slots really differ
+        _, first = drafter.catch_up(aux[:, :6], ids[:, 1:7], 0)
+        _, second = drafter.catch_up_padded(aux[:, 6:10], ids[:, 7:11], 6)
+        assert first.shape == (K, VD)
+        assert (first - training_logits(head, aux, ids, 5, K)).abs().max() < 1e-10
+        assert (second - training_logits(head, aux, ids, 9, K)).abs().max() < 1e-10
+        tree = drafter.draft(ids[0, 10], None, second, 10)
+    assert torch.equal(tree.tokens[1:], head.draft_to_target_ids(second.argmax(-1)))
+    assert tree.parents.tolist() == [0, *range(K)] and tree.depths.tolist() == list(range(K + 1))  # a chain
+    assert (second[1] - second[2]).abs().max() > 1e-3  # the slots really differ
 
 
 def test_saved_tensors_follow_the_vllm_peagle_layout(tmp_path):
