@@ -17,6 +17,8 @@ in registers) and the backward's softmax-gradient is one in-place Triton pass pe
 chunked PyTorch path is the reference (and the CPU path).
 """
 
+import warnings
+
 import torch
 
 try:  # optional: the CUDA fast path
@@ -34,7 +36,8 @@ def soft_cross_entropy(hidden, weight, target_probs, target_rows=None, chunk_siz
     Returns (loss [N] = -sum_v p_v log_softmax(z)_v in fp32 (fp64 for fp64 inputs),
     agree [N] bool = argmax z == argmax p).
     Under autocast the matmuls run in the autocast dtype, like `F.linear` would.
-    impl: "auto" (Triton on CUDA when available, else chunked), "chunked" or "triton".
+    impl: "auto" (Triton on CUDA when it is installed and passes a one-time check on the device,
+    else chunked), "chunked" or "triton".
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} must be [N, H] and [Vd, H]")
@@ -50,8 +53,8 @@ def soft_cross_entropy(hidden, weight, target_probs, target_rows=None, chunk_siz
     elif target_rows.shape != hidden.shape[:1]:
         raise ValueError(f"target_rows {tuple(target_rows.shape)} must be [N] = [{hidden.shape[0]}]")
     if impl == "auto":
-        fast = hidden.is_cuda and hidden.dtype != torch.float64
-        impl = "triton" if triton is not None and fast else "chunked"
+        fast = hidden.is_cuda and hidden.dtype != torch.float64 and triton is not None
+        impl = "triton" if fast and triton_works(hidden.device) else "chunked"
     if impl not in ("chunked", "triton"):
         raise ValueError(f"impl {impl!r} must be 'auto', 'chunked' or 'triton'")
     if impl == "triton":
@@ -134,6 +137,38 @@ def _chunked_forward(hidden, weight, probs, rows, chunk_size):
 
 
 # ------------------------------------------------------------------------------------ Triton path
+
+_TRITON_WORKS: dict = {}
+
+
+def triton_works(device) -> bool:
+    """Whether the Triton kernels compile and match the chunked path on `device` (checked once per
+    device): a kernel that a GPU or Triton version cannot run must not end a training run, so "auto"
+    then warns and falls back to the chunked path."""
+    device = torch.device(device)
+    if device not in _TRITON_WORKS:
+        try:
+            g = torch.Generator(device=device).manual_seed(0)
+            h, w = torch.randn(37, 96, device=device, generator=g), torch.randn(300, 96, device=device, generator=g)
+            p = torch.softmax(torch.randn(37, 300, device=device, generator=g), dim=-1)
+            rows = torch.arange(37, device=device)
+            got, want = _triton_forward(h, w, p, rows), _chunked_forward(h, w, p, rows, 128)
+            z, lse, psum, grad = (torch.randn(37, 128, device=device, generator=g), want[0], want[1],
+                                  torch.randn(37, device=device, generator=g))
+            dz = grad[:, None] * (psum[:, None] * torch.exp(z - lse[:, None]) - p[:, 128:256])
+            _triton_softmax_grad_(z, p, rows, 128, lse, psum, grad)
+            ok = (all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(got[:3], want[:3]))
+                  and torch.equal(got[3], want[3]) and torch.equal(got[4], want[4])
+                  and torch.allclose(z, dz, rtol=1e-4, atol=1e-6))
+            reason = "its results differ from the chunked path"
+        except Exception as e:  # noqa: BLE001 - any compile/launch failure means "do not use it"
+            ok, reason = False, f"{type(e).__name__}: {e}"
+        if not ok:
+            warnings.warn(f"fused_ce: the Triton kernels do not work on {device} ({reason}); using the chunked "
+                          "PyTorch path", stacklevel=2)
+        _TRITON_WORKS[device] = ok
+    return _TRITON_WORKS[device]
+
 
 def _triton_forward(hidden, weight, probs, rows, chunk_size=None):
     n, h = hidden.shape

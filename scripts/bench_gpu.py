@@ -128,15 +128,16 @@ def bench_kernels(args, device) -> dict:
         if ref is None:
             ref = value
         err = max(float((value[2] - ref[2]).abs().max()), float((value[3] - ref[3]).abs().max()))
+        rel = max(float((value[2] - ref[2]).norm() / ref[2].norm()), float((value[3] - ref[3]).norm() / ref[3].norm()))
         results[name] = {"seconds": t, "tokens_per_s": n / t, "peak_bytes": peak, "loss": value[0],
-                         "correct": value[1], "max_grad_diff_vs_log_softmax": err}
-        rows.append([name, t * 1e3, n / t, peak / 2**30, value[0], value[1], err])
+                         "correct": value[1], "max_grad_diff_vs_log_softmax": err, "rel_grad_diff_vs_log_softmax": rel}
+        rows.append([name, t * 1e3, n / t, peak / 2**30, value[0], value[1], err, rel])
     out["ttt_step_loss"] = {"tokens": n, "hidden": h, "draft_vocab": vd, "impls": results}
     print(table(f"\n== kernels: HBM copy {out['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s (spec "
                 f"{H100_HBM_BYTES_PER_S / 1e12} TB/s), bf16 matmul {m}^3 {out['matmul_flops_per_s'] / 1e12:.0f} "
                 f"TFLOP/s (dense peak {H100_BF16_DENSE_FLOPS / 1e12:.0f})\n"
                 f"   one TTT step's loss, {n} tokens x {vd} draft vocab, forward+backward:",
-                ["impl", "ms", "tok/s", "peak GiB", "loss", "top-1", "max |dgrad|"], rows))
+                ["impl", "ms", "tok/s", "peak GiB", "loss", "top-1", "max |dgrad|", "rel dgrad"], rows))
     return out
 
 

@@ -81,16 +81,18 @@ head_of() {
   echo "$ck"
 }
 
-# train NAME SCRIPT CONFIG RESERVE: train with a time guard that leaves RESERVE seconds of the stage
+# train NAME SCRIPT CONFIG RESERVE [key=value ...]: train with a time guard that leaves RESERVE
+# seconds of the stage
 train() {
   local name=$1 script=$2 config=$3 reserve=$4
+  shift 4
   if [ -f "$RUNS/$name/final/config.json" ]; then say "$name: already trained"; return 0; fi
   local budget=$(( $(left) - reserve ))
   [ "$budget" -gt 30 ] || { say "$name: only ${budget}s left for training, skipped"; return 1; }
   local rc=0
   step "train_$name" timeout -k 20 "$budget" "$PY" -m accelerate.commands.launch --num_processes 1 \
       --num_machines 1 --dynamo_backend no --mixed_precision "$AMP" "$script" --config "$config" \
-      target="$TARGET" data_path="$RUNS/prep/tokenized" output_dir="$RUNS/$name" resume=auto "${TRAIN_ARGS[@]}" \
+      target="$TARGET" data_path="$RUNS/prep/tokenized" output_dir="$RUNS/$name" resume=auto "${TRAIN_ARGS[@]}" "$@" \
     || rc=$?
   cp "$RUNS/$name/metrics.jsonl" "$OUT/${name}_metrics.jsonl" 2>/dev/null || true
   if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
@@ -100,10 +102,28 @@ train() {
   fi
 }
 
+# EAGLE-3's fused_loss: FUSED_LOSS=true|false, or auto: true when the kernels call measured a fused_ce
+# implementation faster than the log_softmax loss with the same gradients (false without that measurement)
+fused_loss_choice() {
+  if [ "${FUSED_LOSS:-auto}" != auto ]; then echo "$FUSED_LOSS"; return; fi
+  "$PY" - "$RUNS/bench_kernels.json" <<'PY'
+import json, sys
+try:
+    impls = json.load(open(sys.argv[1]))["kernels"]["ttt_step_loss"]["impls"]
+    ref = impls.pop("log_softmax (ttt.step_loss)")
+except (OSError, KeyError, ValueError):
+    print("false")
+    sys.exit()
+good = [v for v in impls.values() if v.get("rel_grad_diff_vs_log_softmax", 1.0) < 0.02 and v["seconds"] < ref["seconds"]]
+print("true" if good else "false")
+PY
+}
+
 stage_kernels() {
   step env bash -c "nvidia-smi || true; $PY -c 'import torch, transformers, sys; print(sys.version); print(torch.__version__, transformers.__version__, torch.cuda.is_available())'"
   step bench_kernels "$PY" scripts/bench_gpu.py --only kernels --out "$OUT/bench_kernels.json" "${BENCH_ARGS[@]}"
   cp "$RUNS/logs/bench_kernels.log" "$OUT/bench_kernels.txt"
+  cp "$OUT/bench_kernels.json" "$RUNS/bench_kernels.json"  # stage1 reads it (fused_loss choice)
 }
 
 stage1() {
@@ -125,8 +145,10 @@ PY
     step tokenize "$PY" -m data_prep.cli run --config "$RUNS/prep.yaml"
   fi
   cp "$RUNS/prep/tokenized/manifest.json" "$OUT/tokenized_manifest.json"
-  local rc_e3=0 rc_pe=0
-  train eagle3 scripts/train_eagle3.py configs/eagle3_smollm2_gpu.yaml 25 &
+  local rc_e3=0 rc_pe=0 fused
+  fused=$(fused_loss_choice 2>/dev/null || true); [ "$fused" = true ] || fused=false
+  say "EAGLE-3 fused_loss=$fused (FUSED_LOSS=${FUSED_LOSS:-auto}; see bench_kernels.json)"
+  train eagle3 scripts/train_eagle3.py configs/eagle3_smollm2_gpu.yaml 25 fused_loss="$fused" &
   local pid_e3=$!
   train peagle scripts/train_peagle.py configs/peagle_smollm2_gpu.yaml 25 &
   wait "$pid_e3" || rc_e3=$?

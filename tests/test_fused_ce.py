@@ -143,6 +143,8 @@ torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-4)
 assert torch.equal(got[1], want[1])
 torch.testing.assert_close(got[2], want[2], rtol=1e-4, atol=1e-5)
 torch.testing.assert_close(got[3], want[3], rtol=1e-4, atol=1e-5)
+from eagle_train.fused_ce import triton_works
+assert triton_works("cpu")  # the self-check "auto" runs before it picks Triton on a device
 print("ok")
 """
 
