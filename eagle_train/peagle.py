@@ -82,7 +82,8 @@ class PEagleHead(nn.Module):
                 f"(got method={cfg.method!r}, mask_token_id={cfg.mask_token_id}, num_depths={cfg.num_depths})"
             )
         if not 0 <= cfg.mask_token_id < cfg.vocab_size:
-            raise ValueError(f"mask_token_id {cfg.mask_token_id} is outside the target vocabulary [0, {cfg.vocab_size})")
+            raise ValueError(f"mask_token_id {cfg.mask_token_id} is outside the target vocabulary "
+                             f"[0, {cfg.vocab_size})")
         self.config = cfg
         h = cfg.hidden_size
         self.embed_tokens = nn.Embedding(cfg.vocab_size, h)

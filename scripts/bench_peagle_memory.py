@@ -95,8 +95,9 @@ def main(argv=None):
     p.add_argument("--json", help="also write the rows to this file")
     args = p.parse_args(argv)
     counts = [int(s) for s in args.segments.split(",")]
+    default = pb.default_num_segments(args.max_length, args.num_depths)
     print(f"P-EAGLE step, max length {args.max_length}, K={args.num_depths}, N={args.layers} layers, "
-          f"draft vocab {args.draft_vocab}; default segments: {pb.default_num_segments(args.max_length, args.num_depths)}")
+          f"draft vocab {args.draft_vocab}; default segments: {default}")
     rows = []
     for s in counts:
         if torch.cuda.is_available() and not args.cpu:

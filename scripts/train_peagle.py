@@ -27,7 +27,8 @@ def main(argv=None):
     try:
         cfg = load_train_config(args.config, args.overrides)
         if cfg.method != "peagle":
-            raise ValueError(f"method={cfg.method}: this script trains P-EAGLE heads (EAGLE-3: scripts/train_eagle3.py)")
+            raise ValueError(f"method={cfg.method}: this script trains P-EAGLE heads "
+                             "(EAGLE-3: scripts/train_eagle3.py)")
         validate_peagle(cfg, load_target_config(cfg.target))
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"error: {e}")

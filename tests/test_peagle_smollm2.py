@@ -6,7 +6,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from eagle_train import peagle_batch as pb
 from eagle_train.peagle_train import PEagleObjective, build_peagle_head
 from eagle_train.store import ShardedSamples, read_vocab_map
 from eagle_train.trainer import pad_samples
