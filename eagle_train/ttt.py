@@ -76,14 +76,19 @@ def ttt_loss(head, aux_hidden, input_ids, loss_mask, target_probs, in_draft, ttt
         # position p is supervised iff p+i+2 < T, loss_mask[p+i+2] and in_draft[p+i+1]
         n = max(t - i - 2, 0)
         supervised = loss_mask[:, i + 2:] & in_draft[:, i + 1:t - 1]
-        h, probs = hidden[:, :n][supervised], target_probs[:, i + 1:t - 1][supervised]
-        if fused_loss:
-            loss_rows, agree = soft_cross_entropy(head.norm(h), head.lm_head.weight, probs)
+        h = hidden[:, :n][supervised]
+        if fused_loss:  # each row's target is read in place: row b*T + p+i+1 of the [B*T, Vd] targets
+            where = supervised.nonzero()
+            rows = where[:, 0] * t + where[:, 1] + i + 1
+            loss_rows, agree = soft_cross_entropy(head.norm(h), head.lm_head.weight,
+                                                  target_probs.reshape(b * t, -1), rows)
             loss_sum, correct = loss_rows.sum(), agree.sum()
-        elif checkpoint_logits and torch.is_grad_enabled():
-            loss_sum, correct = checkpoint(step_loss, head, h, probs, use_reentrant=False)
         else:
-            loss_sum, correct = step_loss(head, h, probs)
+            probs = target_probs[:, i + 1:t - 1][supervised]
+            if checkpoint_logits and torch.is_grad_enabled():
+                loss_sum, correct = checkpoint(step_loss, head, h, probs, use_reentrant=False)
+            else:
+                loss_sum, correct = step_loss(head, h, probs)
         count = supervised.sum()
         loss_i = loss_sum / count.clamp(min=1)
         total = total + decay ** i * loss_i

@@ -95,12 +95,14 @@ def test_step0_loss_equals_hand_computed_cross_entropy_of_a_plain_forward():
     assert abs(metrics["acc_0"].item() - ref_acc) < 1e-9
 
 
-def test_every_ttt_step_loss_matches_the_cached_runtime_reference():
+@pytest.mark.parametrize("fused_loss", [False, True])
+def test_every_ttt_step_loss_matches_the_cached_runtime_reference(fused_loss):
     head = tiny_head(2)
     aux, ids, mask, final, lm_head = random_batch(seed=2, t=15)
     probs, in_draft = target_distribution(final, lm_head, head.t2d)
     with torch.no_grad():
-        loss, metrics = ttt_loss(head, aux, ids, mask, probs.double(), in_draft, ttt_length=4, decay=0.8)
+        loss, metrics = ttt_loss(head, aux, ids, mask, probs.double(), in_draft, ttt_length=4, decay=0.8,
+                                 fused_loss=fused_loss)
         ref = reference_losses(head, aux, ids, mask, final, lm_head, 4)
     for i, (ref_loss, ref_acc, ref_n) in enumerate(ref):
         assert metrics[f"count_{i}"] == ref_n, f"step {i}"
