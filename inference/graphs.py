@@ -17,7 +17,10 @@ class GraphedStep:
         self.pool = None
 
     def reset(self):
+        # The pool dies with its last graph: capturing into the old handle afterwards trips the
+        # caching allocator's `use_count > 0` assert (seen on the H100), so start a new pool.
         self.graphs.clear()
+        self.pool = None
 
     @staticmethod
     def key(args):
