@@ -224,13 +224,16 @@ def bench_decode(args, device, model, tokenizer, save=lambda partial: None) -> d
 
     configs = []
     if args.eagle3:
-        for k in args.chain:
-            configs.append(("eagle3", f"chain K={k}", args.eagle3, TreeShape.chain(k)))
+        configs += [("eagle3", f"chain K={k}", args.eagle3, TreeShape.chain(k)) for k in args.chain]
         if args.tree:
             configs.append(("eagle3", f"tree {args.tree}", args.eagle3, TreeShape.parse(args.tree)))
     if args.peagle:
-        for k in args.parallel:
-            configs.append(("peagle", f"parallel K={k}", args.peagle, TreeShape.chain(k)))
+        configs += [("peagle", f"parallel K={k}", args.peagle, TreeShape.chain(k)) for k in args.parallel]
+    # most wanted first (results are saved after each shape, so a time limit costs the last ones):
+    # the middle chain of each head, then the tree, then the other chain lengths
+    middle = {"eagle3": f"chain K={args.chain[len(args.chain) // 2]}" if args.chain else "",
+              "peagle": f"parallel K={args.parallel[-1]}" if args.parallel else ""}
+    configs.sort(key=lambda c: (c[1] != middle[c[0]], "tree" not in c[1]))
     heads = {}
     rows = [["HF generate", "", "", hf_tps, hf_tps / sub_plain_tps, 1.0, ""],
             ["plain (runtime)", "", "", plain_tps, 1.0, sub_plain_tps / hf_tps, ""]]

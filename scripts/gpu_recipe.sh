@@ -76,7 +76,7 @@ step() {
 head_of() {
   if [ -f "$1/final/config.json" ]; then echo "$1/final"; return; fi
   local ck  # a checkpoint is finished once its trainer_state.json is written (the trainer writes it last)
-  ck=$(ls -d "$1"/checkpoint-*/trainer_state.json 2>/dev/null | xargs -r -n1 dirname | sort -t- -k2 -n | tail -n 1)
+  ck=$(ls -d "$1"/checkpoint-*/trainer_state.json 2>/dev/null | xargs -r -n1 dirname | sort -V | tail -n 1)
   [ -n "$ck" ] || { say "no head in $1: its training did not save a checkpoint" >&2; return 1; }
   echo "$ck"
 }
