@@ -373,6 +373,9 @@ def train(cfg: TrainConfig, build_head, objective, *, stop_at_step: int | None =
     target_config = load_target_config(cfg.target)
     validate(cfg, target_config)  # before any compute
     resume_from = resolve_resume(cfg)
+    if resume_from is None and checkpoint_dirs(cfg.output_dir):
+        raise ValueError(f"output_dir {cfg.output_dir} holds checkpoints of an earlier run: continue it with "
+                         "resume=auto, or choose another output_dir")
     accelerator = make_accelerator(cfg)
     device, world, rank = accelerator.device, accelerator.num_processes, accelerator.process_index
     accum = cfg.gradient_accumulation_steps

@@ -102,6 +102,14 @@ def test_a_store_from_another_target_or_a_dataset_without_hidden_states_is_refus
         run(config(tokenized, tmp_path, "mode=offline"))
 
 
+def test_a_fresh_run_refuses_an_output_dir_with_checkpoints(monkeypatch, store, tmp_path):
+    monkeypatch.setattr("eagle_train.trainer.load_target", lambda *a, **k: pytest.fail("target loaded"))
+    (tmp_path / "checkpoint-3").mkdir()
+    (tmp_path / "checkpoint-3" / "trainer_state.json").write_text("{}")
+    with pytest.raises(ValueError, match="holds checkpoints of an earlier run: continue it with resume=auto"):
+        run(config(store, tmp_path))
+
+
 def test_offline_and_online_training_give_the_same_step0_loss(store, tokenized, tmp_path):
     offline = run(config(store, tmp_path / "off", "max_steps=1", "draft_vocab_size=128"))
     online = run(config(tokenized, tmp_path / "on", "max_steps=1", "mode=online", "draft_vocab_size=128"))
@@ -134,12 +142,12 @@ def test_batches_are_length_grouped_within_budget_and_seeded():
 
 
 def test_resume_after_a_stop_continues_the_identical_loss_curve(store, smollm2, tmp_path):
-    overrides = ["num_epochs=2", "eval_fraction=0.2", "save_every=2"]
+    overrides = ["num_epochs=2", "eval_fraction=0.2"]
     straight = run(config(store, tmp_path / "a", *overrides))
     n = len(straight["history"])
     assert n >= 6
     stop = n // 2 + 1  # mid-epoch, off the save_every grid: the stop writes its own checkpoint
-    first = run(config(store, tmp_path / "b", *overrides), stop_at_step=stop)
+    first = run(config(store, tmp_path / "b", *overrides, "save_every=2"), stop_at_step=stop)
     ckpt = first["checkpoint"]
     assert ckpt.name == f"checkpoint-{stop}"
     assert {p.name for p in ckpt.iterdir()} == {"head", "optimizer.pt", "scheduler.pt", "rng-rank0.pt",
