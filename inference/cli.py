@@ -84,7 +84,8 @@ def evaluate(args):
     from inference.sampling import Sampler
 
     # everything a user can get wrong is checked before the target's weights are loaded
-    shape = TreeShape.parse(args.tree) if args.tree else TreeShape.chain(args.parallel or args.chain or 5)
+    shape = TreeShape.parse(args.tree) if args.tree else TreeShape.chain(
+        next(k for k in (args.parallel, args.chain, 5) if k is not None))  # K=0 is an error, not the default
     sampler = Sampler(args.temperature, args.top_k, args.top_p)
     if args.max_new_tokens < 1:
         raise SystemExit(f"eagle-eval: --max-new-tokens must be >= 1, got {args.max_new_tokens}")

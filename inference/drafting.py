@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from inference.graphs import GraphedStep
 from inference.sampling import Sampler
 
 # Scores are cumulative log-probs with tiny per-rank penalties that make every node rank strictly
@@ -95,34 +96,42 @@ class Drafter:
     def __init__(self, head, shape: TreeShape, sampler: Sampler, step_fn=None):
         self.head, self.shape, self.sampler = head, shape, sampler
         self.step_fn = step_fn or head.step  # the CUDA-graphed step when graphs are on
+        graphed = isinstance(step_fn, GraphedStep)
+        self.layer_fn = GraphedStep(self.layer_step) if graphed else self.layer_step
         self.cache = None
         self.max_len = 0
+
+    def layer_step(self, hidden, input_ids, position_ids, cache, slots, mask):
+        """`head.step` without the lm_head: a catch-up needs the logits of its last row only."""
+        head = self.head
+        cos, sin = head.rotary(position_ids)
+        return (head.midlayer(hidden, head.embed_tokens(input_ids), cos, sin, cache, slots, mask),)
 
     def setup_cache(self, max_len: int):
         size = max_len + self.shape.spec_slots
         if size > self.max_len:
             self.cache = self.head.new_cache(1, size)
             self.max_len = size
+            if isinstance(self.layer_fn, GraphedStep):  # graphs of the old cache are of no more use
+                self.layer_fn.reset()
 
     def catch_up(self, aux, next_ids, start: int):
         """Write the step-0 entries of positions start..start+n-1 (aux [1,n,3H], next_ids [1,n] the
-        tokens x_{p+1}) and return the last row's (pre-norm h [1,H], logits [Vd]), the tree root.
-        Rows past `valid` are padding of the fixed-size step: they see slot 0 only and their
-        writes land in the speculative slots, which the tree overwrites before anyone reads them."""
+        tokens x_{p+1}) and return the last row's (pre-norm h [1,H], logits [Vd]), the tree root."""
         n = next_ids.shape[1]
         dev = next_ids.device
         pos = torch.arange(start, start + n, device=dev)
         keys = torch.arange(self.max_len, device=dev)
         mask = (keys[None, :] <= pos[:, None])[None, None]
         # eager: after a prefill its length varies (graphs replay only `catch_up_padded`)
-        h, logits = self.head.step(self.head.fc(aux), next_ids, pos[None], self.cache, pos, mask)
-        return h[0, -1], logits[0, -1]
+        (h,) = self.layer_step(self.head.fc(aux), next_ids, pos[None], self.cache, pos, mask)
+        return h[0, -1], self.head.logits(h[0, -1])
 
     def catch_up_padded(self, aux, next_ids, start: int):
-        """`catch_up` over a fixed number of rows (depth + 1), so a CUDA graph can replay it."""
+        """`catch_up` over a fixed number of rows (depth + 1), so a CUDA graph can replay it.
+        The padding rows see slot 0 only and write into the speculative slots, which the tree
+        overwrites before anyone reads them."""
         n, size = next_ids.shape[1], self.shape.depth + 1
-        if n == size:
-            return self.catch_up(aux, next_ids, start)
         dev = next_ids.device
         pad = size - n
         aux = torch.cat([aux, aux[:, -1:].expand(1, pad, aux.shape[-1])], dim=1)
@@ -131,8 +140,8 @@ class Drafter:
         keys = torch.arange(self.max_len, device=dev)
         mask = keys[None, :] <= pos[:, None]
         mask[n:] = keys == 0
-        h, logits = self.step_fn(self.head.fc(aux), ids, pos[None], self.cache, pos, mask[None, None])
-        return h[0, n - 1], logits[0, n - 1]
+        (h,) = self.layer_fn(self.head.fc(aux), ids, pos[None], self.cache, pos, mask[None, None])
+        return h[0, n - 1], self.head.logits(h[0, n - 1])
 
     def children(self, logits):
         """Top-k children of each row of draft logits [r, Vd]: (draft ids [r,k], score steps [r,k],

@@ -49,26 +49,42 @@ def hf_generate(model, prompt, n, eos):
     return out[0, len(prompt):].tolist()
 
 
-def noisy_oracle(head, true_seq):
-    """Replace the head's logits by a noisy oracle of the target's greedy continuation `true_seq`
-    (the head still runs, so its cache is written as usual): at a position whose input token is on
-    the true path the oracle ranks the true next token first, second, or nowhere, depending on the
-    position. Drafts get accepted 0..K at a time and tree paths leave the first branch."""
-    real_step = head.step
+def noisy_oracle(runtime, true_seq):
+    """Replace the draft logits of `runtime` by a noisy oracle of the target's greedy continuation
+    `true_seq` (the head still runs, so its cache is written as usual): at a position whose input
+    token is on the true path the oracle ranks the true next token first, second, or nowhere,
+    depending on the position. Drafts get accepted 0..K at a time and tree paths leave the first
+    branch."""
+    drafter = runtime.drafter
+    head = drafter.head
     t2d_index = torch.cumsum(head.t2d.long(), 0) - 1  # target id -> draft id where t2d
 
-    def step(hidden, ids, pos, cache=None, slots=None, mask=None):
-        h, logits = real_step(hidden, ids, pos, cache, slots, mask)
+    def oracle(logits, ids, pos):  # logits [n, Vd] of the tokens ids [n] at positions pos [n]
         logits = torch.zeros_like(logits)
-        for r, (token, p) in enumerate(zip(ids[0].tolist(), pos[0].tolist())):
+        for r, (token, p) in enumerate(zip(ids.tolist(), pos.tolist())):
             if p + 2 < len(true_seq) and token == true_seq[p + 1] and head.t2d[true_seq[p + 2]]:
                 true_draft = t2d_index[true_seq[p + 2]]
                 mode = (p * 7) % 5
-                logits[0, r, true_draft] = {0: 5.0, 1: 5.0, 2: 5.0, 3: 3.0, 4: -5.0}[mode]
-                logits[0, r, (true_draft + 1) % VD] = 4.0  # the wrong favourite when mode 3
-        return h, logits
+                logits[r, true_draft] = {0: 5.0, 1: 5.0, 2: 5.0, 3: 3.0, 4: -5.0}[mode]
+                logits[r, (true_draft + 1) % VD] = 4.0  # the wrong favourite when mode 3
+        return logits
 
-    head.step = step
+    real_step = drafter.step_fn
+
+    def step(hidden, ids, pos, cache, slots, mask):  # tree expansions
+        h, logits = real_step(hidden, ids, pos, cache, slots, mask)
+        return h, oracle(logits[0], ids[0], pos[0])[None]
+
+    def catching_up(real):  # the root: the last catch-up row
+        def wrapped(aux, next_ids, start):
+            h, logits = real(aux, next_ids, start)
+            n = next_ids.shape[1]
+            return h, oracle(logits[None], next_ids[0, -1:], torch.tensor([start + n - 1]))[0]
+        return wrapped
+
+    step.reset = getattr(real_step, "reset", None)  # a GraphedStep's, under CUDA graphs
+    drafter.step_fn = step
+    drafter.catch_up, drafter.catch_up_padded = catching_up(drafter.catch_up), catching_up(drafter.catch_up_padded)
 
 
 @pytest.mark.parametrize("shape", [TreeShape.chain(1), TreeShape.chain(4), TreeShape(3, 3, 8), TreeShape(4, 2, 6)],
@@ -82,8 +98,8 @@ def test_tiny_greedy_speculative_equals_target_greedy(shape, monkeypatch):
     for i in range(4):
         prompt = torch.randint(0, V, (3 + 5 * i,)).tolist()
         reference = hf_greedy(model, prompt, 30)
-        noisy_oracle(head, prompt + reference)
         runtime = Runtime(model, head, shape)
+        noisy_oracle(runtime, prompt + reference)
         spec = runtime.generate(prompt, 30)
         plain = runtime.generate_plain(prompt, 30)
         assert spec.output_ids == plain.output_ids == reference, i
@@ -91,7 +107,6 @@ def test_tiny_greedy_speculative_equals_target_greedy(shape, monkeypatch):
         assert sum(spec.emitted) == 29  # every token but the prefill's comes from a verification
         assert all(1 <= e <= shape.depth + 1 for e in spec.emitted)
         accepted += sum(spec.accepted)
-        del head.step
     assert accepted > 15 * min(shape.depth, 2)  # drafts really were accepted, several at a time
     if not shape.is_chain:
         assert compactions  # accepted paths left the first branch
@@ -104,8 +119,8 @@ def test_draft_cache_holds_step0_entries_of_the_committed_sequence():
 
     model, head = tiny_pair(2)
     prompt = torch.randint(0, V, (9,)).tolist()
-    noisy_oracle(head, prompt + hf_greedy(model, prompt, 24))
     runtime = Runtime(model, head, TreeShape(3, 2, 5))
+    noisy_oracle(runtime, prompt + hf_greedy(model, prompt, 24))
     spec = runtime.generate(prompt, 24)
     assert sum(spec.accepted) > 3
     committed = len(prompt) + sum(spec.emitted[:-1])  # the last round ends before its catch-up
@@ -190,16 +205,16 @@ def test_cuda_graphs_equal_eager_and_target_greedy():
     reference = hf_greedy(model, prompt, 40)
     model, head = model.cuda(), head.cuda()
     for shape in (TreeShape.chain(3), TreeShape(3, 3, 8)):
-        noisy_oracle(head, prompt + reference)
         graphed = Runtime(model, head, shape, cuda_graphs=True)
         eager = Runtime(model, head, shape, cuda_graphs=False)
+        noisy_oracle(graphed, prompt + reference)
+        noisy_oracle(eager, prompt + reference)
         assert graphed.use_graphs and not eager.use_graphs
         for runtime in (graphed, eager):
             spec = runtime.generate(prompt, 40)
             assert spec.output_ids == reference and sum(spec.accepted) > 10
             assert runtime.generate_plain(prompt, 40).output_ids == reference
         assert graphed.generate(prompt, 40).output_ids == reference  # replayed graphs, second prompt
-        del head.step
 
 
 def test_fixed_shape_path_of_cuda_graphs_is_lossless_on_cpu():
@@ -208,7 +223,6 @@ def test_fixed_shape_path_of_cuda_graphs_is_lossless_on_cpu():
     model, head = tiny_pair(3)
     prompt = torch.randint(0, V, (13,)).tolist()
     reference = hf_greedy(model, prompt, 30)
-    noisy_oracle(head, prompt + reference)
     runtime = Runtime(model, head, TreeShape(3, 3, 8))
     runtime.use_graphs = True  # the steps stay eager: only the fixed shapes are exercised
 
@@ -222,7 +236,10 @@ def test_fixed_shape_path_of_cuda_graphs_is_lossless_on_cpu():
         def reset(self):
             pass
 
-    runtime.target_step, runtime.drafter.step_fn = Eager(runtime.target_step), Eager(runtime.drafter.step_fn)
+    drafter = runtime.drafter
+    runtime.target_step, drafter.step_fn, drafter.layer_fn = (Eager(f) for f in (
+        runtime.target_step, drafter.step_fn, drafter.layer_fn))
+    noisy_oracle(runtime, prompt + reference)
     spec = runtime.generate(prompt, 30)
     assert runtime.target.max_len == 256 and spec.output_ids == reference and sum(spec.accepted) > 10
     assert runtime.generate_plain(prompt, 30).output_ids == reference
