@@ -334,7 +334,8 @@ def bench_capture(args, device, model, tokenizer) -> dict:
     def full():  # what `eagle-prep capture` does per shard: forward, copy to host, pack + write in the background
         with tempfile.TemporaryDirectory() as tmp, StoreWriter(tmp, "bfloat16") as writer:
             for k, b in enumerate(samples):
-                writer.add_shard(k, capture_batch(model, b, aux_ids, tokenizer.pad_token_id), list(range(len(b))))
+                writer.add_shard(k, capture_batch(model, b, aux_ids, tokenizer.pad_token_id, "bfloat16"),
+                                 list(range(len(b))))
 
     rows, out = [], {"tokens": tokens, "token_budget": args.capture_token_budget}
     for name, fn in (("bare forward", bare), ("target_hidden_states", hidden), ("capture + store writer", full)):
