@@ -87,7 +87,7 @@ def summarise(results: list[dict], depth: int) -> dict:
     spec_s = sum(t["spec"]["seconds"] for t in turns)
     plain_s = sum(t["plain"]["seconds"] for t in turns)
     per_forward = [e for t in turns for e in t["spec"]["emitted"]]
-    histogram = {str(k): per_forward.count(k) for k in range(max(per_forward, default=0) + 1)}
+    histogram = {str(k): per_forward.count(k) for k in range(1, max(per_forward, default=0) + 1)}
     spec_tps = spec_tokens / spec_s if spec_s else 0.0
     plain_tps = plain_tokens / plain_s if plain_s else 0.0
     return {
@@ -144,7 +144,7 @@ def plot(summary: dict, path, title: str):
     left.legend()
     hist = summary["tokens_per_forward_histogram"]
     right.bar([int(k) for k in hist], list(hist.values()))
-    right.set(xlabel="tokens per verification forward", ylabel="forwards",
+    right.set(xlabel="tokens per verification forward", ylabel="forwards", xticks=[int(k) for k in hist],
               title=f"AL = {summary['acceptance_length']:.2f}")
     fig.suptitle(title)
     fig.tight_layout()
