@@ -154,7 +154,10 @@ PY
   wait "$pid_e3" || rc_e3=$?
   wait $! || rc_pe=$?
   say "training: eagle3 rc=$rc_e3, peagle rc=$rc_pe (stage2 retrains a missing P-EAGLE head first)"
-  return "$rc_e3"
+  [ "$rc_e3" = 0 ] || return "$rc_e3"
+  local e3
+  e3=$(head_of "$RUNS/eagle3") || { say "stage1 ends without an EAGLE-3 head: raise STAGE_SECONDS or lower NUM_CONV"; return 1; }
+  say "EAGLE-3 head for stage2: $e3; P-EAGLE head: $(head_of "$RUNS/peagle" 2>/dev/null || echo none)"
 }
 
 stage2() {
