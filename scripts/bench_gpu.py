@@ -120,10 +120,15 @@ def bench_kernels(args, device) -> dict:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-        t = timed(fwd_bwd, device, repeat=args.repeat)
-        peak = (torch.cuda.max_memory_allocated() - base) if cuda else 0
-        x.grad, weight.grad = None, None
-        loss, correct = fwd_bwd()
+        try:
+            t = timed(fwd_bwd, device, repeat=args.repeat)
+            peak = (torch.cuda.max_memory_allocated() - base) if cuda else 0
+            x.grad, weight.grad = None, None
+            loss, correct = fwd_bwd()
+        except Exception as e:  # e.g. a Triton kernel this GPU cannot compile: record it, time the others
+            results[name] = {"error": f"{type(e).__name__}: {e}"}
+            rows.append([name, "error", f"{type(e).__name__}: {str(e)[:60]}", "", "", "", "", ""])
+            continue
         value = (float(loss.detach()), int(correct), x.grad.float().clone(), weight.grad.float().clone())
         if ref is None:
             ref = value

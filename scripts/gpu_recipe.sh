@@ -121,9 +121,11 @@ PY
 
 stage_kernels() {
   step env bash -c "nvidia-smi || true; $PY -c 'import torch, transformers, sys; print(sys.version); print(torch.__version__, transformers.__version__, torch.cuda.is_available())'"
-  step bench_kernels "$PY" scripts/bench_gpu.py --only kernels --out "$OUT/bench_kernels.json" "${BENCH_ARGS[@]}"
-  cp "$RUNS/logs/bench_kernels.log" "$OUT/bench_kernels.txt"
-  cp "$OUT/bench_kernels.json" "$RUNS/bench_kernels.json"  # stage1 reads it (fused_loss choice)
+  local rc=0
+  step bench_kernels "$PY" scripts/bench_gpu.py --only kernels --out "$OUT/bench_kernels.json" "${BENCH_ARGS[@]}" || rc=$?
+  cp "$RUNS/logs/bench_kernels.log" "$OUT/bench_kernels.txt" || true
+  cp "$OUT/bench_kernels.json" "$RUNS/bench_kernels.json" || true  # stage1 reads it (fused_loss choice)
+  return $rc
 }
 
 stage1() {
