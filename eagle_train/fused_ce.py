@@ -68,7 +68,7 @@ def soft_cross_entropy(hidden, weight, target_probs, target_rows=None, chunk_siz
         dtype = torch.get_autocast_dtype(device_type)
         hidden, weight = hidden.to(dtype), weight.to(dtype)
     with torch.autocast(device_type, enabled=False):
-        loss, draft_argmax, target_argmax = _SoftCrossEntropy.apply(hidden, weight, target_probs, target_rows.long(),
+        loss, draft_argmax, target_argmax = _SoftCrossEntropy.apply(hidden, weight, target_probs, target_rows.long().contiguous(),
                                                                     chunk_size, impl == "triton")
     return loss, draft_argmax == target_argmax
 
