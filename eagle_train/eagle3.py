@@ -90,13 +90,19 @@ def ttt_attention(attn: Attention, q, past: list[tuple[torch.Tensor, torch.Tenso
     return attn.o_proj(out.transpose(1, 2).reshape(q.shape[0], t, -1))
 
 
-class Eagle3Head(nn.Module):
+class DraftHead(nn.Module):
+    """What every draft head shares: EAGLE-3's fused first layer (`fc`, `midlayer`), the final norm,
+    the draft lm_head, the `d2t`/`t2d` vocab map and checkpoint I/O. A head that `owns_embedding`
+    trains and saves `embed_tokens`; otherwise it is the target's, frozen and left out of saves."""
+
+    owns_embedding = False
+
     def __init__(self, cfg: DraftConfig):
         super().__init__()
         self.config = cfg
         h = cfg.hidden_size
         self.embed_tokens = nn.Embedding(cfg.vocab_size, h)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens.weight.requires_grad_(self.owns_embedding)
         self.fc = nn.Linear(3 * cfg.target_hidden_size, h, bias=False)
         self.midlayer = DecoderLayer(cfg, fused_input=True)
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
@@ -107,17 +113,8 @@ class Eagle3Head(nn.Module):
         t2d[: cfg.draft_vocab_size] = True
         self.register_buffer("t2d", t2d)
 
-    # ---- construction and I/O -------------------------------------------------------------
-
-    @classmethod
-    def from_target(cls, target_model, **config_kwargs) -> "Eagle3Head":
-        """A head for `target_model` (any Llama-family HF causal LM) sharing its frozen embedding."""
-        cfg = DraftConfig.from_target_config(target_model.config, **config_kwargs)
-        head = cls(cfg)
-        head.use_target_embedding(target_model)
-        return head
-
     def use_target_embedding(self, target_model):
+        """Share the target's embedding (heads that do not own one)."""
         weight = target_model.get_input_embeddings().weight
         if tuple(weight.shape) != (self.config.vocab_size, self.config.hidden_size):
             raise ValueError(
@@ -137,8 +134,9 @@ class Eagle3Head(nn.Module):
         self.t2d.copy_(t2d)
 
     def saved_state_dict(self) -> dict[str, torch.Tensor]:
-        """The checkpoint tensors: everything but the frozen target embedding."""
-        return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
+        """The checkpoint tensors: all of them, but a borrowed (frozen target) embedding."""
+        return {k: v for k, v in self.state_dict().items()
+                if self.owns_embedding or not k.startswith("embed_tokens.")}
 
     def save_pretrained(self, directory):
         directory = Path(directory)
@@ -148,17 +146,17 @@ class Eagle3Head(nn.Module):
         save_file(tensors, directory / "model.safetensors")
 
     @classmethod
-    def from_pretrained(cls, directory, target_model=None) -> "Eagle3Head":
+    def from_pretrained(cls, directory, target_model=None):
+        """The head saved in `directory`; `target_model` lends its embedding to a head without one."""
         head = cls(DraftConfig.load(directory))
         missing, unexpected = head.load_state_dict(load_file(Path(directory) / "model.safetensors"), strict=False)
-        missing = [k for k in missing if not k.startswith("embed_tokens.")]
+        if not cls.owns_embedding:
+            missing = [k for k in missing if not k.startswith("embed_tokens.")]
         if missing or unexpected:
             raise ValueError(f"{directory}: missing tensors {missing}, unexpected tensors {unexpected}")
-        if target_model is not None:
+        if target_model is not None and not cls.owns_embedding:
             head.use_target_embedding(target_model)
         return head
-
-    # ---- forward ----------------------------------------------------------------------------
 
     def draft_to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
@@ -166,6 +164,16 @@ class Eagle3Head(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits of the pre-norm hidden state `h`."""
         return self.lm_head(self.norm(h))
+
+
+class Eagle3Head(DraftHead):
+    @classmethod
+    def from_target(cls, target_model, **config_kwargs) -> "Eagle3Head":
+        """A head for `target_model` (any Llama-family HF causal LM) sharing its frozen embedding."""
+        cfg = DraftConfig.from_target_config(target_model.config, **config_kwargs)
+        head = cls(cfg)
+        head.use_target_embedding(target_model)
+        return head
 
     def ttt_step(self, hidden, input_ids, position_ids, past: list):
         """One training-time-test step over whole sequences.

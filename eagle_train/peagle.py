@@ -17,15 +17,12 @@ One stack of layers serves both uses:
 """
 
 import functools
-from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from eagle_train.draft_config import DraftConfig
-from eagle_train.eagle3 import DecoderLayer, KVCache
-from eagle_train.layers import RMSNorm, RotaryEmbedding
+from eagle_train.eagle3 import DecoderLayer, DraftHead, KVCache
 
 
 def default_num_hidden_layers(target_hidden_size: int) -> int:
@@ -73,9 +70,10 @@ class PEagleCache(nn.Module):
         self.layers = nn.ModuleList(caches)
 
 
-class PEagleHead(nn.Module):
+class PEagleHead(DraftHead):
+    owns_embedding = True
+
     def __init__(self, cfg: DraftConfig):
-        super().__init__()
         if cfg.method != "peagle" or cfg.mask_token_id is None or not cfg.num_depths:
             raise ValueError(
                 f"PEagleHead needs a config with method 'peagle', mask_token_id and num_depths "
@@ -84,21 +82,10 @@ class PEagleHead(nn.Module):
         if not 0 <= cfg.mask_token_id < cfg.vocab_size:
             raise ValueError(f"mask_token_id {cfg.mask_token_id} is outside the target vocabulary "
                              f"[0, {cfg.vocab_size})")
-        self.config = cfg
-        h = cfg.hidden_size
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, h)
-        self.fc = nn.Linear(3 * cfg.target_hidden_size, h, bias=False)
+        super().__init__(cfg)
         self.mask_hidden = nn.Parameter(torch.randn(1, 1, 3 * cfg.target_hidden_size))
-        self.midlayer = DecoderLayer(cfg, fused_input=True)
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, fused_input=False)
                                      for i in range(1, cfg.num_hidden_layers)})
-        self.norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
-        t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
-        t2d[: cfg.draft_vocab_size] = True
-        self.register_buffer("t2d", t2d)
 
     # ---- construction and I/O -------------------------------------------------------------
 
@@ -124,47 +111,10 @@ class PEagleHead(nn.Module):
         with torch.no_grad():
             self.embed_tokens.weight.copy_(weight)
 
-    def set_vocab_map(self, d2t: torch.Tensor, t2d: torch.Tensor):
-        if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
-            raise ValueError(
-                f"vocab map (d2t {tuple(d2t.shape)}, t2d {tuple(t2d.shape)}) does not fit the head "
-                f"(draft vocab {self.config.draft_vocab_size}, target vocab {self.config.vocab_size})"
-            )
-        self.d2t.copy_(d2t)
-        self.t2d.copy_(t2d)
-
-    def saved_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every tensor, the trained embedding included."""
-        return dict(self.state_dict())
-
-    def save_pretrained(self, directory):
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        self.config.save(directory)
-        save_file({k: v.detach().contiguous().cpu() for k, v in self.saved_state_dict().items()},
-                  directory / "model.safetensors")
-
-    @classmethod
-    def from_pretrained(cls, directory, target_model=None) -> "PEagleHead":
-        """`target_model` is accepted for symmetry with Eagle3Head and not used: the head owns its
-        embedding."""
-        head = cls(DraftConfig.load(directory))
-        missing, unexpected = head.load_state_dict(load_file(Path(directory) / "model.safetensors"), strict=False)
-        if missing or unexpected:
-            raise ValueError(f"{directory}: missing tensors {missing}, unexpected tensors {unexpected}")
-        return head
-
     # ---- forward ----------------------------------------------------------------------------
 
     def blocks(self) -> list[DecoderLayer]:
         return [self.midlayer, *self.layers.values()]
-
-    def draft_to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids + self.d2t[draft_ids]
-
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits of the last layer's output `h`."""
-        return self.lm_head(self.norm(h))
 
     def input_hidden(self, aux: torch.Tensor, is_mask: torch.Tensor) -> torch.Tensor:
         """fc of the 3H input: the target's aux states, or `mask_hidden` where `is_mask`."""

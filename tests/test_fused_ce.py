@@ -7,7 +7,6 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from eagle_train.fused_ce import soft_cross_entropy
 
