@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The main job on the embedded default, sized for a CPU (about 15 minutes on 2 idle cores):
+# The main job on the embedded default, sized for a CPU (about 10 minutes on 2 cores):
 # SmolLM2-135M-Instruct + ShareGPT -> tokens, loss masks, draft vocab, hidden-state store
 # (configs/smollm2_sharegpt.yaml) -> EAGLE-3 head with training-time test (configs/eagle3_smollm2.yaml,
 # cut to $STEPS steps) -> engine-exact export, checked -> acceptance-length table on MT-Bench.
