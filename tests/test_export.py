@@ -227,11 +227,11 @@ def test_default_aux_ids_are_left_out_of_the_eagle3_config(exported):
     assert "eagle_aux_hidden_state_layer_ids" not in config and "eagle_config" not in config
 
 
-def tiny_peagle_head():
+def tiny_peagle_head(layers=2, mask_token_id=7, depths=3):
     from eagle_train.peagle import PEagleHead
 
     cfg = tiny_head().config
-    cfg.method, cfg.num_hidden_layers, cfg.mask_token_id, cfg.num_depths = "peagle", 2, 7, 3
+    cfg.method, cfg.num_hidden_layers, cfg.mask_token_id, cfg.num_depths = "peagle", layers, mask_token_id, depths
     torch.manual_seed(0)
     head = PEagleHead(cfg)
     for p in head.parameters():

@@ -13,20 +13,13 @@ from eagle_train.checkpoint import load_draft_head
 from eagle_train.export import check_directory, export_head, import_head
 from eagle_train.export.engines import DraftFiles, engine_state, head_from_engine_state
 from eagle_train.peagle import PEagleHead
-from test_export import D, H, NH, V, set_random_vocab_map, tiny_head, tiny_target_config
+from test_export import D, H, NH, V, tiny_head, tiny_peagle_head, tiny_target_config
 
 K, LAYERS, MASK_ID = 5, 3, 7
 
 
 def tiny_peagle() -> PEagleHead:
-    cfg = tiny_head().config
-    cfg.method, cfg.num_hidden_layers, cfg.mask_token_id, cfg.num_depths = "peagle", LAYERS, MASK_ID, K
-    torch.manual_seed(0)
-    head = PEagleHead(cfg)
-    for p in head.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    set_random_vocab_map(head)
-    return head
+    return tiny_peagle_head(LAYERS, MASK_ID, K)
 
 
 def chain_logits(head):

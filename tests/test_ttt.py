@@ -6,27 +6,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eagle_train.draft_config import DraftConfig
 from eagle_train.eagle3 import Eagle3Head
 from eagle_train.ttt import simulated_acceptance_length, target_distribution, ttt_loss
 
-H, NH, NKV, D, V, VD = 32, 4, 2, 8, 50, 40
+from test_eagle3_head import H, V, VD
+from test_eagle3_head import tiny_head as plain_tiny_head
 
 
 def tiny_head(seed=0) -> Eagle3Head:
-    torch.manual_seed(seed)
-    cfg = DraftConfig(hidden_size=H, num_attention_heads=NH, num_key_value_heads=NKV, head_dim=D,
-                      intermediate_size=64, vocab_size=V, draft_vocab_size=VD, rms_norm_eps=1e-6,
-                      rope_theta=10000.0, rope_scaling=None, max_position_embeddings=256,
-                      target_hidden_size=H, target_num_layers=8, aux_layer_ids=(2, 4, 5))
-    head = Eagle3Head(cfg)
-    for p in head.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    draft_ids = torch.randperm(V)[:VD].sort().values  # a scattered draft vocabulary
+    """test_eagle3_head's tiny head (fp64) with a scattered draft vocabulary."""
+    head = plain_tiny_head(seed)
+    draft_ids = torch.randperm(V)[:VD].sort().values
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[draft_ids] = True
     head.set_vocab_map(draft_ids - torch.arange(VD), t2d)
-    return head.double()
+    return head
 
 
 def random_batch(b=2, t=13, seed=0):
