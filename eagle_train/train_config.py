@@ -148,6 +148,28 @@ def load_train_config(path: str | Path | None = None, overrides: list[str] = ())
     return make_config(values)
 
 
+def config_from_command_line(description: str, method: str, argv=None) -> TrainConfig:
+    """`--config FILE key=value ...` of a training script, for heads of `method`; exits with the
+    error on a bad file, key or method."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="config keys: " + ", ".join(field_names()))
+    parser.add_argument("--config", help=f"YAML run config (e.g. configs/{method}_smollm2.yaml)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_train_config(args.config, args.overrides)
+    except (ValueError, FileNotFoundError) as e:
+        sys.exit(f"error: {e}")
+    if cfg.method != method:
+        sys.exit(f"error: method={cfg.method}: this script trains {method} heads "
+                 f"(scripts/train_{cfg.method}.py trains {cfg.method} heads)")
+    return cfg
+
+
 def validate(cfg: TrainConfig, target_config) -> None:
     """Every check that needs no compute: raise ValueError/FileNotFoundError naming the fix.
 
