@@ -42,7 +42,8 @@ def regenerate_batch(model, tokenizer, conversations: list[dict], max_new_tokens
                      top_p: float = 1.0, max_length: int = 2048, system_prompt: str | None = None) -> list[dict]:
     """Return the conversations with every assistant turn replaced by the target's response.
 
-    A conversation stops at the first turn whose prompt leaves no room for `max_new_tokens`
+    An assistant turn before any user turn is dropped (there is nothing to answer). A
+    conversation stops at the first turn whose prompt leaves no room for `max_new_tokens`
     within `max_length`; one with no turn regenerated comes back with no messages.
     """
     convs = [{"id": c["id"], "source": with_system_prompt(c["messages"], system_prompt), "messages": []}
@@ -58,6 +59,9 @@ def regenerate_batch(model, tokenizer, conversations: list[dict], max_new_tokens
                 cursors[c] += 1
             if cursors[c] == len(src):
                 active.remove(c)
+                continue
+            if not any(m["role"] == "user" for m in msgs):  # nothing asked yet (ShareGPT has such turns)
+                cursors[c] += 1
                 continue
             prompt = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
             if len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) + max_new_tokens > max_length:

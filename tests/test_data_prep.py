@@ -242,6 +242,17 @@ def test_regenerate_replaces_assistant_turns_with_greedy_target_output(tiny_llam
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["c1", "c0", "c2"]
 
 
+def test_regenerate_drops_an_assistant_turn_that_answers_nothing(tiny_llama, tmp_path):
+    model, tok = tiny_llama
+    opener = {"id": "g", "messages": [{"role": "assistant", "content": "Hi! How can I help?"}]
+              + copy.deepcopy(CONVERSATIONS[0]["messages"])}
+    alone = {"id": "a", "messages": [{"role": "assistant", "content": "Hello."}]}
+    out = tmp_path / "regen.jsonl"
+    assert regenerate(model, tok, [opener, alone], out, max_new_tokens=4) == {"written": 1, "skipped_done": 0, "empty": 1}
+    row = json.loads(out.read_text())
+    assert [m["role"] for m in row["messages"]] == [m["role"] for m in CONVERSATIONS[0]["messages"]]
+
+
 # ------------------------------------------------------------------------------------------- CLI
 
 
