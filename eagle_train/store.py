@@ -113,11 +113,23 @@ def pack_shard(samples: list[dict], sample_ids: list[int], dtype: str = "bfloat1
     return {k: v.contiguous() for k, v in out.items()}
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+# safetensors creates files readable by their owner only; shards get the mode any new file gets
+# (read for the group and others under the usual umask 022), so a team can share a store.
+SHARD_MODE = 0o666 & ~_umask()  # read once, at import: changing the umask is not thread-safe
+
+
 def write_shard(path: str | Path, index: int, tensors: dict[str, torch.Tensor], rank: int = 0) -> Path:
     """Write one shard atomically (temp file + rename); the writing process's rank goes in its metadata."""
     final = Path(path) / shard_name(index)
     tmp = final.with_name(f".tmp-{os.getpid()}-{final.name}")
     save_file(tensors, str(tmp), metadata={"rank": str(rank)})
+    os.chmod(tmp, SHARD_MODE)
     os.replace(tmp, final)
     return final
 

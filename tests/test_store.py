@@ -65,6 +65,14 @@ def test_round_trip(tmp_path, dtype, tol):
     assert torch.equal(clone[3]["aux_hidden"], data[3]["aux_hidden"])
 
 
+def test_shards_get_the_mode_of_any_new_file(tmp_path):
+    """A store is shared: safetensors alone writes owner-only files; we follow the umask like `open`."""
+    write_store(tmp_path, fake_samples([3, 4]), "bfloat16", per_shard=1)
+    (tmp_path / "plain.txt").write_text("x")
+    expected = (tmp_path / "plain.txt").stat().st_mode & 0o777
+    assert [p.stat().st_mode & 0o777 for p in sorted(tmp_path.glob("shard-*"))] == [expected, expected]
+
+
 def test_fp8_halves_the_bytes(tmp_path):
     samples = fake_samples([64, 64], h=64)  # per token: bf16 8H + 5 bytes, fp8 4H + 4 scales + 5 bytes
     sizes = {}
