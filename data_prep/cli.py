@@ -5,7 +5,7 @@
     eagle-prep regenerate --target smollm2-135m --data sharegpt --limit 64 --out runs/x/regenerated.jsonl
     eagle-prep vocab      --data runs/x/tokenized --draft-vocab-size 32000
     eagle-prep capture    --target smollm2-135m --data runs/x/tokenized --out runs/x/store
-    eagle-prep run        --config configs/smollm2_sharegpt.yaml
+    eagle-prep run        --config configs/smollm2_sharegpt.yaml [prep.num_conversations=200 ...]
 
 `capture` runs under `accelerate launch` as is: each process captures its share of the shards.
 """
@@ -129,37 +129,76 @@ def cmd_capture(a) -> dict | None:
     return manifest
 
 
+# Every key `eagle-prep run` reads (dotted paths into the YAML) and its default. Any other key, in
+# the file or on the command line, is refused: a misspelt key must not silently fall back.
+RUN_KEYS = {
+    "target": "smollm2-135m", "data": "sharegpt", "out_dir": None,
+    "prep.num_conversations": None, "prep.max_length": 2048, "prep.split": "train", "prep.system_prompt": None,
+    "prep.draft_vocab_size": 32000, "prep.tokenized_shard_tokens": 1 << 20, "prep.workers": 1,
+    "prep.regenerate.enabled": False, "prep.regenerate.batch_size": 8, "prep.regenerate.max_new_tokens": 256,
+    "prep.regenerate.temperature": 0.0, "prep.regenerate.top_p": 1.0, "prep.regenerate.seed": 0,
+    "prep.capture.enabled": True, "prep.capture.dtype": "bfloat16", "prep.capture.aux_layer_ids": None,
+    "prep.capture.token_budget": 8192, "prep.capture.shard_tokens": 1 << 16,
+}
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def load_run_config(path, overrides=()) -> dict:
+    """The YAML config of `eagle-prep run` with `key=value` overrides (`prep.max_length=1024`), as
+    dotted keys with their defaults filled in."""
+    from eagle_train.train_config import parse_overrides
+
+    values = _flatten(yaml.safe_load(Path(path).read_text()) or {})
+    values.update(parse_overrides(list(overrides)))
+    unknown = sorted(set(values) - set(RUN_KEYS))
+    if unknown:
+        raise ValueError(f"unknown key(s) {', '.join(unknown)} in {path} or the overrides; "
+                         f"the keys are: {', '.join(RUN_KEYS)}")
+    values = {**RUN_KEYS, **values}
+    if not values["out_dir"]:
+        raise ValueError(f"{path} sets no out_dir (where tokenized/ and store/ go)")
+    return values
+
+
 def cmd_run(a) -> None:
     """The whole pipeline from a YAML config: [regenerate] -> tokenize -> [capture]."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         sys.exit("`eagle-prep run` is one process; for several, run `accelerate launch -m data_prep.cli capture ...`")
-    cfg = yaml.safe_load(Path(a.config).read_text())
-    prep = cfg.get("prep", {})
-    out = Path(cfg["out_dir"])
-    common = {"target": cfg["target"], "split": prep.get("split", "train"), "system_prompt": prep.get("system_prompt"),
-              "max_length": prep.get("max_length", 2048), "limit": prep.get("num_conversations")}
-    data = cfg["data"]
-    regen = prep.get("regenerate", {})
-    if regen.get("enabled", False):
+    try:
+        c = load_run_config(a.config, a.overrides)
+    except ValueError as e:
+        sys.exit(f"eagle-prep run: {e}")
+    out = Path(c["out_dir"])
+    common = {"target": c["target"], "split": c["prep.split"], "system_prompt": c["prep.system_prompt"],
+              "max_length": c["prep.max_length"], "limit": c["prep.num_conversations"]}
+    data = c["data"]
+    if c["prep.regenerate.enabled"]:
         jsonl = out / "regenerated.jsonl"
-        cmd_regenerate(argparse.Namespace(**common, data=data, out=jsonl, device=None, seed=regen.get("seed", 0),
-                                          batch_size=regen.get("batch_size", 8),
-                                          max_new_tokens=regen.get("max_new_tokens", 256),
-                                          temperature=regen.get("temperature", 0.0), top_p=regen.get("top_p", 1.0)))
+        cmd_regenerate(argparse.Namespace(**common, data=data, out=jsonl, device=None, seed=c["prep.regenerate.seed"],
+                                          batch_size=c["prep.regenerate.batch_size"],
+                                          max_new_tokens=c["prep.regenerate.max_new_tokens"],
+                                          temperature=c["prep.regenerate.temperature"],
+                                          top_p=c["prep.regenerate.top_p"]))
         data = str(jsonl)
         common["system_prompt"] = None  # already applied by regeneration
     tokenized = out / "tokenized"
-    cmd_tokenize(argparse.Namespace(**common, data=data, out=tokenized,
-                                    draft_vocab_size=prep.get("draft_vocab_size", 32000),
-                                    shard_tokens=prep.get("tokenized_shard_tokens", 1 << 20),
-                                    workers=prep.get("workers", 1)))
-    cap = prep.get("capture", {})
-    if cap.get("enabled", True):
-        layers = cap.get("aux_layer_ids")
-        cmd_capture(argparse.Namespace(target=cfg["target"], data=tokenized, out=out / "store",
+    cmd_tokenize(argparse.Namespace(**common, data=data, out=tokenized, draft_vocab_size=c["prep.draft_vocab_size"],
+                                    shard_tokens=c["prep.tokenized_shard_tokens"], workers=c["prep.workers"]))
+    if c["prep.capture.enabled"]:
+        layers = c["prep.capture.aux_layer_ids"]
+        cmd_capture(argparse.Namespace(target=c["target"], data=tokenized, out=out / "store",
                                        aux_layers=",".join(map(str, layers)) if layers else None,
-                                       dtype=cap.get("dtype", "bfloat16"), token_budget=cap.get("token_budget", 8192),
-                                       shard_tokens=cap.get("shard_tokens", 1 << 16), no_progress=False))
+                                       dtype=c["prep.capture.dtype"], token_budget=c["prep.capture.token_budget"],
+                                       shard_tokens=c["prep.capture.shard_tokens"], no_progress=False))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -228,6 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = add("run", cmd_run, "run the pipeline of a YAML config ([regenerate] -> tokenize -> capture)")
     s.add_argument("--config", required=True)
+    s.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="override a config key by its dotted path, e.g. prep.num_conversations=200 "
+                        "prep.capture.dtype=float8_e4m3fn out_dir=runs/x")
     return p
 
 

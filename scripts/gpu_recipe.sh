@@ -137,14 +137,8 @@ stage1() {
   step env bash -c "nvidia-smi || true; $PY -c 'import torch, transformers, sys; print(sys.version); print(torch.__version__, transformers.__version__, torch.cuda.is_available())'; nproc; df -h /tmp | tail -1"
   step convert "$PY" -c "from eagle_train.target import resolve_target; print(resolve_target('$TARGET'))"
   if [ ! -f "$RUNS/prep/tokenized/manifest.json" ]; then
-    "$PY" - "$RUNS/prep.yaml" <<PY
-import sys, yaml
-cfg = yaml.safe_load(open("configs/gpu_smollm2.yaml"))
-cfg.update(target="$TARGET", data="$DATA", out_dir="$RUNS/prep")
-cfg["prep"].update(num_conversations=yaml.safe_load("$NUM_CONV"), max_length=$MAX_LEN, workers=$WORKERS)
-yaml.safe_dump(cfg, open(sys.argv[1], "w"), sort_keys=False)
-PY
-    step tokenize "$PY" -m data_prep.cli run --config "$RUNS/prep.yaml"
+    step tokenize "$PY" -m data_prep.cli run --config configs/gpu_smollm2.yaml target="$TARGET" data="$DATA" \
+      out_dir="$RUNS/prep" prep.num_conversations="$NUM_CONV" prep.max_length="$MAX_LEN" prep.workers="$WORKERS"
   fi
   cp "$RUNS/prep/tokenized/manifest.json" "$OUT/tokenized_manifest.json"
   local rc_e3=0 rc_pe=0 fused

@@ -278,14 +278,25 @@ def test_cli_run_config_end_to_end(conversations_jsonl, tmp_path, capsys):
     config.write_text(f"target: {SMOLLM2}\ndata: {conversations_jsonl}\nout_dir: {tmp_path / 'run'}\n"
                       "prep:\n  num_conversations: 3\n  max_length: 64\n"
                       "  capture: {dtype: float8_e4m3fn, token_budget: 128, shard_tokens: 64}\n")
-    cli.main(["run", "--config", str(config)])
+    cli.main(["run", "--config", str(config), "prep.num_conversations=2", "prep.capture.token_budget=64"])
     out = capsys.readouterr().out
-    assert "read 3 records, kept 3" in out and "tokenized 3 conversations" in out
+    assert "read 2 records, kept 2" in out and "tokenized 2 conversations" in out
     store = ShardedSamples(tmp_path / "run" / "store")
-    assert len(store) == 3 and store.manifest["dtype"] == "float8_e4m3fn" and store.has_hidden
+    assert len(store) == 2 and store.manifest["dtype"] == "float8_e4m3fn" and store.has_hidden
     assert "store " in out and "bytes/token" in out
     assert torch.equal(read_vocab_map(tmp_path / "run" / "store")["d2t"],
                        read_vocab_map(tmp_path / "run" / "tokenized")["d2t"])
+
+
+@pytest.mark.parametrize("where", ["file", "override"])
+def test_cli_run_refuses_a_misspelt_key(conversations_jsonl, tmp_path, where):
+    config = tmp_path / "c.yaml"
+    config.write_text(f"data: {conversations_jsonl}\nout_dir: {tmp_path / 'run'}\n"
+                      + ("prep:\n  num_conversation: 3\n" if where == "file" else ""))
+    extra = ["prep.capture.dtpye=float32"] if where == "override" else []
+    with pytest.raises(SystemExit, match="unknown key.*(num_conversation|dtpye).*prep.num_conversations"):
+        cli.main(["run", "--config", str(config), *extra])
+    assert not (tmp_path / "run").exists()
 
 
 def test_tokenize_limit_counts_usable_samples_and_workers_change_nothing(conversations_jsonl, smollm2, tmp_path):
