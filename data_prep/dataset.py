@@ -88,6 +88,7 @@ def tokenize_dataset(source: str, out: str, target: str, max_length: int = 2048,
         pool.terminate()  # it may have read ahead past `limit`
         pool.join()
     report.kept = n + len(samples)
+    report.read = report.kept + sum(report.skipped.values())  # workers read ahead: count what was used
     if report.kept == 0:
         raise ValueError(f"no usable conversations in {source!r}:\n{report.summary()}")
     vmap = build_vocab_map(counts, draft_vocab_size)

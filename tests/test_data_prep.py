@@ -309,7 +309,7 @@ def test_tokenize_limit_counts_usable_samples_and_workers_change_nothing(convers
         manifest, report, _ = tokenize_dataset(str(tmp_path / "d.jsonl"), out, SMOLLM2, max_length=128, limit=4,
                                                tokenizer=smollm2[1], workers=workers)
         assert manifest["num_samples"] == report.kept == 4  # 4 usable samples, whatever was skipped before
-        assert report.skipped["no assistant turn"] == 2
+        assert report.skipped["no assistant turn"] == 2 and report.read == 6  # not what workers read ahead
         results.append(ShardedSamples(out))
     a, b = results
     assert all(torch.equal(a[i]["input_ids"], b[i]["input_ids"]) and torch.equal(a[i]["loss_mask"], b[i]["loss_mask"])
