@@ -83,7 +83,7 @@ def cmd_regenerate(a) -> dict:
     with tqdm(total=a.limit, unit="conv", desc="regenerate") as bar:
         counts = regenerate(model, tokenizer, convs, a.out, batch_size=a.batch_size, progress=bar,
                             max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
-                            max_length=a.max_length, system_prompt=a.system_prompt)
+                            max_length=a.max_length, system_prompt=a.system_prompt, max_turns=a.max_turns)
     print(report.summary())
     print(f"regenerated {counts['written']} conversations ({counts['skipped_done']} already done, "
           f"{counts['empty']} with no room to generate) in {time.perf_counter() - start:.1f}s -> {a.out}")
@@ -137,6 +137,7 @@ RUN_KEYS = {
     "prep.draft_vocab_size": 32000, "prep.tokenized_shard_tokens": 1 << 20, "prep.workers": 1,
     "prep.regenerate.enabled": False, "prep.regenerate.batch_size": 8, "prep.regenerate.max_new_tokens": 256,
     "prep.regenerate.temperature": 0.0, "prep.regenerate.top_p": 1.0, "prep.regenerate.seed": 0,
+    "prep.regenerate.max_turns": None,
     "prep.capture.enabled": True, "prep.capture.dtype": "bfloat16", "prep.capture.aux_layer_ids": None,
     "prep.capture.token_budget": 8192, "prep.capture.shard_tokens": 1 << 16,
 }
@@ -173,10 +174,7 @@ def cmd_run(a) -> None:
     """The whole pipeline from a YAML config: [regenerate] -> tokenize -> [capture]."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         sys.exit("`eagle-prep run` is one process; for several, run `accelerate launch -m data_prep.cli capture ...`")
-    try:
-        c = load_run_config(a.config, a.overrides)
-    except ValueError as e:
-        sys.exit(f"eagle-prep run: {e}")
+    c = load_run_config(a.config, a.overrides)
     out = Path(c["out_dir"])
     common = {"target": c["target"], "split": c["prep.split"], "system_prompt": c["prep.system_prompt"],
               "max_length": c["prep.max_length"], "limit": c["prep.num_conversations"]}
@@ -187,7 +185,7 @@ def cmd_run(a) -> None:
                                           batch_size=c["prep.regenerate.batch_size"],
                                           max_new_tokens=c["prep.regenerate.max_new_tokens"],
                                           temperature=c["prep.regenerate.temperature"],
-                                          top_p=c["prep.regenerate.top_p"]))
+                                          top_p=c["prep.regenerate.top_p"], max_turns=c["prep.regenerate.max_turns"]))
         data = str(jsonl)
         common["system_prompt"] = None  # already applied by regeneration
     tokenized = out / "tokenized"
@@ -246,6 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-new-tokens", type=int, default=256)
     s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--max-turns", type=int, default=None,
+                   help="regenerate at most this many assistant turns per conversation (later turns are dropped)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--device", default=None, help="default: cuda if available, else cpu")
 
@@ -275,7 +275,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
-    args.fn(args)
+    try:
+        args.fn(args)
+    except (ValueError, FileNotFoundError) as e:  # bad input: the message names the problem, no traceback
+        raise SystemExit(f"eagle-prep {args.cmd}: error: {e}") from e
 
 
 if __name__ == "__main__":

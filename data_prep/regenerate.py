@@ -39,12 +39,14 @@ def _generate(model, tokenizer, prompts: list[str], max_new_tokens: int, tempera
 
 
 def regenerate_batch(model, tokenizer, conversations: list[dict], max_new_tokens: int = 256, temperature: float = 0.0,
-                     top_p: float = 1.0, max_length: int = 2048, system_prompt: str | None = None) -> list[dict]:
+                     top_p: float = 1.0, max_length: int = 2048, system_prompt: str | None = None,
+                     max_turns: int | None = None) -> list[dict]:
     """Return the conversations with every assistant turn replaced by the target's response.
 
     An assistant turn before any user turn is dropped (there is nothing to answer). A
     conversation stops at the first turn whose prompt leaves no room for `max_new_tokens`
-    within `max_length`; one with no turn regenerated comes back with no messages.
+    within `max_length`, or after `max_turns` regenerated turns (the cost of a conversation grows
+    with every turn); one with no turn regenerated comes back with no messages.
     """
     convs = [{"id": c["id"], "source": with_system_prompt(c["messages"], system_prompt), "messages": []}
              for c in conversations]
@@ -57,7 +59,8 @@ def regenerate_batch(model, tokenizer, conversations: list[dict], max_new_tokens
             while cursors[c] < len(src) and src[cursors[c]]["role"] != "assistant":
                 msgs.append(src[cursors[c]])
                 cursors[c] += 1
-            if cursors[c] == len(src):
+            answered = sum(m["role"] == "assistant" for m in msgs)
+            if cursors[c] == len(src) or (max_turns is not None and answered >= max_turns):
                 active.remove(c)
                 continue
             if not any(m["role"] == "user" for m in msgs):  # nothing asked yet (ShareGPT has such turns)
@@ -87,6 +90,8 @@ def regenerate(model, tokenizer, conversations, out: str | Path, batch_size: int
 
     Returns counts: written, skipped_done (already in the file), empty (nothing could be generated).
     """
+    if kwargs.get("max_turns") is not None and kwargs["max_turns"] < 1:
+        raise ValueError(f"max_turns must be >= 1 (or None for every turn), got {kwargs['max_turns']}")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     done = done_ids(out)

@@ -242,6 +242,15 @@ def test_regenerate_replaces_assistant_turns_with_greedy_target_output(tiny_llam
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["c1", "c0", "c2"]
 
 
+def test_regenerate_max_turns_keeps_the_first_turns_only(tiny_llama, tmp_path):
+    model, tok = tiny_llama
+    out = tmp_path / "regen.jsonl"
+    regenerate(model, tok, [copy.deepcopy(CONVERSATIONS[1])], out, max_new_tokens=4, max_turns=1)
+    assert [m["role"] for m in json.loads(out.read_text())["messages"]] == ["user", "assistant"]
+    with pytest.raises(ValueError, match="max_turns must be >= 1"):
+        regenerate(model, tok, [], tmp_path / "none.jsonl", max_turns=0)
+
+
 def test_regenerate_drops_an_assistant_turn_that_answers_nothing(tiny_llama, tmp_path):
     model, tok = tiny_llama
     opener = {"id": "g", "messages": [{"role": "assistant", "content": "Hi! How can I help?"}]
@@ -297,6 +306,13 @@ def test_cli_run_refuses_a_misspelt_key(conversations_jsonl, tmp_path, where):
     with pytest.raises(SystemExit, match="unknown key.*(num_conversation|dtpye).*prep.num_conversations"):
         cli.main(["run", "--config", str(config), *extra])
     assert not (tmp_path / "run").exists()
+
+
+def test_cli_bad_input_is_one_line_naming_the_command_not_a_traceback(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"messages": [{"role": "user", "content": "no answer"}]}) + "\n")
+    with pytest.raises(SystemExit, match="eagle-prep tokenize: error: no usable conversations"):
+        cli.main(["tokenize", "--data", str(bad), "--out", str(tmp_path / "out")])
 
 
 def test_tokenize_limit_counts_usable_samples_and_workers_change_nothing(conversations_jsonl, smollm2, tmp_path):
