@@ -113,3 +113,14 @@ def test_unsupported_target_is_refused():
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50))
     with pytest.raises(ValueError, match="supports llama, mistral, qwen2, qwen3"):
         TargetModel(model)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 40])
+def test_few_row_linear_equals_linear(rows):
+    from inference.llama import FewRowLinear
+
+    torch.manual_seed(rows)
+    linear = torch.nn.Linear(48, 80)  # with a bias, like Qwen2's q/k/v
+    x = torch.randn(1, rows, 48)
+    with torch.no_grad():
+        torch.testing.assert_close(FewRowLinear(linear)(x), linear(x), rtol=1e-5, atol=1e-6)
