@@ -31,9 +31,9 @@ class FewRowLinear(nn.Module):
     """An HF Linear (weights shared) that multiplies a few rows on the CPU as W @ x^T.
 
     Decoding multiplies 1 to K+1 rows. For 2-8 rows MKL's kernel behind F.linear reads the weights at
-    ~10 GB/s on the 2-core machine, W @ x^T at ~40 GB/s; one row (gemv) gets ~16 GB/s, so it is
-    doubled. Measured on 60 [1536, 576] fp32 weights: 1 row 13.0 -> 5.6 ms, 2 rows 21.3 -> 5.2 ms,
-    4 rows 20.3 -> 6.0 ms; at 17 rows F.linear is faster again. CUDA and longer inputs take F.linear.
+    ~11 GB/s on the 2-core machine, W @ x^T at ~30 GB/s; one row (gemv) gets ~17 GB/s, so it is
+    doubled. `scripts/bench_few_row_linear.py`: 1 row 12.2 -> 6.5 ms, 2 rows 18.7 -> 6.8 ms, 4 rows
+    19.2 -> 6.7 ms; at 17 rows both are equal. CUDA and longer inputs take F.linear.
     """
 
     MAX_ROWS = 8
