@@ -18,7 +18,7 @@ import torch
 from inference.drafting import Drafter, TreeShape
 from inference.parallel_drafting import ParallelDrafter
 from inference.graphs import GraphedStep
-from inference.llama import TargetModel
+from inference.llama import TargetModel, use_few_row_linears
 from inference.sampling import Sampler, accept_greedy, accept_sampling
 
 
@@ -52,6 +52,7 @@ class Runtime:
         self.target_step = GraphedStep(target_step) if self.use_graphs else target_step
         self.drafter = None
         if head is not None:
+            use_few_row_linears(head)  # the head's 1 to K+1 rows, like the target's, on the CPU
             shape = shape or TreeShape.chain(5)
             step = GraphedStep(head.step) if self.use_graphs else head.step
             drafter = ParallelDrafter if head.config.method == "peagle" else Drafter  # P-EAGLE: K drafts per pass
@@ -178,7 +179,8 @@ class Runtime:
                 target.compact(length + rows[1:], length + 1 + torch.arange(len(path), device=self.device))
             pending = torch.tensor(bonus, device=self.device)
             next_ids = torch.tensor([new], device=self.device)
-            h_root, logits_root = drafter.catch_up_padded(aux[:, rows], next_ids, length)
+            catch_up = drafter.catch_up_padded if self.use_graphs else drafter.catch_up  # graphs: fixed rows
+            h_root, logits_root = catch_up(aux[:, rows], next_ids, length)
             length += len(path) + 1
         self.sync()
         result.seconds = time.perf_counter() - t0

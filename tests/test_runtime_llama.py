@@ -122,5 +122,27 @@ def test_few_row_linear_equals_linear(rows):
     torch.manual_seed(rows)
     linear = torch.nn.Linear(48, 80)  # with a bias, like Qwen2's q/k/v
     x = torch.randn(1, rows, 48)
+    column_major = torch.randn(48, rows).T[None]  # what the MLP's down_proj reads
     with torch.no_grad():
-        torch.testing.assert_close(FewRowLinear(linear)(x), linear(x), rtol=1e-5, atol=1e-6)
+        for inputs in (x, column_major):
+            torch.testing.assert_close(FewRowLinear(linear)(inputs), linear(inputs), rtol=1e-5, atol=1e-6)
+
+
+def test_few_row_linears_keep_the_head_and_its_state_dict():
+    from eagle_train.draft_config import DraftConfig
+    from eagle_train.eagle3 import Eagle3Head
+    from inference.llama import FewRowLinear, use_few_row_linears
+
+    model = tiny_target()
+    head = Eagle3Head(DraftConfig.from_target_config(model.config, draft_vocab_size=32)).eval()
+    hidden, ids = torch.randn(1, 3, 48), torch.randint(0, 96, (1, 3))
+    pos = torch.arange(3)[None]
+    with torch.no_grad():
+        before = head.step(head.fc(hidden.repeat(1, 1, 3)), ids, pos)
+        keys = list(head.state_dict())
+        use_few_row_linears(head)
+        after = head.step(head.fc(hidden.repeat(1, 1, 3)), ids, pos)
+    assert list(head.state_dict()) == keys
+    assert isinstance(head.lm_head, FewRowLinear) and isinstance(head.midlayer.mlp.down_proj, FewRowLinear)
+    for a, b in zip(before, after):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
