@@ -1,0 +1,122 @@
+"""Where a speculative round's time goes, at batch 1, against a plain decoding step.
+
+    python scripts/bench_round.py --draft runs/eagle3/final --chain 3 [--bench gsm8k --num-prompts 5]
+
+Two tables. First, the target's verification forward by the number of rows it verifies (1 row is
+a plain step): what K costs before any draft is accepted. Second, the per-round time of each part
+of speculative decoding (verification forward, its logits, drafting, the head's catch-up, the
+accept decision; the prompt's catch-up and logits count too) and of a plain step, from timers
+around each call over whole generations. On CUDA every timer synchronizes, so that breakdown is
+taken without CUDA graphs.
+"""
+
+import argparse
+import time
+from collections import defaultdict
+
+import torch
+
+from eagle_train.checkpoint import load_draft_head
+from eagle_train.target import load_target
+from inference.drafting import TreeShape
+from inference.evaluate import chat_ids, load_bench
+from inference.generate import Runtime
+from inference.llama import TargetModel
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def forward_ms(target: TargetModel, rows: int, context: int, reps: int) -> float:
+    """One forward of `rows` tokens after `context` cached ones (a chain's causal mask)."""
+    dev = target.device
+    ids = torch.randint(0, target.config.vocab_size, (1, rows), device=dev)
+    pos = context + torch.arange(rows, device=dev)
+    mask = torch.ones(rows, context + rows, dtype=torch.bool, device=dev).tril(context)[None, None]
+    with torch.inference_mode():
+        for _ in range(3):
+            target(ids, pos[None], pos, mask)
+        sync(dev)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            target(ids, pos[None], pos, mask)
+        sync(dev)
+    return (time.perf_counter() - t0) / reps * 1000
+
+
+def timed(obj, name: str, label: str, totals: dict, device):
+    """Replace obj.name by a wrapper that adds its wall time to totals[label]."""
+    fn = getattr(obj, name)
+
+    def wrapper(*args, **kwargs):
+        sync(device)
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        sync(device)
+        totals[label] += time.perf_counter() - t0
+        return out
+
+    setattr(obj, name, wrapper)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--draft", required=True, help="head / checkpoint / export directory")
+    p.add_argument("--bench", default="gsm8k")
+    p.add_argument("--num-prompts", type=int, default=5)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--chain", type=int, default=3)
+    p.add_argument("--tree", default=None, metavar="DEPTH,TOPK,TOTAL")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = p.parse_args()
+
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model, tokenizer = load_target(args.target, dtype=dtype, device=device)
+    head = load_draft_head(args.draft, model).to(device=device, dtype=dtype).eval()
+    shape = TreeShape.parse(args.tree) if args.tree else TreeShape.chain(args.chain)
+    prompts = [chat_ids(tokenizer, [{"role": "user", "content": q["turns"][0]}])
+               for q in load_bench(args.bench, args.num_prompts)]
+
+    runtime = Runtime(model, head, shape, eos_token_ids=[tokenizer.eos_token_id], cuda_graphs=False)
+    context = max(map(len, prompts)) + args.max_new_tokens // 2
+    runtime.target.setup_cache(context + 64)
+    print(f"target forward after {context} cached tokens, {device.type} {str(dtype).replace('torch.', '')}")
+    one = forward_ms(runtime.target, 1, context, reps=20)
+    for rows in sorted({1, 2, 3, 4, 6, 8, shape.total + 1}):
+        ms = forward_ms(runtime.target, rows, context, reps=20)
+        print(f"  {rows:2d} rows: {ms:6.1f} ms  ({ms / one:.2f}x a plain step)")
+
+    totals, rounds = defaultdict(float), {}
+    timed(runtime, "target_step", "target forward", totals, device)
+    timed(runtime.target, "logits", "target logits", totals, device)
+    timed(runtime.drafter, "draft", "drafting", totals, device)
+    timed(runtime.drafter, "catch_up", "head catch-up", totals, device)
+    timed(runtime, "accept", "accept decision", totals, device)
+    runtime.generate(prompts[0], 8)
+    runtime.generate_plain(prompts[0], 8)  # warm-up
+    for name, fn in (("speculative", runtime.generate), ("plain", runtime.generate_plain)):
+        totals.clear()
+        results = [fn(q, args.max_new_tokens) for q in prompts]
+        n = sum(r.forwards for r in results)
+        seconds = sum(r.seconds for r in results)
+        rounds[name] = (seconds / n * 1000, sum(sum(r.emitted) for r in results) / n, dict(totals), n)
+    drafting = f"tree {shape.depth},{shape.topk},{shape.total}" if args.tree else f"chain K={shape.depth}"
+    spec_ms, al, parts, n = rounds["speculative"]
+    plain_ms, _, plain_parts, steps = rounds["plain"]
+    print(f"\n{args.bench}: {len(prompts)} prompts x {args.max_new_tokens} new tokens, {drafting}: "
+          f"{n} rounds, AL {al:.3f}; {steps} plain steps")
+    print(f"{'ms per round / step':24s} {'speculative':>12s} {'plain':>8s}")
+    for label in ("target forward", "target logits", "drafting", "head catch-up", "accept decision"):
+        plain = f"{plain_parts[label] / steps * 1000:8.2f}" if label in plain_parts else f"{'-':>8s}"
+        print(f"{label:24s} {parts.get(label, 0.0) / n * 1000:12.2f} {plain}")
+    print(f"{'whole (timed by generate)':24s} {spec_ms:12.2f} {plain_ms:8.2f}")
+    print(f"a round costs {spec_ms / plain_ms:.2f}x a plain step; at AL {al:.3f} the speedup is "
+          f"{al * plain_ms / spec_ms:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
