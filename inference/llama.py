@@ -32,11 +32,13 @@ class FewRowLinear(nn.Module):
 
     Decoding multiplies 1 to K+1 rows. For 2-8 rows MKL's kernel behind F.linear reads the weights at
     ~11 GB/s on the 2-core machine, W @ x^T at ~30 GB/s; one row (gemv) gets ~17 GB/s, so it is
-    doubled. `scripts/bench_few_row_linear.py`: 1 row 12.2 -> 6.5 ms, 2 rows 18.7 -> 6.8 ms, 4 rows
-    19.2 -> 6.7 ms; at 17 rows both are equal. CUDA and longer inputs take F.linear.
+    doubled, and 3 rows run slower than 4, so they get a 4th. `scripts/bench_few_row_linear.py`: 1 row
+    12.2 -> 6.5 ms, 2 rows 18.7 -> 6.8 ms, 4 rows 19.2 -> 6.7 ms; at 17 rows both are equal. CUDA and
+    longer inputs take F.linear.
     """
 
     MAX_ROWS = 8
+    PADDED = {1: 2, 3: 4}  # row counts that multiply faster with repeated rows added
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -49,7 +51,8 @@ class FewRowLinear(nn.Module):
             return F.linear(x, self.weight, self.bias)
         # row-major rows: a column-major x (the MLP multiplies two outputs of this layer, which are
         # transposed views) makes x^T contiguous, and W @ x^T then takes a kernel 3-5x slower
-        rows = rows.repeat(2, 1) if n == 1 else rows.contiguous()
+        padded = self.PADDED.get(n, n)
+        rows = torch.cat([rows, rows[: padded - n]]) if padded > n else rows.contiguous()
         out = (self.weight @ rows.T).T[:n]
         if self.bias is not None:
             out = out + self.bias

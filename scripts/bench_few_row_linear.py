@@ -39,7 +39,7 @@ def main():
     print(f"{len(linears)} x [1536, 576] fp32 = {gbytes * 1000:.0f} MB, {args.threads} threads")
     print(f"{'rows':>4s} {'F.linear ms':>12s} {'FewRowLinear ms':>16s} {'GB/s':>12s}")
     with torch.no_grad():
-        for rows in (1, 2, 4, 8, 17):
+        for rows in (1, 2, 3, 4, 8, 17):
             x = torch.randn(1, rows, 576)
             a = best_ms(lambda m, x: F.linear(x, m.weight), linears, x)
             b = best_ms(lambda m, x: m(x), few, x)

@@ -115,7 +115,7 @@ def test_unsupported_target_is_refused():
         TargetModel(model)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 40])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 40])
 def test_few_row_linear_equals_linear(rows):
     from inference.llama import FewRowLinear
 
