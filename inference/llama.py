@@ -61,7 +61,8 @@ class FewRowLinear(nn.Module):
 
 def use_few_row_linears(module: nn.Module) -> nn.Module:
     """Swap every nn.Linear inside `module` (in place) for a FewRowLinear sharing its weights; the
-    state_dict keeps its keys. The runtime does this to the draft head on the CPU."""
+    state_dict keeps its keys. The runtime does this to the draft head; off the CPU nothing changes
+    (FewRowLinear takes F.linear there)."""
     for name, child in module.named_children():
         if isinstance(child, nn.Linear):
             setattr(module, name, FewRowLinear(child))
