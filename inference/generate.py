@@ -156,6 +156,7 @@ class Runtime:
         length = n  # committed tokens (in both caches); `pending` is x_length
         keys = torch.arange(target.max_len, device=self.device)
         steps = torch.arange(shape.total + 1, device=self.device)
+        catch_up = drafter.catch_up_padded if self.use_graphs else drafter.catch_up  # graphs: fixed rows
         while not stop:
             tree = drafter.draft(pending.reshape(()), h_root, logits_root, length)
             # verify [x_L, nodes] at positions L + depth, slots L..L+total
@@ -179,7 +180,6 @@ class Runtime:
                 target.compact(length + rows[1:], length + 1 + torch.arange(len(path), device=self.device))
             pending = torch.tensor(bonus, device=self.device)
             next_ids = torch.tensor([new], device=self.device)
-            catch_up = drafter.catch_up_padded if self.use_graphs else drafter.catch_up  # graphs: fixed rows
             h_root, logits_root = catch_up(aux[:, rows], next_ids, length)
             length += len(path) + 1
         self.sync()

@@ -61,8 +61,8 @@ class FewRowLinear(nn.Module):
 
 def use_few_row_linears(module: nn.Module) -> nn.Module:
     """Swap every nn.Linear inside `module` (in place) for a FewRowLinear sharing its weights; the
-    state_dict keeps its keys. The runtime does this to the draft head; off the CPU nothing changes
-    (FewRowLinear takes F.linear there)."""
+    state_dict keeps its keys. The runtime does this to its target view and to the draft head; off the
+    CPU nothing changes (FewRowLinear takes F.linear there)."""
     for name, child in module.named_children():
         if isinstance(child, nn.Linear):
             setattr(module, name, FewRowLinear(child))
@@ -78,15 +78,14 @@ class TargetLayer(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.input_layernorm = shared_norm(hf_layer.input_layernorm)
         self.post_attention_layernorm = shared_norm(hf_layer.post_attention_layernorm)
-        # HF's Linear weights, shared (Qwen2's qkv bias and Llama's attention/mlp bias come along).
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (FewRowLinear(m) for m in
-                                                              (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj))
+        # HF's Linear modules (TargetModel makes them FewRowLinear): Qwen2's qkv bias and Llama's
+        # attention/mlp bias come along.
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
         self.q_norm = shared_norm(attn.q_norm) if hasattr(attn, "q_norm") else None  # Qwen3
         self.k_norm = shared_norm(attn.k_norm) if hasattr(attn, "k_norm") else None
         mlp = hf_layer.mlp
         self.mlp = MLP(mlp.gate_proj.in_features, mlp.gate_proj.out_features)
-        self.mlp.gate_proj, self.mlp.up_proj, self.mlp.down_proj = (FewRowLinear(m) for m in
-                                                                    (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+        self.mlp.gate_proj, self.mlp.up_proj, self.mlp.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
         self.cache: KVCache | None = None
 
     def attention(self, x, cos, sin, slots, mask):
@@ -140,12 +139,13 @@ class TargetModel(nn.Module):
             TargetLayer(layer, cfg.num_attention_heads, num_kv, self.head_dim) for layer in base.layers
         )
         self.norm = shared_norm(base.norm)
-        self.lm_head = FewRowLinear(hf_model.get_output_embeddings())
+        self.lm_head = hf_model.get_output_embeddings()
         theta, scaling = target_rope(cfg)
         self.rotary = RotaryEmbedding(self.head_dim, theta, scaling).to(self.lm_head.weight.device)
         window = getattr(cfg, "sliding_window", None)
         self.sliding_window = window if window and getattr(cfg, "use_sliding_window", True) else None
         self.max_len = 0
+        use_few_row_linears(self)  # swaps our references only: the HF model keeps its own Linears
 
     @property
     def device(self):
