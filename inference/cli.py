@@ -132,10 +132,9 @@ def evaluate(args):
         "wall_seconds": time.time() - t0, "summary": summary, "prompts": results,
     }
     out.write_text(json.dumps(record, indent=1))
-    plot_path = out.with_suffix(".png")
-    plot(summary, plot_path, title)
     print(format_table(summary, title))
-    print(f"results: {out}   plot: {plot_path}")
+    plot_path = out.with_suffix(".png")
+    print(f"results: {out}" + (f"   plot: {plot_path}" if plot(summary, plot_path, title) else ""))
     return record
 
 

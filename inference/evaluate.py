@@ -126,9 +126,14 @@ def format_table(summary: dict, title: str) -> str:
     return "\n".join(lines)
 
 
-def plot(summary: dict, path, title: str):
-    """Acceptance per draft position and the distribution of tokens per verification forward."""
-    import matplotlib
+def plot(summary: dict, path, title: str) -> bool:
+    """Acceptance per draft position and the distribution of tokens per verification forward.
+    matplotlib is optional: without it the finished evaluation says how to get the plot and goes on."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"plot skipped: matplotlib is not installed (pip install 'eagle-train[plot]' to get {path})")
+        return False
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -150,3 +155,4 @@ def plot(summary: dict, path, title: str):
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    return True

@@ -1,6 +1,7 @@
 """`eagle-eval` end to end: JSON, plot, AL recounted from the per-prompt token ids, clear errors."""
 
 import json
+import sys
 
 import pytest
 import torch
@@ -35,6 +36,18 @@ def test_eval_tiny_target_mt_bench_two_turns(tiny_llama_dir, tiny_head_dir, tmp_
     assert saved["summary"]["turns_identical_to_plain"] == 4  # greedy: spec == plain
     assert len(saved["summary"]["acceptance_per_position"]) == 3
     assert "acceptance length (AL)" in capsys.readouterr().out
+
+
+def test_eval_without_matplotlib_prints_the_table_and_skips_the_plot(tiny_llama_dir, tiny_head_dir, tmp_path,
+                                                                     monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    out = tmp_path / "results.json"
+    main(["--target", str(tiny_llama_dir), "--draft", str(tiny_head_dir), "--bench", "gsm8k", "--num-prompts", "1",
+          "--max-new-tokens", "4", "--chain", "2", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert "acceptance length (AL)" in printed
+    assert "plot skipped: matplotlib is not installed (pip install 'eagle-train[plot]'" in printed
+    assert out.is_file() and not out.with_suffix(".png").exists()
 
 
 def test_eval_smollm2_random_head(smollm2, tmp_path):
