@@ -1,0 +1,24 @@
+"""Warm start: a new draft head whose output side is the target's own.
+
+The head's last two modules do what the target's last two do: `norm` then `lm_head`, the latter over
+the draft vocabulary only. Copying the target's final norm weight and its lm_head rows of the draft
+ids (draft id j is target id j + d2t[j]) makes the head read its pre-norm output the way the target
+reads its last hidden state, so training starts from a head whose logits are the target's, restricted
+to the draft vocabulary, as soon as its layer reproduces the target's last hidden state.
+"""
+
+import torch
+
+
+@torch.no_grad()
+def warm_start_from_target(head, target_model) -> None:
+    """Set `head.lm_head` to the target's lm_head rows of the draft vocabulary and `head.norm` to the
+    target's final norm weight, in place. Call it after the head's vocab map (d2t) is set."""
+    target_ids = head.draft_to_target_ids(torch.arange(head.config.draft_vocab_size, device=head.d2t.device))
+    lm_head = target_model.get_output_embeddings().weight
+    norm = target_model.get_decoder().norm.weight
+    if lm_head.shape[1] != head.lm_head.weight.shape[1] or norm.shape != head.norm.weight.shape:
+        raise ValueError(f"the target's lm_head {tuple(lm_head.shape)} and final norm {tuple(norm.shape)} do not fit "
+                         f"the head's lm_head {tuple(head.lm_head.weight.shape)}: the head was built for another target")
+    head.lm_head.weight.copy_(lm_head[target_ids.to(lm_head.device)])
+    head.norm.weight.copy_(norm)

@@ -1,0 +1,56 @@
+"""Warm start: the head's logits are the target's over the draft vocabulary, and an export keeps them."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from eagle_train.eagle3 import Eagle3Head
+from eagle_train.export import export_head, import_head
+from eagle_train.warm_start import warm_start_from_target
+
+DRAFT_VOCAB = 1000
+
+
+def new_head(model) -> Eagle3Head:
+    """A fresh head for `model` with a random sorted draft vocabulary (d2t not all zero)."""
+    torch.manual_seed(0)
+    head = Eagle3Head.from_target(model, draft_vocab_size=DRAFT_VOCAB, target="tiny-llama")
+    ids = torch.randperm(model.config.vocab_size)[:DRAFT_VOCAB].sort().values
+    t2d = torch.zeros(model.config.vocab_size, dtype=torch.bool)
+    t2d[ids] = True
+    head.set_vocab_map(ids - torch.arange(DRAFT_VOCAB), t2d)
+    return head
+
+
+@pytest.fixture
+def warm_head(tiny_llama):
+    model, _ = tiny_llama
+    head = new_head(model)
+    warm_start_from_target(head, model)
+    return head
+
+
+def test_warm_started_logits_are_the_targets_on_the_draft_vocab(tiny_llama, warm_head):
+    model, _ = tiny_llama
+    h = torch.randn(2, 5, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    target_ids = torch.arange(DRAFT_VOCAB) + warm_head.d2t
+    with torch.no_grad():
+        got = warm_head.logits(h)
+        reference = F.linear(model.model.norm(h), model.lm_head.weight[target_ids])
+        full = model.lm_head(model.model.norm(h))
+    assert torch.equal(got, reference)
+    torch.testing.assert_close(got, full[..., target_ids])
+    assert warm_head.lm_head.weight.data_ptr() != model.lm_head.weight.data_ptr()  # a copy: training leaves the target alone
+
+
+def test_export_round_trip_keeps_the_warm_start(tmp_path, tiny_llama, warm_head):
+    model, _ = tiny_llama
+    export_head(warm_head, tmp_path / "warm", "eagle3", dtype="fp32")
+    export_head(new_head(model), tmp_path / "cold", "eagle3", dtype="fp32")
+    back = import_head(tmp_path / "warm", model)
+    assert torch.equal(back.lm_head.weight, warm_head.lm_head.weight)
+    assert torch.equal(back.norm.weight, warm_head.norm.weight)
+    assert torch.equal(back.d2t, warm_head.d2t)
+    warm, cold = (load_file(tmp_path / d / "model.safetensors") for d in ("warm", "cold"))
+    assert {k: (v.shape, v.dtype) for k, v in warm.items()} == {k: (v.shape, v.dtype) for k, v in cold.items()}
