@@ -10,6 +10,8 @@ the content, inside the text the template adds for that turn.
 
 import torch
 
+MAX_LENGTH = 2048  # tokens a conversation is cut to (tokenize) and must leave room within (regenerate)
+
 ANSI_MASK = "\x1b[42;30m"  # black on green
 ANSI_RESET = "\x1b[0m"
 

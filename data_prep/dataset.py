@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from data_prep.chat import SkipSample, tokenize_conversation
+from data_prep.chat import MAX_LENGTH, SkipSample, tokenize_conversation
 from data_prep.readers import ReadReport, read_conversations
 from data_prep.vocab import build_vocab_map, count_tokens
 from eagle_train.store import (MANIFEST, TOKENIZED_FORMAT, StoreWriter, chat_template_fingerprint, finalize_manifest,
@@ -42,9 +42,9 @@ def _tokenize_or_skip(conv):
     return {k: v.numpy() for k, v in sample.items()}
 
 
-def tokenize_dataset(source: str, out: str, target: str, max_length: int = 2048, limit: int | None = None,
+def tokenize_dataset(source: str, out: str, target: str, max_length: int = MAX_LENGTH, limit: int | None = None,
                      system_prompt: str | None = None, draft_vocab_size: int = 32000, shard_tokens: int = 1 << 20,
-                     split: str = "train", tokenizer=None, workers: int = 1) -> dict:
+                     split: str = "train", tokenizer=None, workers: int = 1) -> tuple[dict, ReadReport, dict]:
     """Read, render and mask up to `limit` conversations; write shards, manifest and vocab map.
 
     Returns (manifest, ReadReport, vocab map); conversations that cannot be used are reported, not fatal.

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from data_prep.chat import with_system_prompt
+from data_prep.chat import MAX_LENGTH, with_system_prompt
 
 
 def done_ids(path: Path) -> set[str]:
@@ -39,7 +39,7 @@ def _generate(model, tokenizer, prompts: list[str], max_new_tokens: int, tempera
 
 
 def regenerate_batch(model, tokenizer, conversations: list[dict], max_new_tokens: int = 256, temperature: float = 0.0,
-                     top_p: float = 1.0, max_length: int = 2048, system_prompt: str | None = None,
+                     top_p: float = 1.0, max_length: int = MAX_LENGTH, system_prompt: str | None = None,
                      max_turns: int | None = None) -> list[dict]:
     """Return the conversations with every assistant turn replaced by the target's response.
 
