@@ -32,7 +32,7 @@ class FewRowLinear(nn.Module):
 
     Decoding multiplies 1 to K+1 rows. For 2-8 rows MKL's kernel behind F.linear reads the weights at
     ~11 GB/s on the 2-core machine, W @ x^T at ~30 GB/s; one row (gemv) gets ~17 GB/s, so it is
-    doubled, and 3 rows run slower than 4, so they get a 4th. `scripts/bench_few_row_linear.py`: 1 row
+    doubled, and 3 rows run slower than 4, so they get a 4th. `scripts/bench/few_row_linear.py`: 1 row
     12.2 -> 6.5 ms, 2 rows 18.7 -> 6.8 ms, 4 rows 19.2 -> 6.7 ms; at 17 rows both are equal. CUDA and
     longer inputs take F.linear.
     """

@@ -1,6 +1,6 @@
 """Peak memory of one P-EAGLE training step with and without sequence partitioning.
 
-    python scripts/bench_peagle_memory.py --max-length 2048 --num-depths 7 --segments 1,2,4
+    python scripts/bench/peagle_memory.py --max-length 2048 --num-depths 7 --segments 1,2,4
 
 A synthetic micro-batch (one sequence of `--max-length` tokens, every token an assistant token,
 random aux states and target distribution) through a SmolLM2-sized head (hidden 576, 9/3 heads,

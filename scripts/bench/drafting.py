@@ -1,6 +1,6 @@
 """Drafting time per speculative step: EAGLE-3 chain drafting vs P-EAGLE parallel drafting.
 
-    python scripts/bench_drafting.py --eagle3 runs/eagle3_smollm2/final --peagle runs/peagle_smollm2/final \
+    python scripts/bench/drafting.py --eagle3 runs/eagle3_smollm2/final --peagle runs/peagle_smollm2/final \
         --target smollm2-135m --ks 3,5,7
 
 One step is what the runtime does between two verifications: the catch-up over the accepted

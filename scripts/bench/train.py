@@ -1,7 +1,7 @@
 """Training throughput of the EAGLE-3 head: tokens/s, peak memory and (on CUDA) model FLOPs utilisation.
 
-    python scripts/bench_train.py                                  # SmolLM2 head on this machine
-    python scripts/bench_train.py --tokens-per-batch 32768 --peak-tflops 989   # H100 SXM bf16 dense
+    python scripts/bench/train.py                                  # SmolLM2 head on this machine
+    python scripts/bench/train.py --tokens-per-batch 32768 --peak-tflops 989   # H100 SXM bf16 dense
 
 Synthetic batches (random aux states and target hidden states) of the shape a real run sees, so the
 number is the head's own cost: one step = target distribution from final hidden states + TTT

@@ -1,7 +1,7 @@
 """Decoding speed at batch 1: HF `generate`, plain decoding and speculative decoding on our runtime.
 
-    python scripts/bench_decode.py --target smollm2-135m --draft runs/eagle3/final --chain 5
-    python scripts/bench_decode.py --random-llama 16,2048 --device cuda     # no model files needed
+    python scripts/bench/decode.py --target smollm2-135m --draft runs/eagle3/final --chain 5
+    python scripts/bench/decode.py --random-llama 16,2048 --device cuda     # no model files needed
 
 Every method decodes the same prompts greedily; the table gives tokens/s, AL and whether the
 tokens equal plain decoding's. On CUDA the runtime runs with CUDA graphs on and off. Without

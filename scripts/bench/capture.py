@@ -1,6 +1,6 @@
 """Benchmark hidden-state capture against a bare forward of the same batches.
 
-    python scripts/bench_capture.py --num-conversations 100 --max-length 1024
+    python scripts/bench/capture.py --num-conversations 100 --max-length 1024
 
 Tokenizes N ShareGPT conversations for the target, then times, over the same length-sorted
 batches: (1) a bare `model.model(...)` forward, (2) a bf16 capture into a store, (3) an fp8

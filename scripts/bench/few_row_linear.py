@@ -1,6 +1,6 @@
 """F.linear vs inference.llama.FewRowLinear at the row counts decoding multiplies, on the CPU.
 
-    python scripts/bench_few_row_linear.py [--threads 2]
+    python scripts/bench/few_row_linear.py [--threads 2]
 
 Sixty [1536, 576] fp32 weights (212 MB, beyond the caches, like a SmolLM2 MLP stack) are
 multiplied by 1..17 rows; the best of 5 passes is printed, with the weight bandwidth it implies.

@@ -1,6 +1,6 @@
 """Where a speculative round's time goes, at batch 1, against a plain decoding step.
 
-    python scripts/bench_round.py --draft runs/eagle3/final --chain 3 [--bench gsm8k --num-prompts 5]
+    python scripts/bench/round.py --draft runs/eagle3/final --chain 3 [--bench gsm8k --num-prompts 5]
 
 Two tables. First, the target's verification forward by the number of rows it verifies (1 row is
 a plain step): what K costs before any draft is accepted. Second, the per-round time of each part
