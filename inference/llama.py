@@ -30,11 +30,10 @@ def shared_norm(hf_norm) -> RMSNorm:
 class FewRowLinear(nn.Module):
     """An HF Linear (weights shared) that multiplies a few rows on the CPU as W @ x^T.
 
-    Decoding multiplies 1 to K+1 rows. For 2-8 rows MKL's kernel behind F.linear reads the weights at
-    ~11 GB/s on the 2-core machine, W @ x^T at ~30 GB/s; one row (gemv) gets ~17 GB/s, so it is
-    doubled, and 3 rows run slower than 4, so they get a 4th. `scripts/bench/few_row_linear.py`: 1 row
-    12.2 -> 6.5 ms, 2 rows 18.7 -> 6.8 ms, 4 rows 19.2 -> 6.7 ms; at 17 rows both are equal. CUDA and
-    longer inputs take F.linear.
+    Decoding multiplies 1 to K+1 rows, and at those shapes MKL's kernel behind F.linear reads the
+    weights far slower than W @ x^T does. One row (a gemv) is faster doubled, and 3 rows faster with
+    a 4th (PADDED). CUDA and inputs of more than MAX_ROWS rows take F.linear. docs/performance.md
+    has the figures; `scripts/bench/few_row_linear.py` measures them.
     """
 
     MAX_ROWS = 8
@@ -50,7 +49,7 @@ class FewRowLinear(nn.Module):
         if x.device.type != "cpu" or n > self.MAX_ROWS:
             return F.linear(x, self.weight, self.bias)
         # row-major rows: a column-major x (the MLP multiplies two outputs of this layer, which are
-        # transposed views) makes x^T contiguous, and W @ x^T then takes a kernel 3-5x slower
+        # transposed views) makes x^T contiguous, and W @ x^T then takes a much slower kernel
         padded = self.PADDED.get(n, n)
         rows = torch.cat([rows, rows[: padded - n]]) if padded > n else rows.contiguous()
         out = (self.weight @ rows.T).T[:n]
