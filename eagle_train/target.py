@@ -56,7 +56,8 @@ def _convert_gguf(gguf: Path) -> str:
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # The weights are now plain fp32; saving the GGUF "quantizer" would make reloads fail.
     model.hf_quantizer = None
-    model.config.quantization_config = None
+    if "quantization_config" in model.config.__dict__:
+        del model.config.quantization_config
     # Write to a private temp dir and rename: a kill mid-write never leaves a half cache.
     tmp = out.parent / f".tmp-{out.name}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)
