@@ -98,7 +98,7 @@ def regenerate_answers(target, data, out, *, limit, split, seed, device=None, **
 
 
 def rewrite_vocab_map(data, draft_vocab_size) -> dict:
-    """`make_vocab_map` of a tokenized dataset or store, at the size of its target's vocabulary."""
+    """Recount the loss-masked tokens of a tokenized dataset or store and rewrite its vocab map."""
     vocab_size = read_manifest(data)["target"]["vocab_size"]
     vmap = make_vocab_map(data, vocab_size, draft_vocab_size)
     print(coverage_line(vmap))
