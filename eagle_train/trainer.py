@@ -29,6 +29,7 @@ import os
 import random
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -160,26 +161,6 @@ def vocab_map_of_size(vmap: dict, size: int) -> dict:
     return {"d2t": ids - torch.arange(size), "t2d": t2d, "counts": vmap["counts"]}
 
 
-def build_eagle3_head(cfg: TrainConfig, target_model, vocab_map: dict | None):
-    """A new EAGLE-3 head sized for the target with the data's vocab map, or the head at `init_from`
-    (an eagle-train head/checkpoint or an engine-layout EAGLE-3 dir), which keeps its own vocab map."""
-    from eagle_train.checkpoint import load_draft_head
-    from eagle_train.eagle3 import Eagle3Head
-
-    if cfg.init_from:
-        head = load_draft_head(cfg.init_from, target_model)
-        if head.config.method != "eagle3":
-            raise ValueError(f"init_from {cfg.init_from} holds a {head.config.method} head, not an EAGLE-3 head")
-        if head.config.target_hidden_size != target_model.config.hidden_size:
-            raise ValueError(f"init_from {cfg.init_from} was trained for a target with hidden size "
-                             f"{head.config.target_hidden_size}, not {target_model.config.hidden_size}")
-        return head
-    head = Eagle3Head.from_target(target_model, draft_vocab_size=len(vocab_map["d2t"]),
-                                  aux_layer_ids=cfg.aux_layer_ids, target=cfg.target)
-    head.set_vocab_map(vocab_map["d2t"], vocab_map["t2d"])
-    return head
-
-
 def count_weighted(key: str, metrics: dict) -> str | None:
     """The count_i that weights `acc_i` / `loss_i`, if present."""
     name, _, i = key.rpartition("_")
@@ -225,6 +206,7 @@ def checkpoint_dirs(output_dir) -> list[Path]:
 
 
 def resolve_resume(cfg: TrainConfig) -> Path | None:
+    """The checkpoint to continue, or None for a fresh run (whose output_dir must hold no checkpoints)."""
     if cfg.resume == "auto":
         found = checkpoint_dirs(cfg.output_dir)
         return found[-1] if found else None
@@ -233,6 +215,9 @@ def resolve_resume(cfg: TrainConfig) -> Path | None:
         if not (path / "trainer_state.json").is_file():
             raise FileNotFoundError(f"{path} is not a finished checkpoint (no trainer_state.json)")
         return path
+    if checkpoint_dirs(cfg.output_dir):
+        raise ValueError(f"output_dir {cfg.output_dir} holds checkpoints of an earlier run: continue it with "
+                         "resume=auto, or choose another output_dir")
     return None
 
 
@@ -258,8 +243,10 @@ def load_head_weights(head: nn.Module, directory: Path) -> None:
         raise ValueError(f"{directory}: missing tensors {missing}, unexpected tensors {unexpected}")
 
 
-def save_checkpoint(accelerator, model, optimizer, scheduler, state: dict, cfg: TrainConfig) -> Path:
+def save_checkpoint(run: "Run") -> Path:
     """<output_dir>/checkpoint-<step>/{head/, optimizer.pt, scheduler.pt, rng-<rank>.pt, trainer_state.json}."""
+    accelerator, model, optimizer, scheduler, state, cfg = (run.accelerator, run.model, run.optimizer, run.scheduler,
+                                                            run.state, run.cfg)
     path = Path(cfg.output_dir) / f"checkpoint-{state['step']}"
     full = accelerator.get_state_dict(model)  # gathers FSDP/ZeRO-3 shards; every process must call it
     sharded_optim = accelerator.distributed_type.value in ("FSDP", "DEEPSPEED")
@@ -337,7 +324,7 @@ def summary(metrics: dict, steps: int = 3) -> str:
     return f"loss {metrics['loss']:.4f} | acc {accs} | sim AL {metrics.get('sim_al', float('nan')):.3f}"
 
 
-# ------------------------------------------------------------------------------------ the loop
+# ------------------------------------------------------------------------------------ the run
 
 
 def make_accelerator(cfg: TrainConfig):
@@ -345,51 +332,41 @@ def make_accelerator(cfg: TrainConfig):
 
     cuda = torch.cuda.is_available()
     mixed = cfg.mixed_precision if cfg.mixed_precision != "auto" else ("bf16" if cuda else "no")
-    return Accelerator(cpu=not cuda, mixed_precision=mixed)
-
-
-def evaluate(model, objective, data, batches, source, cfg, accelerator) -> dict | None:
-    """Pooled metrics over the eval micro-batches, split round-robin over processes. Processes with
-    fewer batches repeat one without counting it, so sharded models see the same number of passes."""
-    if not batches:
-        return None
-    w, r = accelerator.num_processes, accelerator.process_index
-    mine = batches[r::w]
-    rounds = math.ceil(len(batches) / w)
-    results = []
-    with torch.no_grad():
-        for k, padded in enumerate(loader(data, mine + batches[:1] * (rounds - len(mine)), cfg, not source.online)):
-            metrics = objective(model, source(padded), lambda loss: None)
-            if k < len(mine):
-                results.append(metrics)
-    return pool_metrics(results, accelerator, keys=metrics.keys())
-
-
-def train(cfg: TrainConfig, build_head, objective, *, stop_at_step: int | None = None) -> dict:
-    """Run (or resume) training; returns {"history", "eval_before", "eval_after", "checkpoint", "world_size"}.
-
-    `stop_at_step` ends the run right after that step's checkpoint, as a kill would (for tests).
-    """
-    target_config = load_target_config(cfg.target)
-    validate(cfg, target_config)  # before any compute
-    resume_from = resolve_resume(cfg)
-    if resume_from is None and checkpoint_dirs(cfg.output_dir):
-        raise ValueError(f"output_dir {cfg.output_dir} holds checkpoints of an earlier run: continue it with "
-                         "resume=auto, or choose another output_dir")
-    accelerator = make_accelerator(cfg)
-    device, world, rank = accelerator.device, accelerator.num_processes, accelerator.process_index
-    accum = cfg.gradient_accumulation_steps
-    if accelerator.distributed_type.value == "DEEPSPEED" and accum != 1:
+    accelerator = Accelerator(cpu=not cuda, mixed_precision=mixed)
+    if accelerator.distributed_type.value == "DEEPSPEED" and cfg.gradient_accumulation_steps != 1:
         raise ValueError("DeepSpeed steps its optimizer inside every backward: use gradient_accumulation_steps=1 "
                          "(raise tokens_per_batch or the process count instead), or DDP/FSDP")
-    torch.manual_seed(cfg.seed)
-    random.seed(cfg.seed)
-    np.random.seed(cfg.seed)
+    return accelerator
 
-    data = ShardedSamples(cfg.data_path, dtype=torch.float32)
-    lengths = [min(n, cfg.max_length) for n in data.lengths()]
-    train_ids, eval_ids = split_indices(len(data), cfg.eval_fraction, cfg.seed)
 
+@dataclass
+class Run:
+    """What one training run holds: built by `set_up`, advanced by `optimizer_step`, saved by `save_checkpoint`."""
+
+    cfg: TrainConfig
+    accelerator: object
+    data: ShardedSamples
+    lengths: list[int]  # tokens per sample after truncation to max_length
+    train_ids: list[int]
+    eval_ids: list[int]
+    epochs: list[list[list[int]]]  # the micro-batches of epochs 0..num_epochs-1
+    source: BatchSource
+    model: nn.Module
+    params: list[nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    total_steps: int
+    state: dict  # step, data position and counters: what a checkpoint saves and a resume restores
+
+    @property
+    def per_step(self) -> int:
+        """Micro-batches per optimizer step, over all processes."""
+        return self.accelerator.num_processes * self.cfg.gradient_accumulation_steps
+
+
+def build_model(cfg: TrainConfig, build_head, resume_from: Path | None, device) -> tuple[nn.Module, BatchSource]:
+    """The head in fp32 (new, from init_from, or with a resumed checkpoint's weights) and the
+    source that turns micro-batches into its training batches."""
     # Offline needs only the embedding and lm_head; loading on CPU keeps the rest off the GPU.
     online = cfg.mode == "online"
     target_model, _ = load_target(cfg.target, dtype=None if online else torch.float32,
@@ -407,14 +384,25 @@ def train(cfg: TrainConfig, build_head, objective, *, stop_at_step: int | None =
     if resume_from is not None:
         load_head_weights(head, resume_from / "head")
     head.float()
-    source = BatchSource(cfg, target_model, head.t2d, aux_ids, device)
-    if not online:
-        del target_model
+    return head, BatchSource(cfg, target_model, head.t2d, aux_ids, device)
+
+
+def set_up(cfg: TrainConfig, build_head, resume_from: Path | None) -> Run:
+    """Seed, then the data and its epochs, the wrapped head, the optimizer and the LR schedule."""
+    accelerator = make_accelerator(cfg)
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    data = ShardedSamples(cfg.data_path, dtype=torch.float32)
+    lengths = [min(n, cfg.max_length) for n in data.lengths()]
+    train_ids, eval_ids = split_indices(len(data), cfg.eval_fraction, cfg.seed)
+    head, source = build_model(cfg, build_head, resume_from, accelerator.device)
 
     model = accelerator.prepare(HeadRunner(head))
     params = [p for p in model.parameters() if p.requires_grad]
     raw_optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=tuple(cfg.adam_betas),
                                       weight_decay=cfg.weight_decay)
+    world, accum = accelerator.num_processes, cfg.gradient_accumulation_steps
     per_step = world * accum
     epochs = [epoch_batches(train_ids, lengths, cfg.tokens_per_batch, cfg.seed, e) for e in range(cfg.num_epochs)]
     total_steps = cfg.max_steps if cfg.max_steps > 0 else sum(len(b) // per_step for b in epochs)
@@ -425,117 +413,177 @@ def train(cfg: TrainConfig, build_head, objective, *, stop_at_step: int | None =
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         raw_optimizer, cosine_with_warmup(cfg.warmup_steps, total_steps, cfg.min_lr_ratio))
     optimizer = accelerator.prepare(raw_optimizer)
-
     state = {"step": 0, "epoch": 0, "epoch_samples": 0, "samples_consumed": 0, "tokens_consumed": 0,
              "num_processes": world, "total_steps": total_steps}
-    if resume_from is not None:
-        saved = json.loads((resume_from / "trainer_state.json").read_text())
-        state.update({k: saved[k] for k in ("step", "epoch", "epoch_samples", "samples_consumed", "tokens_consumed")})
-        optim_file = resume_from / "optimizer.pt"
-        if not optim_file.is_file():
-            optim_file = resume_from / f"optimizer-rank{rank}.pt"
-        optimizer.load_state_dict(torch.load(optim_file, map_location="cpu", weights_only=False))
-        scheduler.load_state_dict(torch.load(resume_from / "scheduler.pt", weights_only=False))
-        if (resume_from / f"rng-rank{rank}.pt").is_file():
-            set_rng_state(torch.load(resume_from / f"rng-rank{rank}.pt", weights_only=False))
-        accelerator.print(f"resumed from {resume_from}: step {state['step']}, {state['samples_consumed']} samples "
-                          f"consumed (saved by {saved['num_processes']} processes, now {world})")
+    return Run(cfg, accelerator, data, lengths, train_ids, eval_ids, epochs, source, model, params, optimizer,
+               scheduler, total_steps, state)
 
-    Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
-    reporter = Reporter(cfg, accelerator)
-    eval_batches = pack_by_length(eval_ids, lengths, cfg.tokens_per_batch)
-    result = {"history": [], "eval_before": None, "eval_after": None, "world_size": world}
-    accelerator.print(f"{cfg.method} on {cfg.target} ({cfg.mode}): {len(train_ids)} train / {len(eval_ids)} eval "
-                      f"samples, {total_steps} steps of {per_step} micro-batches (<= {cfg.tokens_per_batch} tokens "
-                      f"each), {world} process(es) on {device}")
-    if state["step"] == 0:
-        result["eval_before"] = evaluate(model, objective, data, eval_batches, source, cfg, accelerator)
-        if result["eval_before"]:
-            reporter.log(0, result["eval_before"], "eval")
-            accelerator.print(f"eval before training: {summary(result['eval_before'])}")
+
+def restore(run: Run, checkpoint: Path) -> None:
+    """Continue from `checkpoint`: its step and data position, optimizer, LR schedule and RNG state
+    (the head's weights were loaded before the model was wrapped, in `build_model`)."""
+    rank = run.accelerator.process_index
+    saved = json.loads((checkpoint / "trainer_state.json").read_text())
+    run.state.update({k: saved[k] for k in ("step", "epoch", "epoch_samples", "samples_consumed", "tokens_consumed")})
+    optim_file = checkpoint / "optimizer.pt"
+    if not optim_file.is_file():
+        optim_file = checkpoint / f"optimizer-rank{rank}.pt"
+    run.optimizer.load_state_dict(torch.load(optim_file, map_location="cpu", weights_only=False))
+    run.scheduler.load_state_dict(torch.load(checkpoint / "scheduler.pt", weights_only=False))
+    if (checkpoint / f"rng-rank{rank}.pt").is_file():
+        set_rng_state(torch.load(checkpoint / f"rng-rank{rank}.pt", weights_only=False))
+    run.accelerator.print(f"resumed from {checkpoint}: step {run.state['step']}, {run.state['samples_consumed']} "
+                          f"samples consumed (saved by {saved['num_processes']} processes, now "
+                          f"{run.accelerator.num_processes})")
+
+
+def epoch_steps(run: Run):
+    """The steps left in the current epoch, from the data position in `run.state` (each step a group
+    of `per_step` micro-batches), and an iterator over this process's padded share of them."""
+    cfg, state, e = run.cfg, run.state, run.state["epoch"]
+    batches = run.epochs[e] if e < len(run.epochs) else epoch_batches(run.train_ids, run.lengths,
+                                                                      cfg.tokens_per_batch, cfg.seed, e)
+    done, skip = 0, 0
+    while done < state["epoch_samples"] and skip < len(batches):
+        done += len(batches[skip])
+        skip += 1
+    if done != state["epoch_samples"]:
+        raise ValueError(f"checkpoint data position {state['epoch_samples']} in epoch {e} is not a batch "
+                         "boundary: the data, seed or tokens_per_batch changed since it was saved")
+    batches = batches[skip:]
+    groups = [batches[s:s + run.per_step] for s in range(0, len(batches) // run.per_step * run.per_step, run.per_step)]
+    world, rank = run.accelerator.num_processes, run.accelerator.process_index
+    mine = [b for group in groups for b in group[rank::world]]
+    return groups, iter(loader(run.data, mine, cfg, not run.source.online))
+
+
+def optimizer_step(run: Run, objective, group: list[list[int]], stream) -> dict:
+    """One step over the micro-batches of `group`: this process's share from `stream`, forward and
+    backward each (gradients synced on the last), clip, step; advances the data position and
+    returns the step's pooled metrics."""
+    cfg, accelerator, state = run.cfg, run.accelerator, run.state
+    accum = cfg.gradient_accumulation_steps
+    start = time.perf_counter()
 
     def backward(loss):
         accelerator.backward(loss / accum)
 
-    bar = tqdm(total=total_steps, initial=state["step"], disable=not accelerator.is_main_process, desc="train")
-    last_saved = None
-    while state["step"] < total_steps:
-        e = state["epoch"]
-        batches = epochs[e] if e < len(epochs) else epoch_batches(train_ids, lengths, cfg.tokens_per_batch, cfg.seed, e)
-        done, skip = 0, 0
-        while done < state["epoch_samples"] and skip < len(batches):
-            done += len(batches[skip])
-            skip += 1
-        if done != state["epoch_samples"]:
-            raise ValueError(f"checkpoint data position {state['epoch_samples']} in epoch {e} is not a batch "
-                             "boundary: the data, seed or tokens_per_batch changed since it was saved")
-        batches = batches[skip:]
-        steps = batches[: len(batches) // per_step * per_step]
-        mine = [b for s in range(0, len(steps), per_step) for b in steps[s:s + per_step][rank::world]]
-        stream = iter(loader(data, mine, cfg, not online))
-        for s in range(0, len(steps), per_step):
-            start = time.perf_counter()
-            per_batch = []
-            for j in range(accum):
-                padded = next(stream)
-                sync = contextlib.nullcontext() if j == accum - 1 else accelerator.no_sync(model)
-                with sync:
-                    per_batch.append(objective(model, source(padded), backward))
-            grad_norm = accelerator.clip_grad_norm_(params, cfg.max_grad_norm) if cfg.max_grad_norm > 0 else None
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+    per_batch = []
+    for j in range(accum):
+        padded = next(stream)
+        sync = contextlib.nullcontext() if j == accum - 1 else accelerator.no_sync(run.model)
+        with sync:
+            per_batch.append(objective(run.model, run.source(padded), backward))
+    grad_norm = accelerator.clip_grad_norm_(run.params, cfg.max_grad_norm) if cfg.max_grad_norm > 0 else None
+    run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
 
-            group = steps[s:s + per_step]
-            tokens = sum(lengths[i] for b in group for i in b)
-            state["step"] += 1
-            state["epoch_samples"] += sum(len(b) for b in group)
-            state["samples_consumed"] += sum(len(b) for b in group)
-            state["tokens_consumed"] += tokens
-            metrics = pool_metrics(per_batch, accelerator)
-            metrics.update(lr=scheduler.get_last_lr()[0], tokens_per_s=tokens / (time.perf_counter() - start))
-            if grad_norm is not None:
-                metrics["grad_norm"] = float(grad_norm)
+    tokens = sum(run.lengths[i] for b in group for i in b)
+    state["step"] += 1
+    state["epoch_samples"] += sum(len(b) for b in group)
+    state["samples_consumed"] += sum(len(b) for b in group)
+    state["tokens_consumed"] += tokens
+    metrics = pool_metrics(per_batch, accelerator)
+    metrics.update(lr=run.scheduler.get_last_lr()[0], tokens_per_s=tokens / (time.perf_counter() - start))
+    if grad_norm is not None:
+        metrics["grad_norm"] = float(grad_norm)
+    return metrics
+
+
+def evaluate(run: Run, objective, reporter: Reporter, when: str) -> dict | None:
+    """Pooled metrics over the eval micro-batches, split round-robin over processes, logged as
+    `eval <when>`. Processes with fewer batches repeat one without counting it, so sharded models
+    see the same number of passes."""
+    batches = pack_by_length(run.eval_ids, run.lengths, run.cfg.tokens_per_batch)
+    if not batches:
+        return None
+    accelerator = run.accelerator
+    w, r = accelerator.num_processes, accelerator.process_index
+    mine = batches[r::w]
+    rounds = math.ceil(len(batches) / w)
+    results = []
+    with torch.no_grad():
+        for k, padded in enumerate(loader(run.data, mine + batches[:1] * (rounds - len(mine)), run.cfg,
+                                          not run.source.online)):
+            metrics = objective(run.model, run.source(padded), lambda loss: None)
+            if k < len(mine):
+                results.append(metrics)
+    pooled = pool_metrics(results, accelerator, keys=metrics.keys())
+    if pooled:
+        reporter.log(run.state["step"], pooled, "eval")
+        accelerator.print(f"eval {when}: {summary(pooled)}")
+    return pooled
+
+
+def show_step(bar, metrics: dict, run: Run) -> None:
+    bar.update(1)
+    bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc0=f"{metrics.get('acc_0', 0):.3f}",
+                    al=f"{metrics.get('sim_al', 0):.2f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
+    step = run.state["step"]
+    if run.cfg.log_every and step % run.cfg.log_every == 0 and run.accelerator.is_main_process:
+        bar.write(f"step {step}/{run.total_steps} | {summary(metrics)} | lr {metrics['lr']:.2e} | "
+                  f"{metrics['tokens_per_s']:.0f} tok/s")
+
+
+def write_final_head(run: Run, checkpoint: Path) -> None:
+    """<output_dir>/final: the last checkpoint's head."""
+    if run.accelerator.is_main_process:
+        final = Path(run.cfg.output_dir) / "final"
+        shutil.rmtree(final, ignore_errors=True)
+        shutil.copytree(checkpoint / "head", final)
+        print(f"final head: {final} ({run.state['step']} steps, {run.state['tokens_consumed']} tokens)")
+    run.accelerator.wait_for_everyone()
+
+
+def train(cfg: TrainConfig, build_head, objective, *, stop_at_step: int | None = None) -> dict:
+    """Run (or resume) training; returns {"history", "eval_before", "eval_after", "checkpoint", "world_size"}.
+
+    `stop_at_step` ends the run right after that step's checkpoint, as a kill would (for tests).
+    """
+    validate(cfg, load_target_config(cfg.target))  # before any compute
+    resume_from = resolve_resume(cfg)
+    run = set_up(cfg, build_head, resume_from)
+    if resume_from is not None:
+        restore(run, resume_from)
+    state, world = run.state, run.accelerator.num_processes
+    Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+    reporter = Reporter(cfg, run.accelerator)
+    result = {"history": [], "eval_before": None, "eval_after": None, "world_size": world}
+    run.accelerator.print(f"{cfg.method} on {cfg.target} ({cfg.mode}): {len(run.train_ids)} train / "
+                          f"{len(run.eval_ids)} eval samples, {run.total_steps} steps of {run.per_step} micro-batches "
+                          f"(<= {cfg.tokens_per_batch} tokens each), {world} process(es) on {run.accelerator.device}")
+    if state["step"] == 0:
+        result["eval_before"] = evaluate(run, objective, reporter, "before training")
+
+    # stopping at stop_at_step is a kill right after that step's checkpoint: no final eval, no final head
+    stopping = stop_at_step is not None and state["step"] < stop_at_step <= run.total_steps
+    end = stop_at_step if stopping else run.total_steps
+    bar = tqdm(total=run.total_steps, initial=state["step"], disable=not run.accelerator.is_main_process,
+               desc="train")
+    last_saved = None
+    while state["step"] < end:
+        groups, stream = epoch_steps(run)
+        for group in groups:
+            metrics = optimizer_step(run, objective, group, stream)
             result["history"].append(metrics)
             reporter.log(state["step"], metrics, "train")
-            bar.update(1)
-            bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc0=f"{metrics.get('acc_0', 0):.3f}",
-                            al=f"{metrics.get('sim_al', 0):.2f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
-            if cfg.log_every and state["step"] % cfg.log_every == 0 and accelerator.is_main_process:
-                bar.write(f"step {state['step']}/{total_steps} | {summary(metrics)} | lr {metrics['lr']:.2e} | "
-                          f"{metrics['tokens_per_s']:.0f} tok/s")
-            if cfg.eval_every and state["step"] % cfg.eval_every == 0 and state["step"] < total_steps:
-                ev = evaluate(model, objective, data, eval_batches, source, cfg, accelerator)
-                if ev:
-                    reporter.log(state["step"], ev, "eval")
-                    accelerator.print(f"eval step {state['step']}: {summary(ev)}")
+            show_step(bar, metrics, run)
+            if cfg.eval_every and state["step"] % cfg.eval_every == 0 and state["step"] < run.total_steps:
+                evaluate(run, objective, reporter, f"step {state['step']}")
             if cfg.save_every and state["step"] % cfg.save_every == 0:
-                last_saved = save_checkpoint(accelerator, model, optimizer, scheduler, state, cfg)
-            if state["step"] == stop_at_step:
-                if last_saved is None or last_saved.name != f"checkpoint-{state['step']}":
-                    last_saved = save_checkpoint(accelerator, model, optimizer, scheduler, state, cfg)
-                bar.close()
-                reporter.close()
-                return {**result, "checkpoint": last_saved}
-            if state["step"] >= total_steps:
+                last_saved = save_checkpoint(run)
+            if state["step"] >= end:
                 break
-        if state["step"] < total_steps:
+        if state["step"] < end:
             state["epoch"] += 1
             state["epoch_samples"] = 0
     bar.close()
 
     if last_saved is None or last_saved.name != f"checkpoint-{state['step']}":
-        last_saved = save_checkpoint(accelerator, model, optimizer, scheduler, state, cfg)
-    result["eval_after"] = evaluate(model, objective, data, eval_batches, source, cfg, accelerator)
-    if result["eval_after"]:
-        reporter.log(state["step"], result["eval_after"], "eval")
-        accelerator.print(f"eval after training: {summary(result['eval_after'])}")
-    if accelerator.is_main_process:
-        final = Path(cfg.output_dir) / "final"
-        shutil.rmtree(final, ignore_errors=True)
-        shutil.copytree(last_saved / "head", final)
-        print(f"final head: {final} ({state['step']} steps, {state['tokens_consumed']} tokens)")
-    accelerator.wait_for_everyone()
+        last_saved = save_checkpoint(run)
+    if not stopping:
+        result["eval_after"] = evaluate(run, objective, reporter, "after training")
+        write_final_head(run, last_saved)
     reporter.close()
-    result["checkpoint"] = last_saved
-    return result
+    return {**result, "checkpoint": last_saved}

@@ -115,16 +115,3 @@ def simulated_acceptance_length(accs) -> float:
         al += run
     return al
 
-
-def eagle3_objective(ttt_length: int = 7, decay: float = 0.8, checkpoint_logits: bool = False,
-                     fused_loss: bool = False):
-    """The trainer's objective for EAGLE-3: one TTT unroll and one backward per micro-batch."""
-
-    def objective(model, batch, backward):
-        loss, metrics = model(ttt_loss, batch["aux_hidden"], batch["input_ids"], batch["loss_mask"],
-                              batch["target_probs"], batch["in_draft"], ttt_length=ttt_length, decay=decay,
-                              checkpoint_logits=checkpoint_logits, fused_loss=fused_loss)
-        backward(loss)
-        return metrics
-
-    return objective

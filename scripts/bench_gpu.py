@@ -358,10 +358,10 @@ def bench_capture(args, device, model, tokenizer) -> dict:
 def bench_train(args, device, model, tokenizer) -> dict:
     from torch.utils.flop_counter import FlopCounterMode
 
+    from eagle_train.eagle3_train import build_eagle3_head, eagle3_objective
     from eagle_train.store import read_vocab_map
     from eagle_train.train_config import TrainConfig
-    from eagle_train.trainer import BatchSource, HeadRunner, build_eagle3_head, pad_samples
-    from eagle_train.ttt import eagle3_objective
+    from eagle_train.trainer import BatchSource, HeadRunner, pad_samples
 
     cfg = TrainConfig(target=args.target, data_path=args.data, mode="online", max_length=2048,
                       tokens_per_batch=args.train_tokens)

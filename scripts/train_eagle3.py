@@ -9,9 +9,9 @@ the target per batch. Checkpoints go to <output_dir>/checkpoint-<step>, the last
 <output_dir>/final.
 """
 
+from eagle_train.eagle3_train import build_eagle3_head, eagle3_objective
 from eagle_train.train_config import config_from_command_line
-from eagle_train.trainer import build_eagle3_head, train
-from eagle_train.ttt import eagle3_objective
+from eagle_train.trainer import train
 
 
 def main(argv=None):

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from eagle_train.checkpoint import load_draft_head
+from eagle_train.eagle3_train import build_eagle3_head, eagle3_objective
 from eagle_train.train_config import load_train_config
-from eagle_train.trainer import build_eagle3_head, epoch_batches, train
-from eagle_train.ttt import eagle3_objective
+from eagle_train.trainer import epoch_batches, train
 
 REPO = Path(__file__).resolve().parents[1]
 DRAFT_VOCAB = 256  # keeps the draft lm_head (the head's largest matmul) small on the CPU

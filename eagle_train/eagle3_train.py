@@ -1,0 +1,38 @@
+"""EAGLE-3's two plug-ins for the shared trainer loop (`eagle_train.trainer.train`): the head
+builder and the objective (one training-time-test unroll per micro-batch, `eagle_train.ttt`)."""
+
+from eagle_train.checkpoint import load_draft_head
+from eagle_train.eagle3 import Eagle3Head
+from eagle_train.train_config import TrainConfig
+from eagle_train.ttt import ttt_loss
+
+
+def build_eagle3_head(cfg: TrainConfig, target_model, vocab_map: dict | None) -> Eagle3Head:
+    """A new EAGLE-3 head sized for the target with the data's vocab map, or the head at `init_from`
+    (an eagle-train head/checkpoint or an engine-layout EAGLE-3 dir), which keeps its own vocab map."""
+    if cfg.init_from:
+        head = load_draft_head(cfg.init_from, target_model)
+        if head.config.method != "eagle3":
+            raise ValueError(f"init_from {cfg.init_from} holds a {head.config.method} head, not an EAGLE-3 head")
+        if head.config.target_hidden_size != target_model.config.hidden_size:
+            raise ValueError(f"init_from {cfg.init_from} was trained for a target with hidden size "
+                             f"{head.config.target_hidden_size}, not {target_model.config.hidden_size}")
+        return head
+    head = Eagle3Head.from_target(target_model, draft_vocab_size=len(vocab_map["d2t"]),
+                                  aux_layer_ids=cfg.aux_layer_ids, target=cfg.target)
+    head.set_vocab_map(vocab_map["d2t"], vocab_map["t2d"])
+    return head
+
+
+def eagle3_objective(ttt_length: int = 7, decay: float = 0.8, checkpoint_logits: bool = False,
+                     fused_loss: bool = False):
+    """The trainer's objective for EAGLE-3: one TTT unroll and one backward per micro-batch."""
+
+    def objective(model, batch, backward):
+        loss, metrics = model(ttt_loss, batch["aux_hidden"], batch["input_ids"], batch["loss_mask"],
+                              batch["target_probs"], batch["in_draft"], ttt_length=ttt_length, decay=decay,
+                              checkpoint_logits=checkpoint_logits, fused_loss=fused_loss)
+        backward(loss)
+        return metrics
+
+    return objective
