@@ -8,10 +8,9 @@ speculators), which `eagle_train.export` imports in memory.
 import json
 from pathlib import Path
 
-from eagle_train.eagle3 import Eagle3Head
-from eagle_train.peagle import PEagleHead
-
-HEAD_CLASSES = {"eagle3": Eagle3Head, "peagle": PEagleHead}
+from eagle_train.draft_config import DraftConfig
+from eagle_train.export import import_head
+from eagle_train.export.layouts import HEAD_CLASSES
 
 
 def head_directory(path) -> Path:
@@ -32,10 +31,6 @@ def load_draft_head(path, target_model=None):
     with open(directory / "config.json") as f:
         fmt = json.load(f).get("format")
     if fmt == "eagle-train-draft":
-        from eagle_train.draft_config import DraftConfig
-
         method = DraftConfig.load(directory).method
         return HEAD_CLASSES[method].from_pretrained(directory, target_model=target_model)
-    from eagle_train.export import import_head  # engine layouts
-
-    return import_head(directory, target_model=target_model)
+    return import_head(directory, target_model=target_model)  # engine layouts

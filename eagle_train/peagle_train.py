@@ -19,16 +19,15 @@ import contextlib
 import torch
 
 from eagle_train import peagle_batch as pb
+from eagle_train.checkpoint import load_draft_head
 from eagle_train.fused_ce import soft_cross_entropy
 from eagle_train.peagle import PEagleHead, choose_mask_token_id
+from eagle_train.target import load_tokenizer
 
 
 def build_peagle_head(cfg, target_model, vocab_map: dict | None) -> PEagleHead:
     """A new P-EAGLE head for the target with the data's vocab map (mask token: `cfg.mask_token_id`
     or a spare special token the data never uses), or the P-EAGLE head at `init_from`."""
-    from eagle_train.checkpoint import load_draft_head
-    from eagle_train.target import load_tokenizer
-
     if cfg.init_from:
         head = load_draft_head(cfg.init_from, target_model)
         if head.config.method != "peagle":

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import yaml
 
+from eagle_train.store import check_store_matches, read_manifest, read_vocab_map
+
 METHODS = ("eagle3", "peagle")
 MODES = ("offline", "online")
 REPORT_TO = ("tensorboard", "wandb", "none")
@@ -175,7 +177,6 @@ def validate(cfg: TrainConfig, target_config) -> None:
 
     `target_config` is the target's HF config (`eagle_train.target.load_target_config`).
     """
-    from eagle_train.store import check_store_matches, read_manifest, read_vocab_map
 
     def need(ok, message):
         if not ok:

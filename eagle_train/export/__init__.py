@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 from eagle_train.export.card import write_model_card
 from eagle_train.export.engines import ENGINE_NAMES, DraftFiles, EngineReport, inspect_engine, is_parallel
-from eagle_train.export.layouts import DTYPES, INTEGER_TENSORS, LAYOUTS, detect_layout, layout
+from eagle_train.export.layouts import DTYPES, HEAD_CLASSES, INTEGER_TENSORS, LAYOUTS, detect_layout, layout
 
 __all__ = ["export_head", "import_head", "import_checkpoint", "check_directory", "LAYOUTS", "ENGINE_NAMES"]
 
@@ -78,8 +78,6 @@ def import_head(directory, target_model=None, target_config=None):
     share the target's). The target (model or config) is needed only when config.json does not
     say which target layers the head reads and the defaults need the target's layer count.
     """
-    from eagle_train.checkpoint import HEAD_CLASSES
-
     files = DraftFiles(directory)
     lay = detect_layout(files.config)
     if target_model is not None and target_config is None:

@@ -7,7 +7,9 @@ import re
 import sys
 from pathlib import Path
 
+from eagle_train.checkpoint import load_draft_head
 from eagle_train.export import ENGINE_NAMES, LAYOUTS, check_directory, export_head, import_checkpoint
+from eagle_train.target import load_target_config
 
 EPILOG = """examples:
   eagle-export runs/eagle3/checkpoint-2000 --format eagle3 --out smollm2-eagle3 --target smollm2-135m
@@ -76,8 +78,6 @@ def checkpoint_provenance(path: Path) -> dict:
 def target_config(name):
     if not name:
         return None
-    from eagle_train.target import load_target_config
-
     return load_target_config(name)
 
 
@@ -98,8 +98,6 @@ def run(args) -> int:
         out = import_checkpoint(args.import_dir, args.out, target_config=tcfg)
         print(f"imported {args.import_dir} -> {out}/head (load with eagle_train.checkpoint.load_draft_head)")
         return 0
-    from eagle_train.checkpoint import load_draft_head
-
     source = Path(args.checkpoint)
     head = load_draft_head(source)
     if tcfg is not None and not head.config.target:

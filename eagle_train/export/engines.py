@@ -24,7 +24,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from eagle_train.draft_config import DraftConfig, target_rope
-from eagle_train.export.layouts import MASK_TOKEN_KEYS, PROVENANCE_KEY, detect_layout, draft_config_from_llama
+from eagle_train.export.layouts import (HEAD_CLASSES, MASK_TOKEN_KEYS, PROVENANCE_KEY, detect_layout,
+                                        draft_config_from_llama)
 from eagle_train.hidden_states import default_aux_layer_ids
 from eagle_train.target import HUB_IDS
 
@@ -571,8 +572,6 @@ def engine_state(report: EngineReport, files: DraftFiles) -> dict[str, torch.Ten
 def head_from_engine_state(report: EngineReport, state: dict[str, torch.Tensor], embedding: torch.Tensor = None):
     """Split the engine's tensors back into a head (fp32) sized the way the engine read config.json.
     `embedding` is what the engine fills from the target (the target's input embedding)."""
-    from eagle_train.checkpoint import HEAD_CLASSES
-
     cfg = report.config
     eng = ENGINES[report.engine]
     sizes = {"qkv_proj": [cfg.num_attention_heads * cfg.head_dim] + [cfg.num_key_value_heads * cfg.head_dim] * 2,
