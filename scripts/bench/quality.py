@@ -1,0 +1,399 @@
+"""Time to quality: a recipe's acceptance length against minutes of compute, as a curve.
+
+    python scripts/bench/quality.py --budget 60 --out runs/quality/today \\
+        --prep configs/smollm2_sharegpt.yaml \\
+        --train configs/eagle3_smollm2.yaml max_steps=400 warmup_steps=5 learning_rate=6e-4
+
+A recipe is a prep YAML and a train YAML, each followed by key=value overrides, exactly as
+`eagle-prep run --config FILE key=value ...` and `scripts/train_eagle3.py --config FILE key=value ...`
+take them. The harness sets the paths itself (prep out_dir, train data_path and output_dir) and the
+checkpoint interval (save_every, from --save-every).
+
+One run:
+1. data: `eagle-prep run` into <out>/data (or --data DIR), timed. A DIR that already holds the
+   data of the same prep command is reused and charged the minutes recorded when it was made.
+2. training: scripts/train_eagle3.py in a child process writing <out>/train/checkpoint-<step>.
+   Every --eval-every minutes of compute, the harness stops the trainer (SIGSTOP), evaluates the
+   newest checkpoint not yet evaluated, and lets the trainer go on (SIGCONT). A point's x is the
+   compute when that checkpoint was written: data minutes + the minutes the trainer had run, its
+   start-up and its own held-out eval included, evaluation pauses excluded.
+3. the end: training finishes, or compute reaches --budget and the trainer is killed; the newest
+   checkpoint is the last point. Minutes trained after it are reported as wasted by the cut.
+
+Evaluation runs the built-in runtime (inference/, what `eagle-eval` runs) greedily on the first
+--num-prompts prompts of each bench: plain decoding once per prompt turn (the speedup's reference,
+timed at every point, so a busy machine slows both sides alike), then each drafting (--chain,
+--tree). MT-Bench's second turn follows the plain answer, which greedy speculative decoding
+reproduces token for token. AL and speedup are `inference.evaluate.summarise`'s, as eagle-eval
+prints them. Once per run, on the first point's plain outputs, one target forward per turn gives
+the target's mean top-1 probability on its own greedy tokens: how predictable the text a head must
+guess is, to compare runs on other targets or prompts.
+
+Outputs in --out: quality.json (settings, commands, data minutes, per point: minutes of data,
+training and evaluation, step, training tokens seen, AL and speedup per bench per drafting),
+quality.png (AL and speedup against minutes of compute; written after every point), data/ and
+train/ (with train.log).
+
+The learning-rate schedule is the recipe's (max_steps or num_epochs): a budget that ends before it
+shows a run cut mid-schedule. quality.json's training.steps_per_minute sizes max_steps for the next
+run. The trainer and the evaluation take turns on the CPU, never run together; set OMP_NUM_THREADS.
+"""
+
+import argparse
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from eagle_train.checkpoint import load_draft_head
+from eagle_train.target import load_target
+from eagle_train.train_config import load_train_config
+from eagle_train.trainer import checkpoint_dirs
+from inference.drafting import TreeShape
+from inference.evaluate import BENCHES, chat_ids, load_bench, summarise
+from inference.generate import Runtime
+
+TRAIN_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_eagle3.py"
+POLL_SECONDS = 2.0
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--budget", type=float, required=True, metavar="MIN",
+                   help="minutes of compute (data + training) the recipe may spend; evaluation is extra")
+    p.add_argument("--out", required=True, help="run directory (new); quality.json and quality.png go here")
+    p.add_argument("--prep", nargs="+", required=True, metavar="ARG",
+                   help="prep YAML then its key=value overrides (eagle-prep run), e.g. "
+                        "configs/smollm2_sharegpt.yaml prep.num_conversations=200")
+    p.add_argument("--train", nargs="+", required=True, metavar="ARG",
+                   help="train YAML then its key=value overrides (scripts/train_eagle3.py), e.g. "
+                        "configs/eagle3_smollm2.yaml max_steps=300 ttt_length=4")
+    p.add_argument("--data", default=None, metavar="DIR",
+                   help="data directory (default <out>/data); one made earlier by the same --prep is reused and "
+                        "charged its recorded minutes, so several training recipes can share one prep")
+    p.add_argument("--eval-every", type=float, default=None, metavar="MIN",
+                   help="evaluate at every multiple of this many minutes of compute (default: budget / 4)")
+    p.add_argument("--save-every", type=int, default=5, metavar="STEPS",
+                   help="checkpoint interval of the trainer (overrides the recipe's save_every): the checkpoint a point "
+                        "evaluates is the newest one when its minute comes (default 5)")
+    p.add_argument("--bench", nargs="+", default=list(BENCHES), help=f"bench sets (default: {' '.join(BENCHES)})")
+    p.add_argument("--num-prompts", type=int, default=20, help="prompts per bench (default 20)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per turn (default 128)")
+    p.add_argument("--chain", type=int, default=3, metavar="K", help="chain drafting with K drafts (default 3)")
+    p.add_argument("--tree", default="3,2,4", metavar="DEPTH,TOPK,TOTAL",
+                   help="EAGLE-2 tree verified alongside the chain (default 3,2,4: 4 drafts per round); none: skip")
+    p.add_argument("--device", default=None, help="evaluation device (default: cuda when available, else cpu)")
+    p.add_argument("--name", default=None, help="label of the curve (default: the --out directory's name)")
+    return p.parse_args(argv)
+
+
+# ------------------------------------------------------------------------------------ data
+
+
+def prepare_data(prep: list[str], data_dir: Path) -> float:
+    """Minutes the data of `prep` cost: run `eagle-prep run` into `data_dir`, or read what a finished
+    earlier run of the same command recorded there."""
+    record = data_dir / "prep.json"
+    if record.is_file():
+        done = json.loads(record.read_text())
+        if done["prep"] != prep:
+            raise SystemExit(f"{data_dir} holds the data of --prep {' '.join(done['prep'])}, not of this --prep: "
+                             "choose another --data")
+        print(f"[quality] data: reusing {data_dir} ({done['minutes']:.2f} min when it was made)")
+        return done["minutes"]
+    if data_dir.exists() and any(data_dir.iterdir()):
+        raise SystemExit(f"{data_dir} holds files but no prep.json (an unfinished prep?): delete it or choose "
+                         "another --data")
+    data_dir.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "data_prep.cli", "run", "--config", *prep, f"out_dir={data_dir}"]
+    print(f"[quality] data: {' '.join(command[1:])}")
+    start = time.time()
+    with open(data_dir / "prep.log", "w") as log:
+        rc = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT)
+    minutes = (time.time() - start) / 60
+    if rc != 0:
+        raise SystemExit(f"eagle-prep run failed (exit {rc}); the end of {data_dir / 'prep.log'}:\n"
+                         + "".join((data_dir / "prep.log").read_text().splitlines(True)[-15:]))
+    record.write_text(json.dumps({"prep": prep, "minutes": minutes}, indent=1))
+    print(f"[quality] data: {minutes:.2f} min")
+    return minutes
+
+
+# ------------------------------------------------------------------------------------ training
+
+
+class TrainerProcess:
+    """The training script in its own process group, stopped while the harness evaluates. Its
+    clock counts the seconds it ran, at any wall time."""
+
+    def __init__(self, command: list[str], log_path: Path):
+        self.start = time.time()
+        with open(log_path, "w") as log:  # the child keeps its own copy of the descriptor
+            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.pauses = []  # (stopped, continued) wall times; the open one ends at inf
+
+    def running_seconds(self, at: float | None = None) -> float:
+        at = time.time() if at is None else at
+        return at - self.start - sum(min(end, at) - start for start, end in self.pauses if start < at)
+
+    def pause(self):
+        os.killpg(self.proc.pid, signal.SIGSTOP)
+        self.pauses.append((time.time(), math.inf))
+
+    def resume(self):
+        self.pauses[-1] = (self.pauses[-1][0], time.time())
+        os.killpg(self.proc.pid, signal.SIGCONT)
+
+    def kill(self):
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # also ends a stopped process
+            self.proc.wait()
+
+
+def newest_checkpoint(train_dir: Path, after_step: int) -> tuple[Path, dict] | None:
+    """The newest finished checkpoint past `after_step`, with its trainer_state.json."""
+    found = checkpoint_dirs(train_dir)
+    if not found:
+        return None
+    state = json.loads((found[-1] / "trainer_state.json").read_text())
+    return (found[-1], state) if state["step"] > after_step else None
+
+
+# ------------------------------------------------------------------------------------ evaluation
+
+
+class Evaluator:
+    """The target, the bench prompts and the draftings, loaded once; `__call__` evaluates one head."""
+
+    def __init__(self, target: str, device, benches, num_prompts: int, shapes: dict, max_new_tokens: int):
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model, self.tokenizer = load_target(target, device=self.device)
+        eos = getattr(self.model.generation_config, "eos_token_id", None)
+        eos = set(eos if isinstance(eos, (list, tuple)) else [eos]) | {self.tokenizer.eos_token_id}
+        self.eos = eos - {None}
+        self.prompts = {bench: load_bench(bench, num_prompts) for bench in benches}
+        self.shapes, self.max_new_tokens = shapes, max_new_tokens
+
+    def __call__(self, head_dir) -> tuple[dict, dict]:
+        """({drafting: {bench: summary}}, {bench: [(prompt ids, plain output ids) per turn]})."""
+        head = load_draft_head(head_dir, self.model).to(device=self.device, dtype=self.model.dtype).eval()
+        runtimes = {name: Runtime(self.model, head, shape, eos_token_ids=self.eos, seed=0)
+                    for name, shape in self.shapes.items()}
+        if self.device.type == "cuda":  # graph capture stays out of the timings
+            for runtime in runtimes.values():
+                runtime.generate(chat_ids(self.tokenizer, [{"role": "user", "content": "Hi"}]), 8)
+        reference = next(iter(runtimes.values()))
+        summaries, sequences = {name: {} for name in runtimes}, {}
+        for bench, prompts in self.prompts.items():
+            results, sequences[bench] = {name: [] for name in runtimes}, []
+            for prompt in prompts:
+                messages, turns = [], {name: [] for name in runtimes}
+                for text in prompt["turns"]:
+                    messages.append({"role": "user", "content": text})
+                    ids = chat_ids(self.tokenizer, messages)
+                    plain = reference.generate_plain(ids, self.max_new_tokens)
+                    for name, runtime in runtimes.items():
+                        spec = runtime.generate(ids, self.max_new_tokens)
+                        turns[name].append({"spec": asdict(spec), "plain": asdict(plain),
+                                            "identical": spec.output_ids == plain.output_ids})
+                    sequences[bench].append((ids, plain.output_ids))
+                    messages.append({"role": "assistant",
+                                     "content": self.tokenizer.decode(plain.output_ids, skip_special_tokens=True)})
+                for name in runtimes:
+                    results[name].append({"turns": turns[name]})
+            for name, shape in self.shapes.items():
+                summaries[name][bench] = summarise(results[name], shape.depth)
+        return summaries, sequences
+
+    @torch.inference_mode()
+    def target_top1_probability(self, sequences: dict) -> dict:
+        """The target's mean top-1 probability over its own greedy tokens, per bench and pooled."""
+        out, total, count = {}, 0.0, 0
+        for bench, turns in sequences.items():
+            s, n = 0.0, 0
+            for ids, output in turns:
+                x = torch.tensor([ids + output], device=self.device)
+                logits = self.model(x).logits[0, len(ids) - 1:len(ids) + len(output) - 1].float()
+                s += float(logits.softmax(-1).max(-1).values.sum())
+                n += len(output)
+            out[bench] = s / n
+            total, count = total + s, count + n
+        out["all"] = total / count
+        return out
+
+
+# ------------------------------------------------------------------------------------ report
+
+
+def plot_curve(record: dict, path: Path) -> bool:
+    """AL (top row) and speedup (bottom row) against minutes of compute, one column per drafting."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"[quality] plot skipped: matplotlib is not installed (pip install 'eagle-train[plot]' to get {path})")
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points, names, benches = record["points"], list(record["eval"]["drafting"]), record["eval"]["benches"]
+    fig, axes = plt.subplots(2, len(names), figsize=(5.5 * len(names), 7), squeeze=False, sharex=True,
+                             sharey="row")
+    x = [p["compute_minutes"] for p in points]
+    for col, name in enumerate(names):
+        al, speed = axes[0][col], axes[1][col]
+        for bench in benches:
+            al.plot(x, [p["results"][name][bench]["acceptance_length"] for p in points], "o-", lw=1, label=bench)
+            speed.plot(x, [p["results"][name][bench]["speedup"] for p in points], "o-", lw=1, label=bench)
+        al.plot(x, [p["mean_acceptance_length"][name] for p in points], "ks-", lw=2.5, label="mean")
+        for ax in (al, speed):
+            ax.axvline(record["data_minutes"], color="grey", ls="--", lw=1)
+            ax.grid(alpha=0.3)
+        speed.axhline(1.0, color="grey", lw=0.8)
+        al.set(title=f"{name} (dashed: data ready)", ylabel="acceptance length", ylim=(1.0, None))
+        speed.set(xlabel="minutes of compute (data + training)", ylabel="speedup over plain decoding",
+                  xlim=(0, max([record["budget_minutes"], *x]) * 1.02))
+    axes[0][0].legend(fontsize=8)
+    top1 = record.get("target_top1_probability", {}).get("all")
+    fig.suptitle(f"{record['name']}: budget {record['budget_minutes']:g} min, data {record['data_minutes']:.1f} min, "
+                 f"evaluation {record['eval_minutes']:.1f} min (not on the x-axis)"
+                 + (f", target top-1 p {top1:.3f}" if top1 is not None else ""))
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def save(record: dict, out: Path) -> None:
+    (out / "quality.json").write_text(json.dumps(record, indent=1))
+    if record["points"]:
+        plot_curve(record, out / "quality.png")
+
+
+# ------------------------------------------------------------------------------------ the run
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    out = Path(args.out)
+    data_dir = Path(args.data) if args.data else out / "data"
+    train_dir = out / "train"
+    if (out / "quality.json").exists() or train_dir.exists():
+        raise SystemExit(f"{out} holds an earlier run: choose a new --out (--data can share its data)")
+    shapes = {f"chain K={args.chain}": TreeShape.chain(args.chain)}
+    if args.tree.lower() != "none":
+        shape = TreeShape.parse(args.tree)
+        shapes[f"tree {shape.depth},{shape.topk},{shape.total}"] = shape
+    for bench in args.bench:
+        load_bench(bench, args.num_prompts)  # a bad bench fails before any compute
+    eval_every = args.eval_every or args.budget / 4
+    train_file, *train_overrides = args.train
+    cfg = load_train_config(train_file, train_overrides)  # a bad key fails before any compute
+    if cfg.method != "eagle3":
+        raise SystemExit(f"--train trains a {cfg.method} head: this harness runs scripts/train_eagle3.py")
+    data_path = data_dir / ("tokenized" if cfg.mode == "online" else "store")
+    train_command = [sys.executable, str(TRAIN_SCRIPT), "--config", *args.train, f"data_path={data_path}",
+                     f"output_dir={train_dir}", f"save_every={args.save_every}"]
+    out.mkdir(parents=True, exist_ok=True)
+
+    record = {
+        "name": args.name or out.name, "budget_minutes": args.budget, "eval_every_minutes": eval_every,
+        "prep": args.prep, "train": args.train, "train_command": train_command[1:],
+        "eval": {"benches": args.bench, "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens,
+                 "drafting": {name: asdict(shape) for name, shape in shapes.items()}, "temperature": 0.0},
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "points": [], "eval_minutes": 0.0,
+    }
+    wall = time.time()
+    record["data_minutes"] = data_minutes = prepare_data(args.prep, data_dir)
+    save(record, out)
+    if data_minutes >= args.budget:
+        raise SystemExit(f"the data took {data_minutes:.1f} min, the whole --budget {args.budget:g} min: no training")
+
+    evaluator = None
+    train_dir.mkdir(parents=True)
+    print(f"[quality] training: {' '.join(train_command[1:])}")
+    trainer = TrainerProcess(train_command, train_dir / "train.log")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a killed harness still kills its trainer (finally)
+
+    def compute_minutes(at=None):
+        return data_minutes + trainer.running_seconds(at) / 60
+
+    def evaluate(checkpoint: Path, state: dict):
+        nonlocal evaluator
+        start = time.time()
+        written = (checkpoint / "trainer_state.json").stat().st_mtime
+        if evaluator is None:
+            evaluator = Evaluator(cfg.target, args.device, args.bench, args.num_prompts, shapes, args.max_new_tokens)
+        summaries, sequences = evaluator(checkpoint)
+        if "target_top1_probability" not in record:
+            record["target_top1_probability"] = evaluator.target_top1_probability(sequences)
+        point = {
+            "checkpoint": checkpoint.name, "step": state["step"], "total_steps": state["total_steps"],
+            "tokens_seen": state["tokens_consumed"], "samples_seen": state["samples_consumed"],
+            "data_minutes": data_minutes, "train_minutes": trainer.running_seconds(written) / 60,
+            "compute_minutes": compute_minutes(written), "eval_minutes": (time.time() - start) / 60,
+            "mean_acceptance_length": {name: sum(s["acceptance_length"] for s in per.values()) / len(per)
+                                       for name, per in summaries.items()},
+            "results": {name: {bench: {k: v for k, v in s.items() if k != "tokens_per_forward_histogram"}
+                               for bench, s in per.items()} for name, per in summaries.items()},
+        }
+        record["points"].append(point)
+        record["eval_minutes"] += point["eval_minutes"]
+        save(record, out)
+        als = "; ".join(f"{name} " + " ".join(f"{b} {s['acceptance_length']:.3f}" for b, s in per.items())
+                        + f" ({min(s['speedup'] for s in per.values()):.2f}-{max(s['speedup'] for s in per.values()):.2f}x)"
+                        for name, per in summaries.items())
+        print(f"[quality] step {state['step']}, {point['compute_minutes']:.2f} min compute, "
+              f"{state['tokens_consumed']} tokens: {als} [eval {point['eval_minutes']:.2f} min]")
+
+    evaluated, next_point = 0, eval_every
+    try:
+        while True:
+            if trainer.proc.poll() is not None:
+                ended = "finished" if trainer.proc.returncode == 0 else f"trainer exited {trainer.proc.returncode}"
+                break
+            if compute_minutes() >= args.budget:
+                trainer.pause()
+                ended = "budget"
+                break
+            if compute_minutes() >= next_point:
+                found = newest_checkpoint(train_dir, evaluated)
+                if found:
+                    trainer.pause()
+                    found = newest_checkpoint(train_dir, evaluated)  # the newest once stopped
+                    evaluate(*found)
+                    evaluated = found[1]["step"]
+                    while next_point <= compute_minutes():
+                        next_point += eval_every
+                    trainer.resume()
+            time.sleep(POLL_SECONDS)
+        train_seconds = trainer.running_seconds()
+        found = newest_checkpoint(train_dir, evaluated)
+        if found:
+            evaluate(*found)
+    finally:
+        trainer.kill()
+
+    last = record["points"][-1] if record["points"] else None
+    record["training"] = {
+        "ended": ended, "minutes": train_seconds / 60,
+        "minutes_after_last_point": train_seconds / 60 - last["train_minutes"] if last else None,
+        "steps_per_minute": last["step"] / last["train_minutes"] if last else None,
+        "tokens_per_second": last["tokens_seen"] / (60 * last["train_minutes"]) if last else None,
+    }
+    record["wall_minutes"] = (time.time() - wall) / 60
+    save(record, out)
+    if ended.startswith("trainer exited"):
+        print("".join((train_dir / "train.log").read_text().splitlines(True)[-15:]))
+    print(f"[quality] training {ended} after {train_seconds / 60:.2f} min; {len(record['points'])} points; "
+          f"wall {record['wall_minutes']:.2f} min (evaluation {record['eval_minutes']:.2f}) -> {out / 'quality.json'}")
+
+
+if __name__ == "__main__":
+    main()

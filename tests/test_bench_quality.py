@@ -1,0 +1,81 @@
+"""scripts/bench/quality.py at toy scale: the trainer's clock leaves out its pauses, one evaluation
+point on the tiny random Llama is lossless and complete, and the curve is drawn."""
+
+import importlib.util
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from eagle_train.eagle3 import Eagle3Head
+from inference.drafting import TreeShape
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench" / "quality.py"
+
+
+@pytest.fixture(scope="module")
+def quality():
+    spec = importlib.util.spec_from_file_location("quality", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def process_state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads process states from /proc")
+def test_trainer_clock_leaves_out_pauses(quality, tmp_path):
+    trainer = quality.TrainerProcess([sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "log")
+    try:
+        trainer.pause()
+        deadline = time.time() + 5
+        while process_state(trainer.proc.pid) != "T" and time.time() < deadline:
+            time.sleep(0.05)
+        assert process_state(trainer.proc.pid) == "T"
+        stopped = trainer.pauses[0][0]
+        assert trainer.running_seconds(stopped + 10) == pytest.approx(stopped - trainer.start)  # still paused
+        trainer.resume()
+        continued = trainer.pauses[0][1]
+        assert process_state(trainer.proc.pid) != "T"
+        assert trainer.running_seconds(continued + 2) == pytest.approx(stopped - trainer.start + 2)
+    finally:
+        trainer.kill()
+    assert trainer.proc.returncode is not None
+
+
+def test_one_point_on_the_tiny_llama(quality, tmp_path, tiny_llama_dir, tiny_llama):
+    model, _ = tiny_llama
+    head = Eagle3Head.from_target(model, draft_vocab_size=500, target=str(tiny_llama_dir))
+    head.save_pretrained(tmp_path / "head")
+    shapes = {"chain K=2": TreeShape.chain(2), "tree 2,2,3": TreeShape(2, 2, 3)}
+    evaluator = quality.Evaluator(str(tiny_llama_dir), "cpu", ["mt_bench", "gsm8k"], 1, shapes, 6)
+    summaries, sequences = evaluator(tmp_path / "head")
+    assert set(summaries) == set(shapes)
+    for per_bench in summaries.values():
+        assert set(per_bench) == {"mt_bench", "gsm8k"}
+        for s in per_bench.values():
+            assert s["turns_identical_to_plain"] == s["turns"]  # greedy speculative decoding is lossless
+            assert s["acceptance_length"] >= 1.0 and s["speedup"] > 0
+    assert summaries["chain K=2"]["mt_bench"]["turns"] == 2  # both MT-Bench turns
+    assert [len(out) for _, out in sequences["gsm8k"]] == [6]
+    top1 = evaluator.target_top1_probability(sequences)
+    assert set(top1) == {"mt_bench", "gsm8k", "all"} and all(0 < p <= 1 for p in top1.values())
+
+    pytest.importorskip("matplotlib")
+    point = {"compute_minutes": 1.0, "results": summaries,
+             "mean_acceptance_length": {name: 1.0 for name in shapes}}
+    record = {"name": "toy", "budget_minutes": 2, "data_minutes": 0.5, "eval_minutes": 0.1, "points": [point],
+              "eval": {"drafting": {name: {} for name in shapes}, "benches": ["mt_bench", "gsm8k"]},
+              "target_top1_probability": top1}
+    assert quality.plot_curve(record, tmp_path / "quality.png")
+    assert (tmp_path / "quality.png").stat().st_size > 0
+
+
+def test_help_explains_the_run():
+    out = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, check=True).stdout
+    for flag in ("--budget", "--prep", "--train", "--eval-every", "--save-every", "--num-prompts", "--tree"):
+        assert flag in out
