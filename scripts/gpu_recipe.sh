@@ -6,7 +6,7 @@
 #   stage1: unpack the carried GGUF + ShareGPT, dequantise the GGUF, tokenize all 17.6k
 #           conversations (max length 2048) with their vocab map, then train EAGLE-3 and P-EAGLE
 #           online for one epoch each, side by side on the one GPU (neither saturates an H100 alone).
-#   stage2: export both heads (+ the engines' checks), scripts/bench_gpu.py (decoding on the three
+#   stage2: export both heads (+ the engines' checks), scripts/bench/gpu.py (decoding on the three
 #           benches for every drafting shape, capture, training MFU), eagle-eval on mt_bench /
 #           humaneval / gsm8k for as many shapes as the stage's time allows.
 #
@@ -122,7 +122,7 @@ PY
 stage_kernels() {
   step env bash -c "nvidia-smi || true; $PY -c 'import torch, transformers, sys; print(sys.version); print(torch.__version__, transformers.__version__, torch.cuda.is_available())'"
   local rc=0
-  step bench_kernels "$PY" scripts/bench_gpu.py --only kernels --out "$OUT/bench_kernels.json" "${BENCH_ARGS[@]}" || rc=$?
+  step bench_kernels "$PY" scripts/bench/gpu.py --only kernels --out "$OUT/bench_kernels.json" "${BENCH_ARGS[@]}" || rc=$?
   cp "$RUNS/logs/bench_kernels.log" "$OUT/bench_kernels.txt" || true
   cp "$OUT/bench_kernels.json" "$RUNS/bench_kernels.json" || true  # stage1 reads it (fused_loss choice)
   return $rc
@@ -172,7 +172,7 @@ stage2() {
   fi
   # the benchmark covers every figure the issue asks for; it saves after each section and drafting
   # shape, and leaves EVAL_RESERVE seconds of the stage to eagle-eval
-  step bench timeout -k 10 $(( $(left) - ${EVAL_RESERVE:-90} )) "$PY" scripts/bench_gpu.py --target "$TARGET" \
+  step bench timeout -k 10 $(( $(left) - ${EVAL_RESERVE:-90} )) "$PY" scripts/bench/gpu.py --target "$TARGET" \
       --eagle3 "$e3" ${pe:+--peagle "$pe"} --data "$RUNS/prep/tokenized" --out "$OUT/bench.json" \
       --prompts "$EVAL_PROMPTS" --max-new-tokens "$EVAL_TOKENS" "${BENCH_ARGS[@]}" || rc=$?
   cp "$RUNS/logs/bench.log" "$OUT/bench_table.txt" 2>/dev/null || true

@@ -1,7 +1,7 @@
 """One GPU benchmark run: decoding, capture, training and kernels side by side (docs/performance.md).
 
-    python3 scripts/bench_gpu.py --target T.gguf --eagle3 HEAD --peagle HEAD --data TOKENIZED --out bench.json
-    python3 scripts/bench_gpu.py --only kernels --out kernels.json          # needs no target
+    python3 scripts/bench/gpu.py --target T.gguf --eagle3 HEAD --peagle HEAD --data TOKENIZED --out bench.json
+    python3 scripts/bench/gpu.py --only kernels --out kernels.json          # needs no target
 
 Sections (`--only` picks some; each prints a table and goes into the JSON):
 - kernels: HBM copy bandwidth, a large bf16 matmul, and the TTT loss over a 32k draft vocabulary
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 H100_BF16_DENSE_FLOPS = 989e12  # H100 SXM, bf16 dense tensor cores (the 1979 TFLOP/s figure assumes sparsity)
 H100_HBM_BYTES_PER_S = 3.35e12  # H100 SXM HBM3
@@ -464,7 +464,7 @@ def main(argv=None):
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "peak_flops": args.peak_flops, "hbm_bytes_per_s": H100_HBM_BYTES_PER_S,
               "args": {k: v for k, v in vars(args).items()}}
-    print(f"bench_gpu on {result['device']}, torch {torch.__version__}")
+    print(f"scripts/bench/gpu.py on {result['device']}, torch {torch.__version__}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
 
