@@ -7,6 +7,7 @@ import torch
 
 from eagle_train import target as target_mod
 from eagle_train.hidden_states import default_aux_layer_ids, target_hidden_states, target_logits
+from eagle_train.draft_config import target_rope
 from eagle_train.target import SMOLLM2, check_decoder, load_target, load_target_config, resolve_target
 
 
@@ -17,7 +18,7 @@ def test_smollm2_alias_loads_frozen_fp32(smollm2):
     assert next(model.parameters()).dtype == torch.float32
     cfg = model.config
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size) == (30, 576, 49152)
-    assert cfg.rope_parameters["rope_theta"] == 100000.0
+    assert target_rope(cfg) == (100000.0, None)  # transformers 4.x and 5.x name it differently
     assert tokenizer.pad_token_id == tokenizer.eos_token_id == 2
     # the cached conversion is a plain safetensors checkpoint, no GGUF quantizer left behind
     path = resolve_target(SMOLLM2)
