@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from eagle_train.batching import pack_by_length
 from eagle_train.hidden_states import default_aux_layer_ids, target_hidden_states
 from eagle_train.store import (HIDDEN_FORMAT, MANIFEST, STORE_DTYPES, VOCAB_MAP, ShardedSamples, StoreWriter,
                                check_store_matches, encode_hidden, finalize_manifest, list_shards, shard_name,
@@ -29,19 +30,10 @@ from eagle_train.store import (HIDDEN_FORMAT, MANIFEST, STORE_DTYPES, VOCAB_MAP,
 
 
 def plan_shards(lengths: list[int], token_budget: int, shard_tokens: int) -> list[list[list[int]]]:
-    """Shards -> batches -> sample indices. A batch's padded size (n * longest) stays within
-    `token_budget` (a longer sample gets a batch of its own)."""
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    batches, batch = [], []
-    for i in order:
-        if batch and (len(batch) + 1) * lengths[batch[0]] > token_budget:
-            batches.append(batch)
-            batch = []
-        batch.append(i)
-    if batch:
-        batches.append(batch)
+    """Shards -> batches -> sample indices: all samples packed by `pack_by_length` within
+    `token_budget`, longest first, then cut into shards of about `shard_tokens` real tokens."""
     shards, shard, tokens = [], [], 0
-    for b in batches:
+    for b in pack_by_length(list(range(len(lengths))), lengths, token_budget):
         shard.append(b)
         tokens += sum(lengths[i] for i in b)
         if tokens >= shard_tokens:

@@ -7,6 +7,7 @@ draft is trained to predict), which cuts its largest matmul; DESIGN.md section 3
 import torch
 
 from eagle_train.store import ShardedSamples, write_vocab_map
+from eagle_train.vocab_map import DRAFT_VOCAB_SIZE, top_k_vocab_map
 
 
 def count_tokens(samples, vocab_size: int) -> torch.Tensor:
@@ -18,26 +19,19 @@ def count_tokens(samples, vocab_size: int) -> torch.Tensor:
     return counts
 
 
-def build_vocab_map(counts: torch.Tensor, draft_vocab_size: int = 32000) -> dict:
+def build_vocab_map(counts: torch.Tensor, draft_vocab_size: int = DRAFT_VOCAB_SIZE) -> dict:
     """Top-Vd ids by count (ties to the lower id), sorted ascending, as `d2t`/`t2d`, plus coverage.
 
     `target_id = draft_id + d2t[draft_id]`; `t2d[target_id]` is true for ids in the draft vocab.
     `coverage` is the fraction of loss-masked tokens the draft vocabulary can express.
     """
-    vocab_size = len(counts)
-    vd = min(draft_vocab_size, vocab_size)
-    # stable sort on -count keeps ascending ids among equal counts
-    order = torch.sort(-counts, stable=True).indices[:vd]
-    draft_ids = torch.sort(order).values
-    d2t = draft_ids - torch.arange(vd)
-    t2d = torch.zeros(vocab_size, dtype=torch.bool)
-    t2d[draft_ids] = True
+    vmap = top_k_vocab_map(counts, draft_vocab_size)
     total = int(counts.sum())
-    coverage = float(counts[draft_ids].sum()) / total if total else 0.0
-    return {"d2t": d2t, "t2d": t2d, "counts": counts, "coverage": coverage}
+    coverage = float(counts[vmap["t2d"]].sum()) / total if total else 0.0
+    return {**vmap, "counts": counts, "coverage": coverage}
 
 
-def make_vocab_map(path, vocab_size: int, draft_vocab_size: int = 32000) -> dict:
+def make_vocab_map(path, vocab_size: int, draft_vocab_size: int = DRAFT_VOCAB_SIZE) -> dict:
     """Count a tokenized dataset or store at `path` and write its `vocab_map.safetensors`."""
     data = ShardedSamples(path)
     vmap = build_vocab_map(count_tokens((data.tokens(i) for i in range(len(data))), vocab_size), draft_vocab_size)

@@ -9,6 +9,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eagle_train.hidden_states import default_aux_layer_ids
+from eagle_train.vocab_map import DRAFT_VOCAB_SIZE, check_draft_vocab_size
+
 LLAMA_FAMILY = {"llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "smollm3"}
 
 
@@ -54,14 +57,10 @@ class DraftConfig:
 
     def __post_init__(self):
         self.aux_layer_ids = tuple(self.aux_layer_ids)
-        if self.draft_vocab_size > self.vocab_size:
-            raise ValueError(
-                f"draft_vocab_size {self.draft_vocab_size} is larger than the target vocabulary "
-                f"{self.vocab_size}; use at most {self.vocab_size}"
-            )
+        check_draft_vocab_size(self.draft_vocab_size, self.vocab_size)
 
     @classmethod
-    def from_target_config(cls, cfg, *, draft_vocab_size: int = 32000, aux_layer_ids=None,
+    def from_target_config(cls, cfg, *, draft_vocab_size: int = DRAFT_VOCAB_SIZE, aux_layer_ids=None,
                            num_hidden_layers: int = 1, method: str = "eagle3", target: str = "", **extra):
         """A head sized like one decoder layer of the target (any Llama-family config)."""
         cfg = getattr(cfg, "text_config", None) or cfg
@@ -72,11 +71,6 @@ class DraftConfig:
             )
         n = cfg.num_hidden_layers
         theta, scaling = target_rope(cfg)
-        if draft_vocab_size > cfg.vocab_size:
-            raise ValueError(
-                f"draft_vocab_size {draft_vocab_size} is larger than the target vocabulary "
-                f"{cfg.vocab_size}; use at most {cfg.vocab_size}"
-            )
         return cls(
             hidden_size=cfg.hidden_size,
             num_attention_heads=cfg.num_attention_heads,
@@ -91,7 +85,7 @@ class DraftConfig:
             max_position_embeddings=cfg.max_position_embeddings,
             target_hidden_size=cfg.hidden_size,
             target_num_layers=n,
-            aux_layer_ids=tuple(aux_layer_ids) if aux_layer_ids else (2, n // 2, n - 3),
+            aux_layer_ids=tuple(aux_layer_ids) if aux_layer_ids else default_aux_layer_ids(n),
             num_hidden_layers=num_hidden_layers,
             method=method,
             target=target,

@@ -18,6 +18,7 @@ from torch import nn
 
 from eagle_train.draft_config import DraftConfig
 from eagle_train.layers import MLP, Attention, RMSNorm, RotaryEmbedding
+from eagle_train.vocab_map import t2d_from_d2t
 
 
 class KVCache(nn.Module):
@@ -109,9 +110,7 @@ class DraftHead(nn.Module):
         self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
-        t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
-        t2d[: cfg.draft_vocab_size] = True
-        self.register_buffer("t2d", t2d)
+        self.register_buffer("t2d", t2d_from_d2t(self.d2t, cfg.vocab_size))
 
     def use_target_embedding(self, target_model):
         """Share the target's embedding (heads that do not own one)."""

@@ -4,7 +4,7 @@ builder and the objective (one training-time-test unroll per micro-batch, `eagle
 from eagle_train.checkpoint import load_draft_head
 from eagle_train.eagle3 import Eagle3Head
 from eagle_train.train_config import TrainConfig
-from eagle_train.ttt import ttt_loss
+from eagle_train.ttt import TTT_DECAY, TTT_LENGTH, ttt_loss
 
 
 def build_eagle3_head(cfg: TrainConfig, target_model, vocab_map: dict | None) -> Eagle3Head:
@@ -24,7 +24,7 @@ def build_eagle3_head(cfg: TrainConfig, target_model, vocab_map: dict | None) ->
     return head
 
 
-def eagle3_objective(ttt_length: int = 7, decay: float = 0.8, checkpoint_logits: bool = False,
+def eagle3_objective(ttt_length: int = TTT_LENGTH, decay: float = TTT_DECAY, checkpoint_logits: bool = False,
                      fused_loss: bool = False):
     """The trainer's objective for EAGLE-3: one TTT unroll and one backward per micro-batch."""
 

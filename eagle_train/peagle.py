@@ -24,6 +24,8 @@ from torch import nn
 from eagle_train.draft_config import DraftConfig
 from eagle_train.eagle3 import DecoderLayer, DraftHead, KVCache
 
+NUM_DEPTHS = 7  # K, drafts per forward: the default, and the published P-EAGLE heads' K
+
 
 def default_num_hidden_layers(target_hidden_size: int) -> int:
     """Draft depth N for a target: 2 layers below hidden size 2048 (SmolLM2, Qwen-0.5B: the
@@ -90,7 +92,7 @@ class PEagleHead(DraftHead):
     # ---- construction and I/O -------------------------------------------------------------
 
     @classmethod
-    def from_target(cls, target_model, *, mask_token_id: int, num_depths: int = 7,
+    def from_target(cls, target_model, *, mask_token_id: int, num_depths: int = NUM_DEPTHS,
                     num_hidden_layers: int | None = None, **config_kwargs) -> "PEagleHead":
         """A head for `target_model` whose trainable embedding starts as a copy of the target's."""
         tcfg = getattr(target_model.config, "text_config", None) or target_model.config

@@ -13,7 +13,10 @@ from pathlib import Path
 
 import yaml
 
+from eagle_train.peagle import NUM_DEPTHS
 from eagle_train.store import check_store_matches, read_manifest, read_vocab_map
+from eagle_train.ttt import TTT_DECAY, TTT_LENGTH
+from eagle_train.vocab_map import check_draft_vocab_size
 
 METHODS = ("eagle3", "peagle")
 MODES = ("offline", "online")
@@ -31,10 +34,10 @@ class TrainConfig:
     draft_vocab_size: int | None = None  # None: the data's vocab map; else its most frequent ids (by its counts)
     init_from: str = ""  # an eagle-train head/checkpoint dir or an engine-layout EAGLE-3 dir
     # the objective
-    ttt_length: int = 7
-    ttt_decay: float = 0.8
+    ttt_length: int = TTT_LENGTH
+    ttt_decay: float = TTT_DECAY
     # P-EAGLE (method peagle; checked by eagle_train.peagle_train.validate_peagle)
-    num_depths: int = 7  # K: drafts per forward
+    num_depths: int = NUM_DEPTHS  # K: drafts per forward
     draft_num_layers: int | None = None  # N: None -> 2 below target hidden 2048, else 4
     mask_token_id: int | None = None  # None: a spare special token the data never uses
     num_segments: int | None = None  # sequence partitioning; None -> peagle_batch.default_num_segments
@@ -222,9 +225,8 @@ def validate(cfg: TrainConfig, target_config) -> None:
         need(len(cfg.aux_layer_ids) == 3 and all(0 <= i < n for i in cfg.aux_layer_ids),
              f"aux_layer_ids must be three layer indices in [0, {n - 1}], got {cfg.aux_layer_ids}")
     vocab = target_config.vocab_size
-    if cfg.draft_vocab_size is not None and cfg.draft_vocab_size > vocab:
-        raise ValueError(f"draft_vocab_size {cfg.draft_vocab_size} is larger than the target vocabulary {vocab}; "
-                         f"use at most {vocab} (or leave it unset to take the vocab map's size)")
+    if cfg.draft_vocab_size is not None:
+        check_draft_vocab_size(cfg.draft_vocab_size, vocab, " (or leave it unset to take the vocab map's size)")
     if not cfg.init_from:
         v = len(read_vocab_map(cfg.data_path)["t2d"])
         need(v == vocab, f"{cfg.data_path}/vocab_map.safetensors covers a vocabulary of {v}, the target has {vocab}")

@@ -38,14 +38,13 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm import tqdm
 
+from eagle_train.batching import epoch_batches, pack_by_length
 from eagle_train.hidden_states import target_hidden_states
 from eagle_train.store import ShardedSamples, read_manifest, read_vocab_map
 from eagle_train.target import load_target, load_target_config
 from eagle_train.train_config import TrainConfig, validate
 from eagle_train.ttt import simulated_acceptance_length, target_distribution
-
-GROUP_SAMPLES = 512  # samples sorted by length together: big enough to pad little, small enough to mix
-
+from eagle_train.vocab_map import top_k_vocab_map
 
 # ------------------------------------------------------------------------------------ data order
 
@@ -55,27 +54,6 @@ def split_indices(n: int, eval_fraction: float, seed: int) -> tuple[list[int], l
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
     n_eval = min(n - 1, max(1, round(n * eval_fraction))) if eval_fraction > 0 and n > 1 else 0
     return sorted(perm[n_eval:]), sorted(perm[:n_eval])
-
-
-def pack_by_length(indices: list[int], lengths: list[int], tokens_per_batch: int) -> list[list[int]]:
-    """Longest first, greedily: a batch's padded size (count x its longest) stays within the budget."""
-    batches, batch = [], []
-    for i in sorted(indices, key=lambda i: (-lengths[i], i)):
-        if batch and (len(batch) + 1) * lengths[batch[0]] > tokens_per_batch:
-            batches.append(batch)
-            batch = []
-        batch.append(i)
-    return batches + ([batch] if batch else [])
-
-
-def epoch_batches(indices: list[int], lengths: list[int], tokens_per_batch: int, seed: int, epoch: int):
-    """Epoch `epoch`'s micro-batches: shuffle, length-group within blocks of GROUP_SAMPLES, shuffle batches."""
-    g = torch.Generator().manual_seed(seed * 100_003 + epoch + 1)
-    order = [indices[i] for i in torch.randperm(len(indices), generator=g).tolist()]
-    batches = []
-    for start in range(0, len(order), GROUP_SAMPLES):
-        batches += pack_by_length(order[start:start + GROUP_SAMPLES], lengths, tokens_per_batch)
-    return [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
 
 
 def pad_samples(samples: list[dict], max_length: int) -> dict[str, torch.Tensor]:
@@ -155,10 +133,7 @@ def vocab_map_of_size(vmap: dict, size: int) -> dict:
     the DESIGN.md section 3 rule, so a run can use a smaller (faster) draft vocabulary than the data's map."""
     if size == len(vmap["d2t"]):
         return vmap
-    ids = torch.sort(-vmap["counts"], stable=True).indices[:size].sort().values
-    t2d = torch.zeros_like(vmap["t2d"])
-    t2d[ids] = True
-    return {"d2t": ids - torch.arange(size), "t2d": t2d, "counts": vmap["counts"]}
+    return {**top_k_vocab_map(vmap["counts"], size), "counts": vmap["counts"]}
 
 
 def count_weighted(key: str, metrics: dict) -> str | None:

@@ -16,6 +16,9 @@ from torch.utils.checkpoint import checkpoint
 
 from eagle_train.fused_ce import soft_cross_entropy
 
+TTT_LENGTH = 7  # unrolled draft steps, the default
+TTT_DECAY = 0.8  # step i's loss weighs decay**i, the default
+
 
 @torch.no_grad()
 def target_distribution(final_hidden, lm_head_weight, t2d):
@@ -50,8 +53,8 @@ def step_loss(head, h, target_probs):
     return loss, correct
 
 
-def ttt_loss(head, aux_hidden, input_ids, loss_mask, target_probs, in_draft, ttt_length: int = 7,
-             decay: float = 0.8, checkpoint_logits: bool = False, fused_loss: bool = False):
+def ttt_loss(head, aux_hidden, input_ids, loss_mask, target_probs, in_draft, ttt_length: int = TTT_LENGTH,
+             decay: float = TTT_DECAY, checkpoint_logits: bool = False, fused_loss: bool = False):
     """Unroll `head` for `ttt_length` steps and return (loss, metrics).
 
     loss = sum_i decay**i * loss_i, loss_i the soft cross-entropy of step i averaged over its

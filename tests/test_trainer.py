@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from eagle_train.batching import epoch_batches
 from eagle_train.checkpoint import load_draft_head
 from eagle_train.eagle3_train import build_eagle3_head, eagle3_objective
 from eagle_train.train_config import load_train_config
-from eagle_train.trainer import epoch_batches, train
+from eagle_train.trainer import train
 
 REPO = Path(__file__).resolve().parents[1]
 DRAFT_VOCAB = 256  # keeps the draft lm_head (the head's largest matmul) small on the CPU

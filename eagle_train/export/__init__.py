@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 from eagle_train.export.card import write_model_card
 from eagle_train.export.engines import ENGINE_NAMES, DraftFiles, EngineReport, inspect_engine, is_parallel
 from eagle_train.export.layouts import DTYPES, HEAD_CLASSES, INTEGER_TENSORS, LAYOUTS, detect_layout, layout
+from eagle_train.vocab_map import t2d_from_d2t
 
 __all__ = ["export_head", "import_head", "import_checkpoint", "check_directory", "LAYOUTS", "ENGINE_NAMES"]
 
@@ -37,9 +38,7 @@ def check_vocab_map(head) -> None:
     if ids.min() < 0 or ids.max() >= cfg.vocab_size or ids.unique().numel() != ids.numel():
         raise ValueError("the head's d2t maps draft ids outside the target vocabulary or twice to one id: "
                          "set the data's vocab map with head.set_vocab_map(d2t, t2d) before exporting")
-    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
-    t2d[ids] = True
-    if not torch.equal(t2d, head.t2d.cpu()):
+    if not torch.equal(t2d_from_d2t(head.d2t.cpu(), cfg.vocab_size), head.t2d.cpu()):
         raise ValueError("the head's t2d does not mark exactly the target ids d2t maps to: "
                          "set both from one vocab map (head.set_vocab_map)")
 
@@ -104,9 +103,7 @@ def import_head(directory, target_model=None, target_config=None):
         if name == "d2t" and t.is_floating_point():
             raise ValueError(f"{directory}: d2t is {t.dtype}; offsets must be integers (re-export it as int64)")
     if "t2d" not in state:  # optional in engine layouts: it follows from d2t
-        t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
-        t2d[torch.arange(cfg.draft_vocab_size) + state["d2t"].long()] = True
-        state["t2d"] = t2d
+        state["t2d"] = t2d_from_d2t(state["d2t"].long(), cfg.vocab_size)
     head.load_state_dict({k: v.long() if k == "d2t" else v.bool() if k == "t2d" else v.float()
                           for k, v in state.items()}, strict=False)
     if own_embedding is not None:

@@ -25,9 +25,10 @@ from safetensors.torch import load_file
 
 from eagle_train.draft_config import DraftConfig, target_rope
 from eagle_train.export.layouts import (HEAD_CLASSES, MASK_TOKEN_KEYS, PROVENANCE_KEY, detect_layout,
-                                        draft_config_from_llama)
+                                        draft_config_from_llama, mask_token_ids)
 from eagle_train.hidden_states import default_aux_layer_ids
 from eagle_train.target import HUB_IDS
+from eagle_train.vocab_map import t2d_from_d2t
 
 ENGINE_NAMES = ("vllm", "sglang", "trtllm")
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
@@ -255,7 +256,7 @@ def llama_part(config: dict, layout_name: str) -> dict:
 def is_parallel(config: dict, meta: dict) -> bool:
     """A P-EAGLE directory: a mask token id, a mask_hidden tensor, or more than one draft layer."""
     layer = config.get("transformer_layer_config") or {}
-    return (any(k in config or k in layer for k in MASK_TOKEN_KEYS) or "mask_hidden" in meta
+    return (bool(mask_token_ids(config)) or "mask_hidden" in meta
             or config.get("speculators_model_type") == "peagle"
             or max(config.get("num_hidden_layers", 1), layer.get("num_hidden_layers", 1)) > 1)
 
@@ -315,8 +316,7 @@ def inspect_engine(name: str, files: DraftFiles, target_config=None) -> EngineRe
         report.add("error", str(e))
         return report
     if parallel:  # a P-EAGLE head: the mask token from config.json, K from our provenance (if any)
-        layer = config.get("transformer_layer_config") or {}
-        ids = [config.get(k, layer.get(k)) for k in MASK_TOKEN_KEYS if k in config or k in layer]
+        ids = list(mask_token_ids(config).values())
         cfg.method, cfg.mask_token_id = "peagle", (int(ids[0]) if ids else None)
         cfg.num_depths = (config.get(PROVENANCE_KEY) or {}).get("num_depths")
     report.config = cfg
@@ -522,14 +522,13 @@ def plain_scaling(scaling: dict | None) -> dict | None:
 def check_parallel(report, files, cfg):
     """vLLM's P-EAGLE (parallel_drafting) rules, DESIGN.md section 6."""
     config, meta = files.config, files.meta
-    layer = config.get("transformer_layer_config") or {}
     if "mask_hidden" not in meta:
         report.add("error", "P-EAGLE export without mask_hidden: vLLM with parallel_drafting stops with "
                             "'mask_hidden not found in weights'; export the trained [1, 1, 3H] mask_hidden")
     elif torch.Size(meta["mask_hidden"][0]).numel() != 3 * cfg.target_hidden_size:
         report.add("error", f"mask_hidden has shape {list(meta['mask_hidden'][0])}, vLLM needs "
                             f"3 x target hidden = {3 * cfg.target_hidden_size} values")
-    ids = {k: config.get(k, layer.get(k)) for k in MASK_TOKEN_KEYS if k in config or k in layer}
+    ids = mask_token_ids(config)
     if config.get("speculators_model_type") == "peagle":  # vLLM's update_peagle: pard_token = mask_token_id
         if "mask_token_id" not in config:
             report.add("error", "speculators P-EAGLE config without mask_token_id: vLLM's speculators reader "
@@ -594,9 +593,7 @@ def head_from_engine_state(report: EngineReport, state: dict[str, torch.Tensor],
     head = HEAD_CLASSES[cfg.method](cfg)
     if "d2t" not in head_state:  # the engine's identity map
         head_state["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
-    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)  # engines drop t2d; it follows from d2t
-    t2d[torch.arange(cfg.draft_vocab_size) + head_state["d2t"]] = True
-    head_state["t2d"] = t2d
+    head_state["t2d"] = t2d_from_d2t(head_state["d2t"], cfg.vocab_size)  # engines drop t2d; it follows from d2t
     saved = head.saved_state_dict()
     own = head_state.pop("embed_tokens.weight", None) if "embed_tokens.weight" not in saved else None
     head.load_state_dict(head_state, strict=False)

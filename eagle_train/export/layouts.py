@@ -29,7 +29,7 @@ import torch
 from eagle_train.draft_config import DraftConfig, target_rope
 from eagle_train.eagle3 import Eagle3Head
 from eagle_train.hidden_states import default_aux_layer_ids
-from eagle_train.peagle import PEagleHead
+from eagle_train.peagle import NUM_DEPTHS, PEagleHead
 from eagle_train.target import HUB_IDS
 
 HEAD_CLASSES = {"eagle3": Eagle3Head, "peagle": PEagleHead}  # the head class of each DraftConfig.method
@@ -228,19 +228,24 @@ def is_speculators(config: dict) -> bool:
 # ---- peagle (vLLM parallel drafting) -------------------------------------------------------------
 
 MASK_TOKEN_KEYS = ("ptd_token_id", "pard_token", "mask_token_id")  # vLLM versions read different ones
-DEFAULT_NUM_DEPTHS = 7  # K for P-EAGLE directories that do not record it (the published heads' K)
+
+
+def mask_token_ids(config: dict) -> dict:
+    """The mask token id under each of MASK_TOKEN_KEYS that a config.json states, at the top level
+    or under transformer_layer_config (the top level wins)."""
+    layer = config.get("transformer_layer_config") or {}
+    return {k: config.get(k, layer.get(k)) for k in MASK_TOKEN_KEYS if k in config or k in layer}
 
 
 def as_peagle(cfg: DraftConfig, config: dict, num_depths=None) -> DraftConfig:
     """Mark a config read from a P-EAGLE directory: the mask token and K (our provenance, else
-    `num_depths`, else DEFAULT_NUM_DEPTHS)."""
-    layer = config.get("transformer_layer_config") or {}
-    ids = [config.get(k, layer.get(k)) for k in MASK_TOKEN_KEYS if config.get(k, layer.get(k)) is not None]
+    `num_depths`, else NUM_DEPTHS, the published heads' K)."""
+    ids = [i for i in mask_token_ids(config).values() if i is not None]
     if not ids:
         raise ValueError(f"P-EAGLE config.json names no mask token id (one of {', '.join(MASK_TOKEN_KEYS)})")
     ours = config.get(PROVENANCE_KEY) or {}
     cfg.method, cfg.mask_token_id = "peagle", int(ids[0])
-    cfg.num_depths = int(ours.get("num_depths") or num_depths or DEFAULT_NUM_DEPTHS)
+    cfg.num_depths = int(ours.get("num_depths") or num_depths or NUM_DEPTHS)
     return cfg
 
 

@@ -302,8 +302,8 @@ def _as_list(x):
 
 def real_batches(data_path, tokens_per_batch: int, max_tokens: int):
     """Length-grouped batches of the first samples of a tokenized dataset, ~max_tokens in all."""
+    from eagle_train.batching import pack_by_length
     from eagle_train.store import ShardedSamples
-    from eagle_train.trainer import pack_by_length
 
     data = ShardedSamples(data_path)
     lengths = data.lengths()
