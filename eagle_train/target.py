@@ -54,6 +54,12 @@ def _convert_gguf(gguf: Path) -> str:
 
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # transformers before 5.20 reads the GGUF's special-token ids into the config but gives the tokenizer
+    # eos = bos (SmolLM2: <|im_start|>), so generation would not stop at the end of a turn: the config's ids win.
+    for name in ("bos", "eos", "pad"):
+        token_id = getattr(model.config, f"{name}_token_id", None)
+        if isinstance(token_id, int) and getattr(tokenizer, f"{name}_token_id") != token_id:
+            setattr(tokenizer, f"{name}_token", tokenizer.convert_ids_to_tokens(token_id))
     # The weights are now plain fp32; saving the GGUF "quantizer" would make reloads fail.
     model.hf_quantizer = None
     if "quantization_config" in model.config.__dict__:
