@@ -1,7 +1,7 @@
 """Draft vocabulary: the target ids the draft head may propose, chosen by frequency.
 
 The draft's lm_head covers only the `Vd` ids seen most often among loss-masked tokens (what the
-draft is trained to predict), which cuts its largest matmul; DESIGN.md section 3 fixes the map.
+draft is trained to predict), which cuts its largest matmul; docs/design.md section 3 fixes the map.
 """
 
 import torch

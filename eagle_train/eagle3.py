@@ -1,6 +1,6 @@
 """The EAGLE-3 draft head: defined once, used by the trainer, the exporter and the runtime.
 
-Parameter names match the released EAGLE-3 checkpoints (DESIGN.md section 4): `fc`, `midlayer.*`,
+Parameter names match the released EAGLE-3 checkpoints (docs/design.md section 4): `fc`, `midlayer.*`,
 `norm`, `lm_head`, buffers `d2t`/`t2d`. The token embedding is the target's, frozen, and is
 left out of saved checkpoints.
 

@@ -1,5 +1,5 @@
 """The P-EAGLE draft head: EAGLE-3's fused first layer plus N-1 plain Llama layers, all K drafts
-from one forward pass (DESIGN.md section 5).
+from one forward pass (docs/design.md section 5).
 
 Draft slot 1 reads (fc(g_p), embed(next token)) exactly like EAGLE-3; slots 2..K read
 (fc(mask_hidden), embed(mask_token_id)) at positions p+1..p+K-1. `mask_hidden` is stored before

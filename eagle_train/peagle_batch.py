@@ -1,6 +1,6 @@
 """P-EAGLE training layout: (anchor, depth) elements, their attention rule, and sequence partitioning.
 
-An element (a, d) is draft slot d+1 of a chain anchored at position a (DESIGN.md section 5, in
+An element (a, d) is draft slot d+1 of a chain anchored at position a (docs/design.md section 5, in
 the section-3 alignment): depth 0 reads g_a and x_{a+1}, depth d >= 1 reads mask_hidden and the
 mask token; its RoPE position is a+d; it is trained toward the target distribution at a+d+1
 (which predicts x_{a+d+2}) and is supervised iff x_{a+d+2} exists, is an assistant token
@@ -114,7 +114,7 @@ def build_elements(loss_mask, in_draft, lengths, num_depths: int, generator=None
 
 
 def visible(q_anchor, q_depth, q_doc, k_anchor, k_depth, k_doc):
-    """The attention rule of DESIGN.md section 5 (True = the query sees the key). Works on
+    """The attention rule of docs/design.md section 5 (True = the query sees the key). Works on
     broadcast tensors (dense masks) and on FlexAttention's index scalars alike."""
     chain_context = (k_depth == 0) & (k_anchor <= q_anchor)
     own_chain = (k_anchor == q_anchor) & (k_depth <= q_depth)

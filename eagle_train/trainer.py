@@ -130,7 +130,7 @@ class BatchSource:
 
 def vocab_map_of_size(vmap: dict, size: int) -> dict:
     """The `size` most frequent ids of a vocab map's counts (ties to the lower id), sorted ascending:
-    the DESIGN.md section 3 rule, so a run can use a smaller (faster) draft vocabulary than the data's map."""
+    the docs/design.md section 3 rule, so a run can use a smaller (faster) draft vocabulary than the data's map."""
     if size == len(vmap["d2t"]):
         return vmap
     return {**top_k_vocab_map(vmap["counts"], size), "counts": vmap["counts"]}

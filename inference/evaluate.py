@@ -2,7 +2,7 @@
 
 Each prompt runs twice on the same runtime and the same prompt tokens: speculative decoding, then
 plain decoding (the speedup's reference). Multi-turn prompts (MT-Bench) ask turn 2 after the
-model's own (speculative) answer to turn 1. AL follows DESIGN.md section 3: tokens emitted by
+model's own (speculative) answer to turn 1. AL follows docs/design.md section 3: tokens emitted by
 verification forwards / verification forwards, pooled over every turn of every prompt, prefill
 and its token left out, so it can be recounted from the JSON as
 sum(len(output_ids) - 1) / sum(forwards).

@@ -6,7 +6,7 @@ through the target. A round verifies [x_L, tree nodes] in one target forward (tr
 slots L..L+total), accepts a path, emits it plus one bonus/correction token, moves the path's
 cache entries to consecutive slots, and lets the drafter catch up on the accepted positions.
 
-Counters follow DESIGN.md section 3: the prefill forward and the token it emits are not counted;
+Counters follow docs/design.md section 3: the prefill forward and the token it emits are not counted;
 each verification forward counts the tokens it emitted (after eos / max-token truncation).
 """
 

@@ -1,4 +1,4 @@
-"""The EAGLE-3 head: training-time-test attention equals the runtime's cached step, names match DESIGN.md."""
+"""The EAGLE-3 head: training-time-test attention equals the runtime's cached step, names match docs/design.md."""
 
 import pytest
 import torch

@@ -241,7 +241,7 @@ def tiny_peagle_head(layers=2, mask_token_id=7, depths=3):
 
 
 def test_check_flags_a_peagle_export_without_mask_hidden(tmp_path):
-    """A P-EAGLE directory laid out by hand as DESIGN.md section 6 describes it (eagle3 config + the
+    """A P-EAGLE directory laid out by hand as docs/design.md section 6 describes it (eagle3 config + the
     mask token ids, midlayer.* then layers.1.*, own embed_tokens, mask_hidden), from a PEagleHead."""
     head = tiny_peagle_head()
     cfg = head.config
@@ -328,7 +328,7 @@ def test_speculators_config_states_norm_before_residual(tmp_path):
 # ---- import ---------------------------------------------------------------------------------------
 
 def reference_layout_dir(directory):
-    """An EAGLE-3 directory written from DESIGN.md sections 4 and 6 by hand, not by our exporter."""
+    """An EAGLE-3 directory written from docs/design.md sections 4 and 6 by hand, not by our exporter."""
     torch.manual_seed(3)
     names = {"fc.weight": (H, 3 * H), "midlayer.input_layernorm.weight": (H,), "midlayer.hidden_norm.weight": (H,),
              "midlayer.self_attn.q_proj.weight": (NH * D, 2 * H), "midlayer.self_attn.k_proj.weight": (NKV * D, 2 * H),

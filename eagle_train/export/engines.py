@@ -520,7 +520,7 @@ def plain_scaling(scaling: dict | None) -> dict | None:
 
 
 def check_parallel(report, files, cfg):
-    """vLLM's P-EAGLE (parallel_drafting) rules, DESIGN.md section 6."""
+    """vLLM's P-EAGLE (parallel_drafting) rules, docs/design.md section 6."""
     config, meta = files.config, files.meta
     if "mask_hidden" not in meta:
         report.add("error", "P-EAGLE export without mask_hidden: vLLM with parallel_drafting stops with "

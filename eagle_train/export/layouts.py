@@ -6,7 +6,7 @@ one. Adding a format is one more row built from the helpers below.
 
 - `eagle3`: the EAGLE reference layout (SGLang, TensorRT-LLM, vLLM, SafeAILab EAGLE): a Llama
   config with `architectures: ["LlamaForCausalLMEagle3"]`, tensors `fc`, `midlayer.*`, `norm`,
-  `lm_head`, `d2t`, `t2d` (DESIGN.md sections 4 and 6).
+  `lm_head`, `d2t`, `t2d` (docs/design.md sections 4 and 6).
 - `speculators`: vLLM's own format (vllm-project/speculators): the Llama keys live under
   `transformer_layer_config`, the layer is `layers.0.*`, and `speculators_config` tells
   `vllm serve DIR` everything else.
@@ -251,7 +251,7 @@ def as_peagle(cfg: DraftConfig, config: dict, num_depths=None) -> DraftConfig:
 
 def peagle_config(cfg: DraftConfig, dtype: torch.dtype, extra: dict) -> dict:
     """The EAGLE-3 layout with N layers, the mask token id under all three names and
-    `parallel_drafting` (DESIGN.md section 6); `attention_bias` false comes with llama_keys."""
+    `parallel_drafting` (docs/design.md section 6); `attention_bias` false comes with llama_keys."""
     config = eagle3_config(cfg, dtype, extra)
     config.update({k: cfg.mask_token_id for k in MASK_TOKEN_KEYS})
     config["parallel_drafting"] = True
