@@ -5,11 +5,13 @@ from eagle_train.checkpoint import load_draft_head
 from eagle_train.eagle3 import Eagle3Head
 from eagle_train.train_config import TrainConfig
 from eagle_train.ttt import TTT_DECAY, TTT_LENGTH, ttt_loss
+from eagle_train.warm_start import warm_start_from_target
 
 
 def build_eagle3_head(cfg: TrainConfig, target_model, vocab_map: dict | None) -> Eagle3Head:
-    """A new EAGLE-3 head sized for the target with the data's vocab map, or the head at `init_from`
-    (an eagle-train head/checkpoint or an engine-layout EAGLE-3 dir), which keeps its own vocab map."""
+    """A new EAGLE-3 head sized for the target with the data's vocab map (with `warm_start`, its norm
+    and lm_head are the target's), or the head at `init_from` (an eagle-train head/checkpoint or an
+    engine-layout EAGLE-3 dir), which keeps its own vocab map."""
     if cfg.init_from:
         head = load_draft_head(cfg.init_from, target_model)
         if head.config.method != "eagle3":
@@ -21,6 +23,8 @@ def build_eagle3_head(cfg: TrainConfig, target_model, vocab_map: dict | None) ->
     head = Eagle3Head.from_target(target_model, draft_vocab_size=len(vocab_map["d2t"]),
                                   aux_layer_ids=cfg.aux_layer_ids, target=cfg.target)
     head.set_vocab_map(vocab_map["d2t"], vocab_map["t2d"])
+    if cfg.warm_start:
+        warm_start_from_target(head, target_model)
     return head
 
 

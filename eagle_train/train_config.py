@@ -33,6 +33,7 @@ class TrainConfig:
     aux_layer_ids: list[int] | None = None  # None: the target's defaults (2, N//2, N-3)
     draft_vocab_size: int | None = None  # None: the data's vocab map; else its most frequent ids (by its counts)
     init_from: str = ""  # an eagle-train head/checkpoint dir or an engine-layout EAGLE-3 dir
+    warm_start: bool = False  # a new EAGLE-3 head's norm and lm_head start as the target's (eagle_train.warm_start)
     # the objective
     ttt_length: int = TTT_LENGTH
     ttt_decay: float = TTT_DECAY
@@ -206,6 +207,9 @@ def validate(cfg: TrainConfig, target_config) -> None:
     need(cfg.max_grad_norm >= 0, "max_grad_norm must be >= 0 (0 disables clipping)")
     need(cfg.num_epochs >= 1 or cfg.max_steps > 0, "set num_epochs >= 1 or max_steps > 0")
     need(cfg.keep_checkpoints >= 1, "keep_checkpoints must be >= 1")
+    need(not cfg.warm_start or (cfg.method == "eagle3" and not cfg.init_from),
+         "warm_start starts a new EAGLE-3 head from the target's norm and lm_head: not with method peagle, "
+         "nor with init_from (that head brings its own)")
     if not cfg.data_path:
         raise ValueError("data_path is not set: point it at a store from `eagle-prep capture` (offline) "
                          "or a tokenized dataset from `eagle-prep tokenize` (online)")

@@ -18,7 +18,8 @@ def warm_start_from_target(head, target_model) -> None:
     lm_head = target_model.get_output_embeddings().weight
     norm = target_model.get_decoder().norm.weight
     if lm_head.shape[1] != head.lm_head.weight.shape[1] or norm.shape != head.norm.weight.shape:
-        raise ValueError(f"the target's lm_head {tuple(lm_head.shape)} and final norm {tuple(norm.shape)} do not fit "
-                         f"the head's lm_head {tuple(head.lm_head.weight.shape)}: the head was built for another target")
+        raise ValueError(f"the target's lm_head {tuple(lm_head.shape)} and final norm {tuple(norm.shape)} do not "
+                         f"fit the head's lm_head {tuple(head.lm_head.weight.shape)}: the head was built for another "
+                         "target")
     head.lm_head.weight.copy_(lm_head[target_ids.to(lm_head.device)])
     head.norm.weight.copy_(norm)

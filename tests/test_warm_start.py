@@ -6,7 +6,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from eagle_train.eagle3 import Eagle3Head
+from eagle_train.eagle3_train import build_eagle3_head
 from eagle_train.export import export_head, import_head
+from eagle_train.train_config import TrainConfig, validate
 from eagle_train.warm_start import warm_start_from_target
 
 DRAFT_VOCAB = 1000
@@ -41,7 +43,8 @@ def test_warm_started_logits_are_the_targets_on_the_draft_vocab(tiny_llama, warm
         full = model.lm_head(model.model.norm(h))
     assert torch.equal(got, reference)
     torch.testing.assert_close(got, full[..., target_ids])
-    assert warm_head.lm_head.weight.data_ptr() != model.lm_head.weight.data_ptr()  # a copy: training leaves the target alone
+    # a copy: training the head leaves the target alone
+    assert warm_head.lm_head.weight.data_ptr() != model.lm_head.weight.data_ptr()
 
 
 def test_export_round_trip_keeps_the_warm_start(tmp_path, tiny_llama, warm_head):
@@ -54,3 +57,20 @@ def test_export_round_trip_keeps_the_warm_start(tmp_path, tiny_llama, warm_head)
     assert torch.equal(back.d2t, warm_head.d2t)
     warm, cold = (load_file(tmp_path / d / "model.safetensors") for d in ("warm", "cold"))
     assert {k: (v.shape, v.dtype) for k, v in warm.items()} == {k: (v.shape, v.dtype) for k, v in cold.items()}
+
+
+def test_train_config_warm_start_reaches_the_eagle3_builder(tiny_llama, warm_head):
+    model, _ = tiny_llama
+    vocab_map = {"d2t": warm_head.d2t.clone(), "t2d": warm_head.t2d.clone()}
+    cold = build_eagle3_head(TrainConfig(), model, vocab_map)
+    warm = build_eagle3_head(TrainConfig(warm_start=True), model, vocab_map)
+    assert torch.equal(warm.lm_head.weight, warm_head.lm_head.weight)
+    assert torch.equal(warm.norm.weight, warm_head.norm.weight)
+    assert not torch.equal(cold.lm_head.weight, warm.lm_head.weight)
+
+
+@pytest.mark.parametrize("bad", [{"init_from": "some-head"}, {"method": "peagle"}])
+def test_warm_start_is_refused_where_it_means_nothing(tiny_llama, bad):
+    model, _ = tiny_llama
+    with pytest.raises(ValueError, match="warm_start"):
+        validate(TrainConfig(warm_start=True, **bad), model.config)
