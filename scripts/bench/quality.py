@@ -81,8 +81,8 @@ def parse_args(argv=None):
     p.add_argument("--eval-every", type=float, default=None, metavar="MIN",
                    help="evaluate at every multiple of this many minutes of compute (default: budget / 4)")
     p.add_argument("--save-every", type=int, default=5, metavar="STEPS",
-                   help="checkpoint interval of the trainer (overrides the recipe's save_every): the checkpoint a point "
-                        "evaluates is the newest one when its minute comes (default 5)")
+                   help="checkpoint interval of the trainer (overrides the recipe's save_every): the checkpoint a "
+                        "point evaluates is the newest one when its minute comes (default 5)")
     p.add_argument("--bench", nargs="+", default=list(BENCHES), help=f"bench sets (default: {' '.join(BENCHES)})")
     p.add_argument("--num-prompts", type=int, default=20, help="prompts per bench (default 20)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per turn (default 128)")
@@ -346,9 +346,9 @@ def main(argv=None):
         record["points"].append(point)
         record["eval_minutes"] += point["eval_minutes"]
         save(record, out)
+        speedups = {name: [s["speedup"] for s in per.values()] for name, per in summaries.items()}
         als = "; ".join(f"{name} " + " ".join(f"{b} {s['acceptance_length']:.3f}" for b, s in per.items())
-                        + f" ({min(s['speedup'] for s in per.values()):.2f}-{max(s['speedup'] for s in per.values()):.2f}x)"
-                        for name, per in summaries.items())
+                        + f" ({min(speedups[name]):.2f}-{max(speedups[name]):.2f}x)" for name, per in summaries.items())
         print(f"[quality] step {state['step']}, {point['compute_minutes']:.2f} min compute, "
               f"{state['tokens_consumed']} tokens: {als} [eval {point['eval_minutes']:.2f} min]")
 
