@@ -16,6 +16,7 @@ from data_prep.vocab import build_vocab_map, count_tokens
 from eagle_train.store import (MANIFEST, TOKENIZED_FORMAT, StoreWriter, chat_template_fingerprint, finalize_manifest,
                                list_shards, target_identity, write_vocab_map)
 from eagle_train.target import load_target_config, load_tokenizer
+from eagle_train.vocab_map import DRAFT_VOCAB_SIZE
 
 
 def clear_dir(path: Path) -> None:
@@ -43,8 +44,9 @@ def _tokenize_or_skip(conv):
 
 
 def tokenize_dataset(source: str, out: str, target: str, max_length: int = MAX_LENGTH, limit: int | None = None,
-                     system_prompt: str | None = None, draft_vocab_size: int = 32000, shard_tokens: int = 1 << 20,
-                     split: str = "train", tokenizer=None, workers: int = 1) -> tuple[dict, ReadReport, dict]:
+                     system_prompt: str | None = None, draft_vocab_size: int = DRAFT_VOCAB_SIZE,
+                     shard_tokens: int = 1 << 20, split: str = "train", tokenizer=None,
+                     workers: int = 1) -> tuple[dict, ReadReport, dict]:
     """Read, render and mask up to `limit` conversations; write shards, manifest and vocab map.
 
     Returns (manifest, ReadReport, vocab map); conversations that cannot be used are reported, not fatal.

@@ -14,6 +14,7 @@ import time
 import torch
 
 from eagle_train.eagle3 import Eagle3Head
+from eagle_train.vocab_map import DRAFT_VOCAB_SIZE
 from inference.drafting import TreeShape
 from inference.generate import Runtime
 
@@ -76,7 +77,7 @@ def main():
         head = load_draft_head(args.draft, model)
     else:
         torch.manual_seed(0)
-        head = Eagle3Head.from_target(model, draft_vocab_size=min(32000, model.config.vocab_size))
+        head = Eagle3Head.from_target(model, draft_vocab_size=min(DRAFT_VOCAB_SIZE, model.config.vocab_size))
     head.to(device=device, dtype=dtype).eval()
     shape = TreeShape.parse(args.tree) if args.tree else TreeShape.chain(args.chain)
     eos_ids = [eos] if eos is not None else []

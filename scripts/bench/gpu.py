@@ -65,6 +65,7 @@ def table(title: str, header: list[str], rows: list[list]) -> str:
 
 def bench_kernels(args, device) -> dict:
     from eagle_train.fused_ce import soft_cross_entropy, triton
+    from eagle_train.vocab_map import DRAFT_VOCAB_SIZE
 
     cuda = device.type == "cuda"
     out = {}
@@ -81,8 +82,8 @@ def bench_kernels(args, device) -> dict:
     out["matmul_size"] = m
     del a
 
-    # The TTT loss of one step: N tokens, H=576 (SmolLM2), Vd=32000, hidden bf16 under autocast.
-    n, h, vd = (args.loss_tokens, 576, 32000) if cuda else (256, 64, 2000)
+    # The TTT loss of one step: N tokens, H=576 (SmolLM2), the default Vd, hidden bf16 under autocast.
+    n, h, vd = (args.loss_tokens, 576, DRAFT_VOCAB_SIZE) if cuda else (256, 64, 2000)
     g = torch.Generator(device=device).manual_seed(0)
     hidden = torch.randn(n, h, device=device, generator=g)
     weight = (torch.randn(vd, h, device=device, generator=g) * 0.05).requires_grad_(True)
@@ -371,7 +372,7 @@ def bench_train(args, device, model, tokenizer) -> dict:
     params = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95))
     source = BatchSource(cfg, model, head.t2d, list(head.config.aux_layer_ids), device)
-    objective = eagle3_objective(7, 0.8, False)
+    objective = eagle3_objective(cfg.ttt_length, cfg.ttt_decay, cfg.gradient_checkpointing)
     data, batches = real_batches(args.data, args.train_tokens, args.train_tokens * (args.train_steps + 2))
     batches = batches[: args.train_steps + 1]
     padded = [pad_samples([data.tokens(i) for i in b], cfg.max_length) for b in batches]
@@ -412,7 +413,7 @@ def bench_train(args, device, model, tokenizer) -> dict:
            "head_seconds": t_head, "target_seconds": t_source,
            "head_tokens_per_s": tokens / t_head, "online_tokens_per_s": tokens / (t_head + t_source),
            "head_flops_per_token": flops / tokens, "head_mfu": flops / t_head / peak, "peak_flops": peak}
-    print(table(f"\n== EAGLE-3 training (7 TTT steps, {args.train_tokens} tokens per batch, bf16 autocast); MFU "
+    print(table(f"\n== EAGLE-3 training ({cfg.ttt_length} TTT steps, {args.train_tokens} tokens per batch, bf16 autocast); MFU "
                 f"vs {peak / 1e12:.0f} TFLOP/s bf16 dense", ["", "tok/s", "GFLOP/token", "MFU %"],
                 [["head fwd+bwd+AdamW", out["head_tokens_per_s"], out["head_flops_per_token"] / 1e9, 100 * out["head_mfu"]],
                  ["+ online target fwd + distribution", out["online_tokens_per_s"], "", ""]]))

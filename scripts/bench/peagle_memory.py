@@ -21,8 +21,9 @@ import torch
 
 from eagle_train import peagle_batch as pb
 from eagle_train.draft_config import DraftConfig
-from eagle_train.peagle import PEagleHead
+from eagle_train.peagle import NUM_DEPTHS, PEagleHead
 from eagle_train.peagle_train import PEagleObjective
+from eagle_train.vocab_map import DRAFT_VOCAB_SIZE
 
 
 def smollm2_sized_head(num_depths: int, layers: int, draft_vocab: int) -> PEagleHead:
@@ -87,9 +88,9 @@ def child(args, segments, queue):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--max-length", type=int, default=2048)
-    p.add_argument("--num-depths", type=int, default=7)
+    p.add_argument("--num-depths", type=int, default=NUM_DEPTHS)
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--draft-vocab", type=int, default=32000)
+    p.add_argument("--draft-vocab", type=int, default=DRAFT_VOCAB_SIZE)
     p.add_argument("--segments", default="1,2,4", help="comma-separated segment counts to compare")
     p.add_argument("--cpu", action="store_true", help="measure on CPU even when CUDA is available")
     p.add_argument("--json", help="also write the rows to this file")

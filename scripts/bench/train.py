@@ -19,7 +19,8 @@ import torch
 
 from eagle_train.eagle3 import Eagle3Head
 from eagle_train.target import load_target
-from eagle_train.ttt import target_distribution, ttt_loss
+from eagle_train.ttt import TTT_LENGTH, target_distribution, ttt_loss
+from eagle_train.vocab_map import DRAFT_VOCAB_SIZE
 
 
 def head_forward_flops(cfg, batch: int, seq: int, ttt_length: int) -> float:
@@ -40,8 +41,8 @@ def main():
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--tokens-per-batch", type=int, default=2048)
     p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--ttt-length", type=int, default=7)
-    p.add_argument("--draft-vocab-size", type=int, default=32000)
+    p.add_argument("--ttt-length", type=int, default=TTT_LENGTH)
+    p.add_argument("--draft-vocab-size", type=int, default=DRAFT_VOCAB_SIZE)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--gradient-checkpointing", action="store_true")
