@@ -16,10 +16,12 @@ def warm_start_from_target(head, target_model) -> None:
     target's final norm weight, in place. Call it after the head's vocab map (d2t) is set."""
     target_ids = head.draft_to_target_ids(torch.arange(head.config.draft_vocab_size, device=head.d2t.device))
     lm_head = target_model.get_output_embeddings().weight
-    norm = target_model.get_decoder().norm.weight
+    norm = target_model.model.norm.weight  # the decoder stack check_decoder requires at model.model
     if lm_head.shape[1] != head.lm_head.weight.shape[1] or norm.shape != head.norm.weight.shape:
-        raise ValueError(f"the target's lm_head {tuple(lm_head.shape)} and final norm {tuple(norm.shape)} do not "
-                         f"fit the head's lm_head {tuple(head.lm_head.weight.shape)}: the head was built for another "
-                         "target")
+        raise ValueError(
+            f"the target's lm_head {tuple(lm_head.shape)} and final norm {tuple(norm.shape)} do not "
+            f"fit the head's lm_head {tuple(head.lm_head.weight.shape)}: the head was built for another "
+            "target"
+        )
     head.lm_head.weight.copy_(lm_head[target_ids.to(lm_head.device)])
     head.norm.weight.copy_(norm)
