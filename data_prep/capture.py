@@ -24,9 +24,22 @@ from tqdm import tqdm
 
 from eagle_train.batching import pack_by_length
 from eagle_train.hidden_states import default_aux_layer_ids, target_hidden_states
-from eagle_train.store import (HIDDEN_FORMAT, MANIFEST, STORE_DTYPES, VOCAB_MAP, ShardedSamples, StoreWriter,
-                               check_store_matches, encode_hidden, finalize_manifest, list_shards, shard_name,
-                               shard_sample_ids, target_identity, write_json_atomic)
+from eagle_train.store import (
+    HIDDEN_FORMAT,
+    MANIFEST,
+    STORE_DTYPES,
+    VOCAB_MAP,
+    ShardedSamples,
+    StoreWriter,
+    check_store_matches,
+    encode_hidden,
+    finalize_manifest,
+    list_shards,
+    shard_name,
+    shard_sample_ids,
+    target_identity,
+    write_json_atomic,
+)
 
 
 def plan_shards(lengths: list[int], token_budget: int, shard_tokens: int) -> list[list[list[int]]]:
@@ -83,10 +96,22 @@ def _read_header(out: Path) -> dict | None:
     return json.loads(file.read_text()) if file.is_file() else None
 
 
-def capture(model, data: str | Path, out: str | Path, *, target_name: str, aux_layer_ids=None,
-            dtype: str = "bfloat16", token_budget: int = 8192, shard_tokens: int = 1 << 16,
-            rank: int = 0, world_size: int = 1, barrier=lambda: None, pad_id: int = 0,
-            progress: bool = True) -> tuple[dict | None, dict]:
+def capture(
+    model,
+    data: str | Path,
+    out: str | Path,
+    *,
+    target_name: str,
+    aux_layer_ids=None,
+    dtype: str = "bfloat16",
+    token_budget: int = 8192,
+    shard_tokens: int = 1 << 16,
+    rank: int = 0,
+    world_size: int = 1,
+    barrier=lambda: None,
+    pad_id: int = 0,
+    progress: bool = True,
+) -> tuple[dict | None, dict]:
     """Capture `data` (a tokenized dataset dir) into the store `out`.
 
     Returns (the manifest on rank 0, else None; this process's {"tokens", "seconds"} this run).
@@ -111,8 +136,13 @@ def capture(model, data: str | Path, out: str | Path, *, target_name: str, aux_l
         "tokenizer": source.manifest["tokenizer"],
         "chat_template_fingerprint": source.manifest["chat_template_fingerprint"],
         "source": str(data),
-        "plan": {"token_budget": token_budget, "shard_tokens": shard_tokens, "num_shards": len(plan),
-                 "source_samples": len(source), "source_tokens": source.manifest["num_tokens"]},
+        "plan": {
+            "token_budget": token_budget,
+            "shard_tokens": shard_tokens,
+            "num_shards": len(plan),
+            "source_samples": len(source),
+            "source_tokens": source.manifest["num_tokens"],
+        },
         "num_processes": world_size,
         "complete": False,
     }
@@ -121,8 +151,10 @@ def capture(model, data: str | Path, out: str | Path, *, target_name: str, aux_l
         check_store_matches(existing, model.config, ids)
         for key in ("dtype", "plan", "source"):
             if existing.get(key) != header[key]:
-                raise ValueError(f"{out} was captured with {key}={existing.get(key)!r}, not {header[key]!r}: "
-                                 "resume with the same settings or capture into a new directory")
+                raise ValueError(
+                    f"{out} was captured with {key}={existing.get(key)!r}, not {header[key]!r}: "
+                    "resume with the same settings or capture into a new directory"
+                )
     barrier()  # every process has checked before rank 0 writes anything
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
@@ -137,14 +169,20 @@ def capture(model, data: str | Path, out: str | Path, *, target_name: str, aux_l
         expected = [i for batch in plan[k] for i in batch]
         if k in done:
             if shard_sample_ids(out / shard_name(k)) != expected:
-                raise ValueError(f"{out / shard_name(k)} holds other samples than this plan; "
-                                 "capture into a new directory")
+                raise ValueError(
+                    f"{out / shard_name(k)} holds other samples than this plan; capture into a new directory"
+                )
         else:
             todo.append(k)
     lengths = source.lengths()
     total = sum(lengths[i] for k in todo for batch in plan[k] for i in batch)
-    bar = tqdm(total=total, unit="tok", unit_scale=True, disable=not progress,
-               desc=f"capture r{rank}" if world_size > 1 else "capture")
+    bar = tqdm(
+        total=total,
+        unit="tok",
+        unit_scale=True,
+        disable=not progress,
+        desc=f"capture r{rank}" if world_size > 1 else "capture",
+    )
     start = time.perf_counter()
     with StoreWriter(out, dtype, rank=rank) as writer:
         for k in todo:
@@ -160,8 +198,10 @@ def capture(model, data: str | Path, out: str | Path, *, target_name: str, aux_l
         return None, stats
     have = {k for k, _ in list_shards(out)}
     if have != set(range(len(plan))):
-        raise RuntimeError(f"{out}: shards {sorted(set(range(len(plan))) - have)} are missing, "
-                           f"unexpected {sorted(have - set(range(len(plan))))}")
+        raise RuntimeError(
+            f"{out}: shards {sorted(set(range(len(plan))) - have)} are missing, "
+            f"unexpected {sorted(have - set(range(len(plan))))}"
+        )
     if (Path(data) / VOCAB_MAP).is_file():
         shutil.copyfile(Path(data) / VOCAB_MAP, out / VOCAB_MAP)
     return finalize_manifest(out, {k: v for k, v in header.items() if k != "complete"}), stats

@@ -77,8 +77,9 @@ def _prefix(tokenizer, messages, add_generation_prompt=False):
         return None
 
 
-def tokenize_conversation(tokenizer, messages: list[dict], max_length: int | None = None,
-                          system_prompt: str | None = None) -> dict[str, torch.Tensor]:
+def tokenize_conversation(
+    tokenizer, messages: list[dict], max_length: int | None = None, system_prompt: str | None = None
+) -> dict[str, torch.Tensor]:
     """Return `input_ids` int64 [T] and `loss_mask` bool [T]; raise SkipSample with the reason if unusable."""
     messages = with_system_prompt(messages, system_prompt)
     text = render(tokenizer, messages)
@@ -95,7 +96,7 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_length: int | Non
             mask[t] = True
             t += 1
         # the end-of-turn token: first non-blank token the template put after the content
-        while t < len(ids) and offsets[t][0] < turn_end and not text[offsets[t][0]:offsets[t][1]].strip():
+        while t < len(ids) and offsets[t][0] < turn_end and not text[offsets[t][0] : offsets[t][1]].strip():
             t += 1
         if t < len(ids) and offsets[t][0] < turn_end:
             mask[t] = True

@@ -56,8 +56,10 @@ def tokenize(target, data, out, **options) -> dict:
     manifest, report, vmap = tokenize_dataset(data, out, target, **options)
     print(report.summary())
     print(coverage_line(vmap))
-    print(f"tokenized {manifest['num_samples']} conversations, {manifest['num_tokens']} tokens "
-          f"({int(vmap['counts'].sum())} loss-masked) in {time.perf_counter() - start:.1f}s -> {out}")
+    print(
+        f"tokenized {manifest['num_samples']} conversations, {manifest['num_tokens']} tokens "
+        f"({int(vmap['counts'].sum())} loss-masked) in {time.perf_counter() - start:.1f}s -> {out}"
+    )
     return manifest
 
 
@@ -76,8 +78,10 @@ def print_mask(target, data, index, template, color, split, max_length, system_p
         sys.exit(f"conversation {convs[index]['id']} is skipped: {e}")
     color = color and sys.stdout.isatty()
     print(show_mask(tokenizer, s["input_ids"], s["loss_mask"], color=color))
-    print(f"\n-- conversation {convs[index]['id']}: {len(s['input_ids'])} tokens, "
-          f"{int(s['loss_mask'].sum())} loss-masked ({'highlighted' if color else 'in [[ ]]'})")
+    print(
+        f"\n-- conversation {convs[index]['id']}: {len(s['input_ids'])} tokens, "
+        f"{int(s['loss_mask'].sum())} loss-masked ({'highlighted' if color else 'in [[ ]]'})"
+    )
 
 
 def regenerate_answers(target, data, out, *, limit, split, seed, device=None, **options) -> dict:
@@ -92,8 +96,10 @@ def regenerate_answers(target, data, out, *, limit, split, seed, device=None, **
     with tqdm(total=limit, unit="conv", desc="regenerate") as bar:
         counts = regenerate(model, tokenizer, convs, out, progress=bar, **options)
     print(report.summary())
-    print(f"regenerated {counts['written']} conversations ({counts['skipped_done']} already done, "
-          f"{counts['empty']} with no room to generate) in {time.perf_counter() - start:.1f}s -> {out}")
+    print(
+        f"regenerated {counts['written']} conversations ({counts['skipped_done']} already done, "
+        f"{counts['empty']} with no room to generate) in {time.perf_counter() - start:.1f}s -> {out}"
+    )
     return counts
 
 
@@ -117,17 +123,29 @@ def capture_store(target, data, out, **options) -> dict | None:
     if acc.is_main_process:
         print(f"capture: {acc.num_processes} process(es), torch.distributed world size {world}, backend {backend}")
     model, tokenizer = _open_target(target, acc.device)
-    manifest, stats = capture(model, data, out, target_name=target, rank=acc.process_index,
-                              world_size=acc.num_processes, barrier=acc.wait_for_everyone,
-                              pad_id=tokenizer.pad_token_id, **options)
+    manifest, stats = capture(
+        model,
+        data,
+        out,
+        target_name=target,
+        rank=acc.process_index,
+        world_size=acc.num_processes,
+        barrier=acc.wait_for_everyone,
+        pad_id=tokenizer.pad_token_id,
+        **options,
+    )
     rate = stats["tokens"] / stats["seconds"] if stats["seconds"] > 0 else 0.0
-    print(f"rank {acc.process_index}: captured {stats['shards']} shards, {stats['tokens']} tokens "
-          f"in {stats['seconds']:.1f}s ({rate:.0f} tok/s)")
+    print(
+        f"rank {acc.process_index}: captured {stats['shards']} shards, {stats['tokens']} tokens "
+        f"in {stats['seconds']:.1f}s ({rate:.0f} tok/s)"
+    )
     if manifest is not None:
         size = sum((Path(out) / s["file"]).stat().st_size for s in manifest["shards"])
-        print(f"store {out}: {manifest['num_samples']} samples, {manifest['num_tokens']} tokens, "
-              f"{len(manifest['shards'])} shards, {manifest['dtype']}, aux layers {manifest['aux_layer_ids']}, "
-              f"{size / 1e6:.1f} MB ({size / max(manifest['num_tokens'], 1):.0f} bytes/token)")
+        print(
+            f"store {out}: {manifest['num_samples']} samples, {manifest['num_tokens']} tokens, "
+            f"{len(manifest['shards'])} shards, {manifest['dtype']}, aux layers {manifest['aux_layer_ids']}, "
+            f"{size / 1e6:.1f} MB ({size / max(manifest['num_tokens'], 1):.0f} bytes/token)"
+        )
     acc.end_training()
     return manifest
 
@@ -136,7 +154,9 @@ def capture_store(target, data, out, **options) -> dict | None:
 # of the library parameter it sets. Any other key, in the file or on the command line, is refused: a
 # misspelt key must not silently fall back.
 RUN_KEYS = {
-    "target": SMOLLM2, "data": SHAREGPT, "out_dir": None,
+    "target": SMOLLM2,
+    "data": SHAREGPT,
+    "out_dir": None,
     "prep.num_conversations": default(tokenize_dataset, "limit"),
     "prep.max_length": MAX_LENGTH,
     "prep.split": default(read_conversations, "split"),
@@ -176,8 +196,9 @@ def load_run_config(path, overrides=()) -> dict:
     values.update(parse_overrides(list(overrides)))
     unknown = sorted(set(values) - set(RUN_KEYS))
     if unknown:
-        raise ValueError(f"unknown key(s) {', '.join(unknown)} in {path} or the overrides; "
-                         f"the keys are: {', '.join(RUN_KEYS)}")
+        raise ValueError(
+            f"unknown key(s) {', '.join(unknown)} in {path} or the overrides; the keys are: {', '.join(RUN_KEYS)}"
+        )
     values = {**RUN_KEYS, **values}
     if not values["out_dir"]:
         raise ValueError(f"{path} sets no out_dir (where tokenized/ and store/ go)")
@@ -194,25 +215,48 @@ def run(config, overrides) -> None:
     read = {"limit": c["prep.num_conversations"], "split": c["prep.split"]}
     if c["prep.regenerate.enabled"]:
         regenerated = out / "regenerated.jsonl"
-        regenerate_answers(target, data, regenerated, **read, seed=c["prep.regenerate.seed"],
-                           batch_size=c["prep.regenerate.batch_size"],
-                           max_new_tokens=c["prep.regenerate.max_new_tokens"],
-                           temperature=c["prep.regenerate.temperature"], top_p=c["prep.regenerate.top_p"],
-                           max_turns=c["prep.regenerate.max_turns"], max_length=c["prep.max_length"],
-                           system_prompt=system_prompt)
+        regenerate_answers(
+            target,
+            data,
+            regenerated,
+            **read,
+            seed=c["prep.regenerate.seed"],
+            batch_size=c["prep.regenerate.batch_size"],
+            max_new_tokens=c["prep.regenerate.max_new_tokens"],
+            temperature=c["prep.regenerate.temperature"],
+            top_p=c["prep.regenerate.top_p"],
+            max_turns=c["prep.regenerate.max_turns"],
+            max_length=c["prep.max_length"],
+            system_prompt=system_prompt,
+        )
         data, system_prompt = str(regenerated), None  # the regenerated conversations hold the system prompt
-    tokenize(target, data, out / "tokenized", **read, max_length=c["prep.max_length"], system_prompt=system_prompt,
-             draft_vocab_size=c["prep.draft_vocab_size"], shard_tokens=c["prep.tokenized_shard_tokens"],
-             workers=c["prep.workers"])
+    tokenize(
+        target,
+        data,
+        out / "tokenized",
+        **read,
+        max_length=c["prep.max_length"],
+        system_prompt=system_prompt,
+        draft_vocab_size=c["prep.draft_vocab_size"],
+        shard_tokens=c["prep.tokenized_shard_tokens"],
+        workers=c["prep.workers"],
+    )
     if c["prep.capture.enabled"]:
-        capture_store(target, out / "tokenized", out / "store", aux_layer_ids=c["prep.capture.aux_layer_ids"],
-                      dtype=c["prep.capture.dtype"], token_budget=c["prep.capture.token_budget"],
-                      shard_tokens=c["prep.capture.shard_tokens"])
+        capture_store(
+            target,
+            out / "tokenized",
+            out / "store",
+            aux_layer_ids=c["prep.capture.aux_layer_ids"],
+            dtype=c["prep.capture.dtype"],
+            token_budget=c["prep.capture.token_budget"],
+            shard_tokens=c["prep.capture.shard_tokens"],
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="eagle-prep", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="eagle-prep", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
     def add(name, fn, help_):
@@ -222,70 +266,114 @@ def build_parser() -> argparse.ArgumentParser:
 
     def source(s, out_help=None):
         s.add_argument("--target", default=SMOLLM2, help="hub id, local HF dir, .gguf file or alias (smollm2-135m)")
-        s.add_argument("--data", default=SHAREGPT,
-                       help="'sharegpt', a .json/.jsonl/.parquet file, a saved datasets dir or a hub dataset")
-        s.add_argument("--split", default=default(read_conversations, "split"),
-                       help="split for hub / DatasetDict sources")
+        s.add_argument(
+            "--data",
+            default=SHAREGPT,
+            help="'sharegpt', a .json/.jsonl/.parquet file, a saved datasets dir or a hub dataset",
+        )
+        s.add_argument(
+            "--split", default=default(read_conversations, "split"), help="split for hub / DatasetDict sources"
+        )
         s.add_argument("--max-length", type=int, default=MAX_LENGTH, help="truncate conversations to this many tokens")
         s.add_argument("--system-prompt", default=None, help="replace every conversation's system prompt with this")
         if out_help:
             s.add_argument("--out", required=True, help=out_help)
 
-    s = add("tokenize", tokenize, "render conversations with the target's chat template, mask assistant tokens, "
-                                  "write a tokenized dataset dir (input of capture and online training) "
-                                  "and its vocab map")
+    s = add(
+        "tokenize",
+        tokenize,
+        "render conversations with the target's chat template, mask assistant tokens, "
+        "write a tokenized dataset dir (input of capture and online training) "
+        "and its vocab map",
+    )
     source(s, "output directory")
     s.add_argument("--limit", type=int, default=None, help="stop after this many usable conversations")
     s.add_argument("--draft-vocab-size", type=int, default=default(tokenize_dataset, "draft_vocab_size"))
-    s.add_argument("--shard-tokens", type=int, default=default(tokenize_dataset, "shard_tokens"),
-                   help="tokens per shard file")
-    s.add_argument("--workers", type=int, default=default(tokenize_dataset, "workers"),
-                   help="processes that render and tokenize (same output)")
+    s.add_argument(
+        "--shard-tokens", type=int, default=default(tokenize_dataset, "shard_tokens"), help="tokens per shard file"
+    )
+    s.add_argument(
+        "--workers",
+        type=int,
+        default=default(tokenize_dataset, "workers"),
+        help="processes that render and tokenize (same output)",
+    )
 
-    s = add("show-mask", print_mask, "print one conversation with its loss-masked (trained) tokens highlighted; "
-                                     "use it to check a new chat template")
+    s = add(
+        "show-mask",
+        print_mask,
+        "print one conversation with its loss-masked (trained) tokens highlighted; use it to check a new chat template",
+    )
     source(s)
     s.add_argument("--index", type=int, default=0, help="which usable conversation to show")
     s.add_argument("--template", default=None, help="a jinja chat template file to use instead of the tokenizer's")
     s.add_argument("--no-color", dest="color", action="store_false", help="mark spans with [[ ]] instead of colour")
 
-    s = add("regenerate", regenerate_answers,
-            "replace assistant turns with the target's own responses (JSONL out, resumable)")
+    s = add(
+        "regenerate",
+        regenerate_answers,
+        "replace assistant turns with the target's own responses (JSONL out, resumable)",
+    )
     source(s, "output .jsonl (appended; ids already there are skipped)")
     s.add_argument("--limit", type=int, default=None)
     s.add_argument("--batch-size", type=int, default=default(regenerate, "batch_size"))
     s.add_argument("--max-new-tokens", type=int, default=default(regenerate_batch, "max_new_tokens"))
     s.add_argument("--temperature", type=float, default=default(regenerate_batch, "temperature"), help="0 = greedy")
     s.add_argument("--top-p", type=float, default=default(regenerate_batch, "top_p"))
-    s.add_argument("--max-turns", type=int, default=default(regenerate_batch, "max_turns"),
-                   help="regenerate at most this many assistant turns per conversation (later turns are dropped)")
+    s.add_argument(
+        "--max-turns",
+        type=int,
+        default=default(regenerate_batch, "max_turns"),
+        help="regenerate at most this many assistant turns per conversation (later turns are dropped)",
+    )
     s.add_argument("--seed", type=int, default=SEED)
     s.add_argument("--device", default=None, help="default: cuda if available, else cpu")
 
-    s = add("vocab", rewrite_vocab_map,
-            "recount loss-masked tokens of a tokenized dataset or store and rewrite its draft vocab map")
+    s = add(
+        "vocab",
+        rewrite_vocab_map,
+        "recount loss-masked tokens of a tokenized dataset or store and rewrite its draft vocab map",
+    )
     s.add_argument("--data", required=True, help="tokenized dataset or store directory")
     s.add_argument("--draft-vocab-size", type=int, default=default(make_vocab_map, "draft_vocab_size"))
 
-    s = add("capture", capture_store, "run the target over a tokenized dataset and store its aux + final hidden "
-                                      "states (resumable; run under `accelerate launch` for several processes)")
+    s = add(
+        "capture",
+        capture_store,
+        "run the target over a tokenized dataset and store its aux + final hidden "
+        "states (resumable; run under `accelerate launch` for several processes)",
+    )
     s.add_argument("--target", default=SMOLLM2)
     s.add_argument("--data", required=True, help="tokenized dataset directory (from `tokenize`)")
     s.add_argument("--out", required=True, help="store directory")
-    s.add_argument("--aux-layers", dest="aux_layer_ids", type=_parse_layers, default=default(capture, "aux_layer_ids"),
-                   help="comma-separated hidden_states indices; default 2,N//2,N-3")
+    s.add_argument(
+        "--aux-layers",
+        dest="aux_layer_ids",
+        type=_parse_layers,
+        default=default(capture, "aux_layer_ids"),
+        help="comma-separated hidden_states indices; default 2,N//2,N-3",
+    )
     s.add_argument("--dtype", default=default(capture, "dtype"), choices=list(STORE_DTYPES))
-    s.add_argument("--token-budget", type=int, default=default(capture, "token_budget"),
-                   help="padded tokens per forward")
-    s.add_argument("--shard-tokens", type=int, default=default(capture, "shard_tokens"),
-                   help="tokens per shard (the unit of resume)")
+    s.add_argument(
+        "--token-budget", type=int, default=default(capture, "token_budget"), help="padded tokens per forward"
+    )
+    s.add_argument(
+        "--shard-tokens",
+        type=int,
+        default=default(capture, "shard_tokens"),
+        help="tokens per shard (the unit of resume)",
+    )
     s.add_argument("--no-progress", dest="progress", action="store_false")
 
     s = add("run", run, "run the pipeline of a YAML config ([regenerate] -> tokenize -> capture)")
     s.add_argument("--config", required=True)
-    s.add_argument("overrides", nargs="*", metavar="key=value",
-                   help="override a config key by its dotted path, e.g. prep.num_conversations=200 "
-                        "prep.capture.dtype=float8_e4m3fn out_dir=runs/x")
+    s.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="override a config key by its dotted path, e.g. prep.num_conversations=200 "
+        "prep.capture.dtype=float8_e4m3fn out_dir=runs/x",
+    )
     return p
 
 

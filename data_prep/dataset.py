@@ -13,8 +13,16 @@ import torch
 from data_prep.chat import MAX_LENGTH, SkipSample, tokenize_conversation
 from data_prep.readers import ReadReport, read_conversations
 from data_prep.vocab import build_vocab_map, count_tokens
-from eagle_train.store import (MANIFEST, TOKENIZED_FORMAT, StoreWriter, chat_template_fingerprint, finalize_manifest,
-                               list_shards, target_identity, write_vocab_map)
+from eagle_train.store import (
+    MANIFEST,
+    TOKENIZED_FORMAT,
+    StoreWriter,
+    chat_template_fingerprint,
+    finalize_manifest,
+    list_shards,
+    target_identity,
+    write_vocab_map,
+)
 from eagle_train.target import load_target_config, load_tokenizer
 from eagle_train.vocab_map import DRAFT_VOCAB_SIZE
 
@@ -36,17 +44,27 @@ def _init_worker(tokenizer, max_length, system_prompt):
 def _tokenize_or_skip(conv):
     """A sample as numpy arrays (cheap to send between processes), or the SkipSample reason."""
     try:
-        sample = tokenize_conversation(_WORKER["tokenizer"], conv["messages"], _WORKER["max_length"],
-                                       _WORKER["system_prompt"])
+        sample = tokenize_conversation(
+            _WORKER["tokenizer"], conv["messages"], _WORKER["max_length"], _WORKER["system_prompt"]
+        )
     except SkipSample as e:
         return str(e)
     return {k: v.numpy() for k, v in sample.items()}
 
 
-def tokenize_dataset(source: str, out: str, target: str, max_length: int = MAX_LENGTH, limit: int | None = None,
-                     system_prompt: str | None = None, draft_vocab_size: int = DRAFT_VOCAB_SIZE,
-                     shard_tokens: int = 1 << 20, split: str = "train", tokenizer=None,
-                     workers: int = 1) -> tuple[dict, ReadReport, dict]:
+def tokenize_dataset(
+    source: str,
+    out: str,
+    target: str,
+    max_length: int = MAX_LENGTH,
+    limit: int | None = None,
+    system_prompt: str | None = None,
+    draft_vocab_size: int = DRAFT_VOCAB_SIZE,
+    shard_tokens: int = 1 << 20,
+    split: str = "train",
+    tokenizer=None,
+    workers: int = 1,
+) -> tuple[dict, ReadReport, dict]:
     """Read, render and mask up to `limit` conversations; write shards, manifest and vocab map.
 
     Returns (manifest, ReadReport, vocab map); conversations that cannot be used are reported, not fatal.
@@ -95,16 +113,18 @@ def tokenize_dataset(source: str, out: str, target: str, max_length: int = MAX_L
         raise ValueError(f"no usable conversations in {source!r}:\n{report.summary()}")
     vmap = build_vocab_map(counts, draft_vocab_size)
     write_vocab_map(out, vmap["d2t"], vmap["t2d"], vmap["counts"])
-    manifest = finalize_manifest(out, {
-        "format": TOKENIZED_FORMAT,
-        "target": {**target_identity(config), "given": str(target)},
-        "tokenizer": str(target),
-        "chat_template_fingerprint": chat_template_fingerprint(tokenizer.chat_template),
-        "system_prompt": system_prompt,
-        "max_length": max_length,
-        "source": str(source),
-        "records_read": report.read,
-        "skipped": dict(report.skipped),
-    })
+    manifest = finalize_manifest(
+        out,
+        {
+            "format": TOKENIZED_FORMAT,
+            "target": {**target_identity(config), "given": str(target)},
+            "tokenizer": str(target),
+            "chat_template_fingerprint": chat_template_fingerprint(tokenizer.chat_template),
+            "system_prompt": system_prompt,
+            "max_length": max_length,
+            "source": str(source),
+            "records_read": report.read,
+            "skipped": dict(report.skipped),
+        },
+    )
     return manifest, report, vmap
-

@@ -12,9 +12,14 @@ from pathlib import Path
 
 ROLES = {
     "system": "system",
-    "human": "user", "user": "user",
-    "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "bard": "assistant",
-    "bing": "assistant", "model": "assistant",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bard": "assistant",
+    "bing": "assistant",
+    "model": "assistant",
 }
 SHAREGPT = "sharegpt"
 _BAD_JSON = object()  # marks a JSONL line that did not parse

@@ -35,12 +35,20 @@ def _generate(model, tokenizer, prompts: list[str], max_new_tokens: int, tempera
         kwargs = {"do_sample": True, "temperature": temperature, "top_p": top_p}
     with torch.no_grad():
         out = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, **kwargs)
-    return [t.strip() for t in tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)]
+    return [t.strip() for t in tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)]
 
 
-def regenerate_batch(model, tokenizer, conversations: list[dict], max_new_tokens: int = 256, temperature: float = 0.0,
-                     top_p: float = 1.0, max_length: int = MAX_LENGTH, system_prompt: str | None = None,
-                     max_turns: int | None = None) -> list[dict]:
+def regenerate_batch(
+    model,
+    tokenizer,
+    conversations: list[dict],
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    max_length: int = MAX_LENGTH,
+    system_prompt: str | None = None,
+    max_turns: int | None = None,
+) -> list[dict]:
     """Return the conversations with every assistant turn replaced by the target's response.
 
     An assistant turn before any user turn is dropped (there is nothing to answer). A
@@ -48,8 +56,10 @@ def regenerate_batch(model, tokenizer, conversations: list[dict], max_new_tokens
     within `max_length`, or after `max_turns` regenerated turns (the cost of a conversation grows
     with every turn); one with no turn regenerated comes back with no messages.
     """
-    convs = [{"id": c["id"], "source": with_system_prompt(c["messages"], system_prompt), "messages": []}
-             for c in conversations]
+    convs = [
+        {"id": c["id"], "source": with_system_prompt(c["messages"], system_prompt), "messages": []}
+        for c in conversations
+    ]
     cursors = [0] * len(convs)
     active = list(range(len(convs)))
     while active:

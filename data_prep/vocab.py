@@ -41,5 +41,7 @@ def make_vocab_map(path, vocab_size: int, draft_vocab_size: int = DRAFT_VOCAB_SI
 
 def coverage_line(vmap: dict) -> str:
     n = int((vmap["counts"] > 0).sum())
-    return (f"draft vocab {len(vmap['d2t'])} of {len(vmap['t2d'])} ids covers {100 * vmap['coverage']:.2f}% "
-            f"of {int(vmap['counts'].sum())} loss-masked tokens ({n} distinct ids seen)")
+    return (
+        f"draft vocab {len(vmap['d2t'])} of {len(vmap['t2d'])} ids covers {100 * vmap['coverage']:.2f}% "
+        f"of {int(vmap['counts'].sum())} loss-masked tokens ({n} distinct ids seen)"
+    )

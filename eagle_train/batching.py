@@ -28,5 +28,5 @@ def epoch_batches(indices: list[int], lengths: list[int], tokens_per_batch: int,
     order = [indices[i] for i in torch.randperm(len(indices), generator=g).tolist()]
     batches = []
     for start in range(0, len(order), GROUP_SAMPLES):
-        batches += pack_by_length(order[start:start + GROUP_SAMPLES], lengths, tokens_per_batch)
+        batches += pack_by_length(order[start : start + GROUP_SAMPLES], lengths, tokens_per_batch)
     return [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]

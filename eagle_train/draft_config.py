@@ -60,8 +60,17 @@ class DraftConfig:
         check_draft_vocab_size(self.draft_vocab_size, self.vocab_size)
 
     @classmethod
-    def from_target_config(cls, cfg, *, draft_vocab_size: int = DRAFT_VOCAB_SIZE, aux_layer_ids=None,
-                           num_hidden_layers: int = 1, method: str = "eagle3", target: str = "", **extra):
+    def from_target_config(
+        cls,
+        cfg,
+        *,
+        draft_vocab_size: int = DRAFT_VOCAB_SIZE,
+        aux_layer_ids=None,
+        num_hidden_layers: int = 1,
+        method: str = "eagle3",
+        target: str = "",
+        **extra,
+    ):
         """A head sized like one decoder layer of the target (any Llama-family config)."""
         cfg = getattr(cfg, "text_config", None) or cfg
         if cfg.model_type not in LLAMA_FAMILY:

@@ -48,8 +48,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         if fused_input:
             self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.self_attn = Attention(2 * h if fused_input else h, h, cfg.num_attention_heads,
-                                   cfg.num_key_value_heads, cfg.head_dim)
+        self.self_attn = Attention(
+            2 * h if fused_input else h, h, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        )
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.mlp = MLP(h, cfg.intermediate_size)
 
@@ -87,7 +88,7 @@ def ttt_attention(attn: Attention, q, past: list[tuple[torch.Tensor, torch.Tenso
     probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(q.dtype)
     out = torch.matmul(probs[..., :t], v0)
     for j, (_, v) in enumerate(past[1:]):
-        out = out + probs[..., t + j:t + j + 1] * attn.expand_kv(v)
+        out = out + probs[..., t + j : t + j + 1] * attn.expand_kv(v)
     return attn.o_proj(out.transpose(1, 2).reshape(q.shape[0], t, -1))
 
 
@@ -134,8 +135,7 @@ class DraftHead(nn.Module):
 
     def saved_state_dict(self) -> dict[str, torch.Tensor]:
         """The checkpoint tensors: all of them, but a borrowed (frozen target) embedding."""
-        return {k: v for k, v in self.state_dict().items()
-                if self.owns_embedding or not k.startswith("embed_tokens.")}
+        return {k: v for k, v in self.state_dict().items() if self.owns_embedding or not k.startswith("embed_tokens.")}
 
     def save_pretrained(self, directory):
         directory = Path(directory)
@@ -198,5 +198,11 @@ class Eagle3Head(DraftHead):
 
     def new_cache(self, batch: int, max_len: int, dtype=None, device=None) -> KVCache:
         c = self.config
-        return KVCache(batch, c.num_key_value_heads, max_len, c.head_dim,
-                       dtype or self.fc.weight.dtype, device or self.fc.weight.device)
+        return KVCache(
+            batch,
+            c.num_key_value_heads,
+            max_len,
+            c.head_dim,
+            dtype or self.fc.weight.dtype,
+            device or self.fc.weight.device,
+        )

@@ -17,25 +17,38 @@ def build_eagle3_head(cfg: TrainConfig, target_model, vocab_map: dict | None) ->
         if head.config.method != "eagle3":
             raise ValueError(f"init_from {cfg.init_from} holds a {head.config.method} head, not an EAGLE-3 head")
         if head.config.target_hidden_size != target_model.config.hidden_size:
-            raise ValueError(f"init_from {cfg.init_from} was trained for a target with hidden size "
-                             f"{head.config.target_hidden_size}, not {target_model.config.hidden_size}")
+            raise ValueError(
+                f"init_from {cfg.init_from} was trained for a target with hidden size "
+                f"{head.config.target_hidden_size}, not {target_model.config.hidden_size}"
+            )
         return head
-    head = Eagle3Head.from_target(target_model, draft_vocab_size=len(vocab_map["d2t"]),
-                                  aux_layer_ids=cfg.aux_layer_ids, target=cfg.target)
+    head = Eagle3Head.from_target(
+        target_model, draft_vocab_size=len(vocab_map["d2t"]), aux_layer_ids=cfg.aux_layer_ids, target=cfg.target
+    )
     head.set_vocab_map(vocab_map["d2t"], vocab_map["t2d"])
     if cfg.warm_start:
         warm_start_from_target(head, target_model)
     return head
 
 
-def eagle3_objective(ttt_length: int = TTT_LENGTH, decay: float = TTT_DECAY, checkpoint_logits: bool = False,
-                     fused_loss: bool = False):
+def eagle3_objective(
+    ttt_length: int = TTT_LENGTH, decay: float = TTT_DECAY, checkpoint_logits: bool = False, fused_loss: bool = False
+):
     """The trainer's objective for EAGLE-3: one TTT unroll and one backward per micro-batch."""
 
     def objective(model, batch, backward):
-        loss, metrics = model(ttt_loss, batch["aux_hidden"], batch["input_ids"], batch["loss_mask"],
-                              batch["target_probs"], batch["in_draft"], ttt_length=ttt_length, decay=decay,
-                              checkpoint_logits=checkpoint_logits, fused_loss=fused_loss)
+        loss, metrics = model(
+            ttt_loss,
+            batch["aux_hidden"],
+            batch["input_ids"],
+            batch["loss_mask"],
+            batch["target_probs"],
+            batch["in_draft"],
+            ttt_length=ttt_length,
+            decay=decay,
+            checkpoint_logits=checkpoint_logits,
+            fused_loss=fused_loss,
+        )
         backward(loss)
         return metrics
 

@@ -47,8 +47,10 @@ def soft_cross_entropy(hidden, weight, target_probs, target_rows=None, chunk_siz
         raise ValueError("target_probs must not require grad (compute the target distribution under no_grad)")
     if target_rows is None:
         if target_probs.shape[0] != hidden.shape[0]:
-            raise ValueError(f"target_probs has {target_probs.shape[0]} rows for {hidden.shape[0]} hidden rows; "
-                             "pass target_rows to pick them")
+            raise ValueError(
+                f"target_probs has {target_probs.shape[0]} rows for {hidden.shape[0]} hidden rows; "
+                "pass target_rows to pick them"
+            )
         target_rows = torch.arange(hidden.shape[0], device=hidden.device)
     elif target_rows.shape != hidden.shape[:1]:
         raise ValueError(f"target_rows {tuple(target_rows.shape)} must be [N] = [{hidden.shape[0]}]")
@@ -68,8 +70,9 @@ def soft_cross_entropy(hidden, weight, target_probs, target_rows=None, chunk_siz
         dtype = torch.get_autocast_dtype(device_type)
         hidden, weight = hidden.to(dtype), weight.to(dtype)
     with torch.autocast(device_type, enabled=False):
-        loss, draft_argmax, target_argmax = _SoftCrossEntropy.apply(hidden, weight, target_probs, target_rows.long().contiguous(),
-                                                                    chunk_size, impl == "triton")
+        loss, draft_argmax, target_argmax = _SoftCrossEntropy.apply(
+            hidden, weight, target_probs, target_rows.long().contiguous(), chunk_size, impl == "triton"
+        )
     return loss, draft_argmax == target_argmax
 
 
@@ -92,19 +95,19 @@ class _SoftCrossEntropy(torch.autograd.Function):
         d_hidden = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if need_h else None
         d_weight = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device) if need_w else None
         for c0 in range(0, weight.shape[0], ctx.chunk_size):
-            w = weight[c0:c0 + ctx.chunk_size]
+            w = weight[c0 : c0 + ctx.chunk_size]
             z = (hidden @ w.t()).to(acc)
             if ctx.use_triton:
                 _triton_softmax_grad_(z, probs, rows, c0, lse, psum, g)
                 dz = z
             else:
-                p = probs[rows, c0:c0 + w.shape[0]].to(acc)
+                p = probs[rows, c0 : c0 + w.shape[0]].to(acc)
                 dz = g[:, None] * (psum[:, None] * torch.exp(z - lse[:, None]) - p)
             dz = dz.to(hidden.dtype)
             if need_h:
                 d_hidden += (dz @ w).to(acc)
             if need_w:
-                d_weight[c0:c0 + w.shape[0]] = dz.t() @ hidden
+                d_weight[c0 : c0 + w.shape[0]] = dz.t() @ hidden
         return (d_hidden.to(hidden.dtype) if need_h else None), d_weight, None, None, None, None
 
 
@@ -118,9 +121,9 @@ def _chunked_forward(hidden, weight, probs, rows, chunk_size):
     best_p = torch.full((n,), float("-inf"), **acc)
     best_p_idx = torch.zeros(n, dtype=torch.long, device=hidden.device)
     for c0 in range(0, weight.shape[0], chunk_size):
-        w = weight[c0:c0 + chunk_size]
+        w = weight[c0 : c0 + chunk_size]
         z = (hidden @ w.t()).to(acc["dtype"])
-        p = probs[rows, c0:c0 + w.shape[0]].to(acc["dtype"])
+        p = probs[rows, c0 : c0 + w.shape[0]].to(acc["dtype"])
         pz += (p * z).sum(-1)
         psum += p.sum(-1)
         chunk_max, chunk_idx = z.max(-1)
@@ -153,19 +156,28 @@ def triton_works(device) -> bool:
             p = torch.softmax(torch.randn(37, 300, device=device, generator=g), dim=-1)
             rows = torch.arange(37, device=device)
             got, want = _triton_forward(h, w, p, rows), _chunked_forward(h, w, p, rows, 128)
-            z, lse, psum, grad = (torch.randn(37, 128, device=device, generator=g), want[0], want[1],
-                                  torch.randn(37, device=device, generator=g))
+            z, lse, psum, grad = (
+                torch.randn(37, 128, device=device, generator=g),
+                want[0],
+                want[1],
+                torch.randn(37, device=device, generator=g),
+            )
             dz = grad[:, None] * (psum[:, None] * torch.exp(z - lse[:, None]) - p[:, 128:256])
             _triton_softmax_grad_(z, p, rows, 128, lse, psum, grad)
-            ok = (all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(got[:3], want[:3]))
-                  and torch.equal(got[3], want[3]) and torch.equal(got[4], want[4])
-                  and torch.allclose(z, dz, rtol=1e-4, atol=1e-6))
+            ok = (
+                all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(got[:3], want[:3]))
+                and torch.equal(got[3], want[3])
+                and torch.equal(got[4], want[4])
+                and torch.allclose(z, dz, rtol=1e-4, atol=1e-6)
+            )
             reason = "its results differ from the chunked path"
         except Exception as e:  # noqa: BLE001 - any compile/launch failure means "do not use it"
             ok, reason = False, f"{type(e).__name__}: {e}"
         if not ok:
-            warnings.warn(f"fused_ce: the Triton kernels do not work on {device} ({reason}); using the chunked "
-                          "PyTorch path", stacklevel=2)
+            warnings.warn(
+                f"fused_ce: the Triton kernels do not work on {device} ({reason}); using the chunked PyTorch path",
+                stacklevel=2,
+            )
         _TRITON_WORKS[device] = ok
     return _TRITON_WORKS[device]
 
@@ -181,8 +193,23 @@ def _triton_forward(hidden, weight, probs, rows, chunk_size=None):
     grid = (triton.cdiv(n, block_n),)
     # fp32 inputs get true fp32 products (the reference); bf16/fp16 inputs use the tensor cores.
     precision = "ieee" if hidden.dtype == torch.float32 else "tf32"
-    _fused_forward_kernel[grid](hidden, weight, probs, rows, *out, draft_argmax, target_argmax, n, v, h, probs.stride(0),
-                                BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_K=block_k, DOT_PRECISION=precision)
+    _fused_forward_kernel[grid](
+        hidden,
+        weight,
+        probs,
+        rows,
+        *out,
+        draft_argmax,
+        target_argmax,
+        n,
+        v,
+        h,
+        probs.stride(0),
+        BLOCK_N=block_n,
+        BLOCK_V=block_v,
+        BLOCK_K=block_k,
+        DOT_PRECISION=precision,
+    )
     lse, psum, pz = out
     return lse, psum, pz, draft_argmax, target_argmax
 
@@ -192,16 +219,33 @@ def _triton_softmax_grad_(z, probs, rows, c0, lse, psum, g):
     n, c = z.shape
     block_n, block_v = 16, 256
     grid = (triton.cdiv(n, block_n), triton.cdiv(c, block_v))
-    _softmax_grad_kernel[grid](z, probs, rows, lse, psum, g, n, c, c0, z.stride(0), probs.stride(0),
-                               BLOCK_N=block_n, BLOCK_V=block_v)
+    _softmax_grad_kernel[grid](
+        z, probs, rows, lse, psum, g, n, c, c0, z.stride(0), probs.stride(0), BLOCK_N=block_n, BLOCK_V=block_v
+    )
 
 
 if triton is not None:
 
     @triton.jit
-    def _fused_forward_kernel(h_ptr, w_ptr, p_ptr, rows_ptr, lse_ptr, psum_ptr, pz_ptr, argmax_ptr, p_argmax_ptr,
-                              N, V, H, p_stride, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
-                              BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    def _fused_forward_kernel(
+        h_ptr,
+        w_ptr,
+        p_ptr,
+        rows_ptr,
+        lse_ptr,
+        psum_ptr,
+        pz_ptr,
+        argmax_ptr,
+        p_argmax_ptr,
+        N,
+        V,
+        H,
+        p_stride,
+        BLOCK_N: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
         """One program per BLOCK_N rows: loop over vocab blocks, logits stay in registers.
 
         Logits are rounded to the input dtype, as a PyTorch matmul's output is, so the backward
@@ -225,12 +269,17 @@ if triton is not None:
             for k0 in range(0, H, BLOCK_K):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
                 mask_k = offs_k < H
-                a = tl.load(h_ptr + offs_n[:, None] * H + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-                b = tl.load(w_ptr + offs_v[None, :] * H + offs_k[:, None], mask=mask_v[None, :] & mask_k[:, None], other=0.0)
+                a = tl.load(
+                    h_ptr + offs_n[:, None] * H + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0
+                )
+                b = tl.load(
+                    w_ptr + offs_v[None, :] * H + offs_k[:, None], mask=mask_v[None, :] & mask_k[:, None], other=0.0
+                )
                 z = tl.dot(a, b, acc=z, input_precision=DOT_PRECISION)
             z = z.to(h_ptr.dtype.element_ty).to(tl.float32)
-            p = tl.load(p_ptr + prow[:, None] * p_stride + offs_v[None, :], mask=mask_n[:, None] & mask_v[None, :],
-                        other=0.0).to(tl.float32)
+            p = tl.load(
+                p_ptr + prow[:, None] * p_stride + offs_v[None, :], mask=mask_n[:, None] & mask_v[None, :], other=0.0
+            ).to(tl.float32)
             pz += tl.sum(p * z, axis=1)  # masked columns have z = 0 and p = 0
             p_masked = tl.where(mask_v[None, :], p, float("-inf"))
             p_max = tl.max(p_masked, axis=1)
@@ -254,8 +303,21 @@ if triton is not None:
         tl.store(p_argmax_ptr + offs_n, best_p_idx, mask=mask_n)
 
     @triton.jit
-    def _softmax_grad_kernel(z_ptr, p_ptr, rows_ptr, lse_ptr, psum_ptr, g_ptr, N, C, c0, z_stride, p_stride,
-                             BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+    def _softmax_grad_kernel(
+        z_ptr,
+        p_ptr,
+        rows_ptr,
+        lse_ptr,
+        psum_ptr,
+        g_ptr,
+        N,
+        C,
+        c0,
+        z_stride,
+        p_stride,
+        BLOCK_N: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+    ):
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
         mask = (offs_n < N)[:, None] & (offs_v < C)[None, :]

@@ -82,23 +82,37 @@ class PEagleHead(DraftHead):
                 f"(got method={cfg.method!r}, mask_token_id={cfg.mask_token_id}, num_depths={cfg.num_depths})"
             )
         if not 0 <= cfg.mask_token_id < cfg.vocab_size:
-            raise ValueError(f"mask_token_id {cfg.mask_token_id} is outside the target vocabulary "
-                             f"[0, {cfg.vocab_size})")
+            raise ValueError(
+                f"mask_token_id {cfg.mask_token_id} is outside the target vocabulary [0, {cfg.vocab_size})"
+            )
         super().__init__(cfg)
         self.mask_hidden = nn.Parameter(torch.randn(1, 1, 3 * cfg.target_hidden_size))
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, fused_input=False)
-                                     for i in range(1, cfg.num_hidden_layers)})
+        self.layers = nn.ModuleDict(
+            {str(i): DecoderLayer(cfg, fused_input=False) for i in range(1, cfg.num_hidden_layers)}
+        )
 
     # ---- construction and I/O -------------------------------------------------------------
 
     @classmethod
-    def from_target(cls, target_model, *, mask_token_id: int, num_depths: int = NUM_DEPTHS,
-                    num_hidden_layers: int | None = None, **config_kwargs) -> "PEagleHead":
+    def from_target(
+        cls,
+        target_model,
+        *,
+        mask_token_id: int,
+        num_depths: int = NUM_DEPTHS,
+        num_hidden_layers: int | None = None,
+        **config_kwargs,
+    ) -> "PEagleHead":
         """A head for `target_model` whose trainable embedding starts as a copy of the target's."""
         tcfg = getattr(target_model.config, "text_config", None) or target_model.config
         cfg = DraftConfig.from_target_config(
-            target_model.config, method="peagle", mask_token_id=mask_token_id, num_depths=num_depths,
-            num_hidden_layers=num_hidden_layers or default_num_hidden_layers(tcfg.hidden_size), **config_kwargs)
+            target_model.config,
+            method="peagle",
+            mask_token_id=mask_token_id,
+            num_depths=num_depths,
+            num_hidden_layers=num_hidden_layers or default_num_hidden_layers(tcfg.hidden_size),
+            **config_kwargs,
+        )
         head = cls(cfg)
         head.init_embedding_from(target_model)
         return head
@@ -145,6 +159,7 @@ class PEagleHead(DraftHead):
         input_ids / position_ids [B, E], mask a bool [B or 1, 1, E, E] (True = visible) or a
         FlexAttention BlockMask. Returns the last layer's output [B, E, H] (before `norm`)."""
         if isinstance(mask, torch.Tensor):
+
             def attend(i, attn, q, k, v):
                 return attn.attend(q, k, v, mask)
         else:
@@ -153,6 +168,7 @@ class PEagleHead(DraftHead):
             def attend(i, attn, q, k, v):
                 out = flex_attention(q, k, v, block_mask=mask, enable_gqa=attn.num_heads != attn.num_kv_heads)
                 return attn.o_proj(out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1))
+
         return self.run_layers(self.input_hidden(aux, is_mask), input_ids, position_ids, attend)
 
     def forward(self, aux, is_mask, input_ids, position_ids, mask) -> torch.Tensor:
@@ -161,15 +177,26 @@ class PEagleHead(DraftHead):
 
     def new_cache(self, batch: int, max_len: int, dtype=None, device=None) -> PEagleCache:
         c = self.config
-        return PEagleCache([KVCache(batch, c.num_key_value_heads, max_len, c.head_dim,
-                                    dtype or self.fc.weight.dtype, device or self.fc.weight.device)
-                            for _ in self.blocks()])
+        return PEagleCache(
+            [
+                KVCache(
+                    batch,
+                    c.num_key_value_heads,
+                    max_len,
+                    c.head_dim,
+                    dtype or self.fc.weight.dtype,
+                    device or self.fc.weight.device,
+                )
+                for _ in self.blocks()
+            ]
+        )
 
     def step(self, hidden, input_ids, position_ids, cache: PEagleCache, slots, mask):
         """The runtime's draft step through every layer: new tokens [B, n] at `position_ids`,
         written at `slots` of each layer's cache, attending to the entries `mask`
         [B or 1, 1, n, S] shows. `hidden` is fc(aux) or fc(mask_hidden) per token.
         Returns (last layer output h [B, n, H], draft logits [B, n, Vd])."""
+
         def attend(i, attn, q, k, v):
             k, v = cache.layers[i].write(slots, k, v)
             return attn.attend(q, k, v, mask)

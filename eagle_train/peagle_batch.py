@@ -32,7 +32,7 @@ PADDING_DOCUMENT = -1
 
 
 def keep_ratio(depth: int) -> float:
-    return max(KEEP_RATIO ** depth, MIN_KEEP_RATIO)
+    return max(KEEP_RATIO**depth, MIN_KEEP_RATIO)
 
 
 def is_supervised(anchor, depth, loss_mask, in_draft, length: int):
@@ -91,8 +91,9 @@ class Elements:
             pad = width - len(r["anchor"])
             out["anchor"].append(torch.cat([r["anchor"], r["anchor"].new_zeros(pad)]))
             out["depth"].append(torch.cat([r["depth"], r["depth"].new_zeros(pad)]))
-            out["document"].append(torch.cat([r["anchor"].new_zeros(len(r["anchor"])),
-                                              r["anchor"].new_full((pad,), PADDING_DOCUMENT)]))
+            out["document"].append(
+                torch.cat([r["anchor"].new_zeros(len(r["anchor"])), r["anchor"].new_full((pad,), PADDING_DOCUMENT)])
+            )
             for name in ("supervised", "owned"):
                 out[name].append(torch.cat([r[name], r[name].new_zeros(pad)]))
         return cls(**{k: torch.stack(v) for k, v in out.items()})
@@ -107,8 +108,11 @@ def build_elements(loss_mask, in_draft, lengths, num_depths: int, generator=None
     rows = []
     for b, length in enumerate(lengths.tolist()):
         anchor, depth = sample_chains(loss_mask[b], in_draft[b], length, num_depths, generator)
-        supervised = is_supervised(anchor, depth, loss_mask[b].cpu(), in_draft[b].cpu(), length) \
-            if len(anchor) else torch.zeros(0, dtype=torch.bool)
+        supervised = (
+            is_supervised(anchor, depth, loss_mask[b].cpu(), in_draft[b].cpu(), length)
+            if len(anchor)
+            else torch.zeros(0, dtype=torch.bool)
+        )
         rows.append(dict(anchor=anchor, depth=depth, supervised=supervised, owned=torch.ones_like(supervised)))
     return Elements.stack(rows).to(loss_mask.device)
 
@@ -169,8 +173,14 @@ def partition(el: Elements, num_segments: int, length: int) -> list[Elements]:
         for b in range(el.anchor.shape[0]):
             real = el.document[b] != PADDING_DOCUMENT
             pick = (own[b] | context[b]) & real
-            rows.append(dict(anchor=el.anchor[b][pick], depth=el.depth[b][pick],
-                             supervised=el.supervised[b][pick] & own[b][pick], owned=own[b][pick]))
+            rows.append(
+                dict(
+                    anchor=el.anchor[b][pick],
+                    depth=el.depth[b][pick],
+                    supervised=el.supervised[b][pick] & own[b][pick],
+                    owned=own[b][pick],
+                )
+            )
         segments.append(Elements.stack(rows).to(el.anchor.device))
     return segments
 

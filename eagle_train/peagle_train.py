@@ -33,15 +33,23 @@ def build_peagle_head(cfg, target_model, vocab_map: dict | None) -> PEagleHead:
         if head.config.method != "peagle":
             raise ValueError(f"init_from {cfg.init_from} holds a {head.config.method} head, not a P-EAGLE head")
         if head.config.num_depths != cfg.num_depths:
-            raise ValueError(f"init_from {cfg.init_from} drafts K={head.config.num_depths} tokens per pass but "
-                             f"num_depths={cfg.num_depths}: set num_depths={head.config.num_depths}")
+            raise ValueError(
+                f"init_from {cfg.init_from} drafts K={head.config.num_depths} tokens per pass but "
+                f"num_depths={cfg.num_depths}: set num_depths={head.config.num_depths}"
+            )
         return head
     mask_token_id = cfg.mask_token_id
     if mask_token_id is None:
         mask_token_id = choose_mask_token_id(load_tokenizer(cfg.target), vocab_map.get("counts"))
-    head = PEagleHead.from_target(target_model, mask_token_id=mask_token_id, num_depths=cfg.num_depths,
-                                  num_hidden_layers=cfg.draft_num_layers, draft_vocab_size=len(vocab_map["d2t"]),
-                                  aux_layer_ids=cfg.aux_layer_ids, target=cfg.target)
+    head = PEagleHead.from_target(
+        target_model,
+        mask_token_id=mask_token_id,
+        num_depths=cfg.num_depths,
+        num_hidden_layers=cfg.draft_num_layers,
+        draft_vocab_size=len(vocab_map["d2t"]),
+        aux_layer_ids=cfg.aux_layer_ids,
+        target=cfg.target,
+    )
     head.set_vocab_map(vocab_map["d2t"], vocab_map["t2d"])
     return head
 
@@ -56,8 +64,10 @@ def validate_peagle(cfg, target_config) -> None:
     if cfg.draft_num_layers is not None and cfg.draft_num_layers < 1:
         raise ValueError(f"draft_num_layers must be >= 1 (or null for the default), got {cfg.draft_num_layers}")
     if cfg.mask_token_id is not None and not 0 <= cfg.mask_token_id < vocab:
-        raise ValueError(f"mask_token_id {cfg.mask_token_id} is outside the target vocabulary [0, {vocab}); "
-                         "leave it null to pick a spare special token")
+        raise ValueError(
+            f"mask_token_id {cfg.mask_token_id} is outside the target vocabulary [0, {vocab}); "
+            "leave it null to pick a spare special token"
+        )
 
 
 def segments_for(cfg) -> int:

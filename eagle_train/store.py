@@ -231,8 +231,11 @@ def finalize_manifest(path: str | Path, header: dict) -> dict:
 
 def write_vocab_map(path: str | Path, d2t: torch.Tensor, t2d: torch.Tensor, counts: torch.Tensor) -> None:
     save_file(
-        {"d2t": d2t.to(torch.int64).contiguous(), "t2d": t2d.to(torch.bool).contiguous(),
-         "counts": counts.to(torch.int64).contiguous()},
+        {
+            "d2t": d2t.to(torch.int64).contiguous(),
+            "t2d": t2d.to(torch.bool).contiguous(),
+            "counts": counts.to(torch.int64).contiguous(),
+        },
         str(Path(path) / VOCAB_MAP),
     )
 
@@ -346,8 +349,10 @@ class ShardedSamples:
     def tokens(self, i: int) -> dict[str, torch.Tensor]:
         """Sample i's `input_ids` and `loss_mask` only (no hidden-state reads)."""
         f, a, b = self._locate(i)
-        return {"input_ids": f.get_slice("input_ids")[a:b].to(torch.int64),
-                "loss_mask": f.get_slice("loss_mask")[a:b].to(torch.bool)}
+        return {
+            "input_ids": f.get_slice("input_ids")[a:b].to(torch.int64),
+            "loss_mask": f.get_slice("loss_mask")[a:b].to(torch.bool),
+        }
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         item = self.tokens(i)

@@ -127,7 +127,8 @@ def make_config(values: dict) -> TrainConfig:
 
 
 def parse_overrides(overrides: list[str]) -> dict:
-    """`key=value` strings -> dict; values are parsed as YAML scalars/lists (`ttt_length=5`, `aux_layer_ids=[2,15,27]`)."""
+    """`key=value` strings -> dict; values are parsed as YAML scalars/lists
+    (`ttt_length=5`, `aux_layer_ids=[2,15,27]`)."""
     out = {}
     for item in overrides:
         key, sep, raw = item.partition("=")
@@ -161,8 +162,10 @@ def config_from_command_line(description: str, method: str, argv=None) -> TrainC
     import sys
 
     parser = argparse.ArgumentParser(
-        description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="config keys: " + ", ".join(field_names()))
+        description=description,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="config keys: " + ", ".join(field_names()),
+    )
     parser.add_argument("--config", help=f"YAML run config (e.g. configs/{method}_smollm2.yaml)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     args = parser.parse_args(argv)
@@ -171,8 +174,10 @@ def config_from_command_line(description: str, method: str, argv=None) -> TrainC
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"error: {e}")
     if cfg.method != method:
-        sys.exit(f"error: method={cfg.method}: this script trains {method} heads "
-                 f"(scripts/train_{cfg.method}.py trains {cfg.method} heads)")
+        sys.exit(
+            f"error: method={cfg.method}: this script trains {method} heads "
+            f"(scripts/train_{cfg.method}.py trains {cfg.method} heads)"
+        )
     return cfg
 
 
@@ -189,45 +194,63 @@ def validate(cfg: TrainConfig, target_config) -> None:
     need(cfg.method in METHODS, f"method {cfg.method!r} is not one of {METHODS}")
     need(cfg.mode in MODES, f"mode {cfg.mode!r} is not one of {MODES}")
     need(cfg.report_to in REPORT_TO, f"report_to {cfg.report_to!r} is not one of {REPORT_TO}")
-    need(cfg.report_to != "wandb" or importlib.util.find_spec("wandb") is not None,
-         "report_to=wandb needs the wandb package (pip install wandb); or use report_to=tensorboard or none")
-    need(cfg.mixed_precision in ("auto", "no", "bf16"), f"mixed_precision {cfg.mixed_precision!r} is not auto, no or bf16")
+    need(
+        cfg.report_to != "wandb" or importlib.util.find_spec("wandb") is not None,
+        "report_to=wandb needs the wandb package (pip install wandb); or use report_to=tensorboard or none",
+    )
+    need(
+        cfg.mixed_precision in ("auto", "no", "bf16"),
+        f"mixed_precision {cfg.mixed_precision!r} is not auto, no or bf16",
+    )
     need(cfg.ttt_length >= 1, f"ttt_length must be >= 1 (the number of unrolled draft steps), got {cfg.ttt_length}")
     need(0 < cfg.ttt_decay <= 1, f"ttt_decay must be in (0, 1], got {cfg.ttt_decay}")
     need(cfg.max_length >= 4, f"max_length must be >= 4 tokens, got {cfg.max_length}")
-    need(cfg.tokens_per_batch >= cfg.max_length,
-         f"tokens_per_batch {cfg.tokens_per_batch} is smaller than max_length {cfg.max_length}: a longest sample "
-         "would not fit a micro-batch; raise tokens_per_batch or lower max_length")
+    need(
+        cfg.tokens_per_batch >= cfg.max_length,
+        f"tokens_per_batch {cfg.tokens_per_batch} is smaller than max_length {cfg.max_length}: a longest sample "
+        "would not fit a micro-batch; raise tokens_per_batch or lower max_length",
+    )
     need(cfg.gradient_accumulation_steps >= 1, "gradient_accumulation_steps must be >= 1")
     need(0 <= cfg.eval_fraction < 1, f"eval_fraction must be in [0, 1), got {cfg.eval_fraction}")
     need(cfg.learning_rate > 0, f"learning_rate must be > 0, got {cfg.learning_rate}")
     need(0 <= cfg.min_lr_ratio <= 1, f"min_lr_ratio must be in [0, 1], got {cfg.min_lr_ratio}")
-    need(len(cfg.adam_betas) == 2 and all(0 <= b < 1 for b in cfg.adam_betas),
-         f"adam_betas must be two numbers in [0, 1), got {cfg.adam_betas}")
+    need(
+        len(cfg.adam_betas) == 2 and all(0 <= b < 1 for b in cfg.adam_betas),
+        f"adam_betas must be two numbers in [0, 1), got {cfg.adam_betas}",
+    )
     need(cfg.max_grad_norm >= 0, "max_grad_norm must be >= 0 (0 disables clipping)")
     need(cfg.num_epochs >= 1 or cfg.max_steps > 0, "set num_epochs >= 1 or max_steps > 0")
     need(cfg.keep_checkpoints >= 1, "keep_checkpoints must be >= 1")
-    need(not cfg.warm_start or (cfg.method == "eagle3" and not cfg.init_from),
-         "warm_start starts a new EAGLE-3 head from the target's norm and lm_head: not with method peagle, "
-         "nor with init_from (that head brings its own)")
+    need(
+        not cfg.warm_start or (cfg.method == "eagle3" and not cfg.init_from),
+        "warm_start starts a new EAGLE-3 head from the target's norm and lm_head: not with method peagle, "
+        "nor with init_from (that head brings its own)",
+    )
     if not cfg.data_path:
-        raise ValueError("data_path is not set: point it at a store from `eagle-prep capture` (offline) "
-                         "or a tokenized dataset from `eagle-prep tokenize` (online)")
+        raise ValueError(
+            "data_path is not set: point it at a store from `eagle-prep capture` (offline) "
+            "or a tokenized dataset from `eagle-prep tokenize` (online)"
+        )
     if not Path(cfg.data_path).exists():
-        raise FileNotFoundError(f"data_path {cfg.data_path} does not exist: run `eagle-prep run --config ...` first "
-                                "or fix the path")
+        raise FileNotFoundError(
+            f"data_path {cfg.data_path} does not exist: run `eagle-prep run --config ...` first or fix the path"
+        )
     manifest = read_manifest(cfg.data_path)
     if cfg.mode == "offline" and manifest["format"] != "eagle-hidden-states":
-        raise ValueError(f"{cfg.data_path} is a tokenized dataset without hidden states: train with mode=online, "
-                         "or capture a store with `eagle-prep capture` for mode=offline")
+        raise ValueError(
+            f"{cfg.data_path} is a tokenized dataset without hidden states: train with mode=online, "
+            "or capture a store with `eagle-prep capture` for mode=offline"
+        )
     if manifest["format"] == "eagle-hidden-states":
         check_store_matches(manifest, target_config, cfg.aux_layer_ids)
     else:
         check_store_matches(manifest, target_config)
     n = target_config.num_hidden_layers
     if cfg.aux_layer_ids is not None:
-        need(len(cfg.aux_layer_ids) == 3 and all(0 <= i < n for i in cfg.aux_layer_ids),
-             f"aux_layer_ids must be three layer indices in [0, {n - 1}], got {cfg.aux_layer_ids}")
+        need(
+            len(cfg.aux_layer_ids) == 3 and all(0 <= i < n for i in cfg.aux_layer_ids),
+            f"aux_layer_ids must be three layer indices in [0, {n - 1}], got {cfg.aux_layer_ids}",
+        )
     vocab = target_config.vocab_size
     if cfg.draft_vocab_size is not None:
         check_draft_vocab_size(cfg.draft_vocab_size, vocab, " (or leave it unset to take the vocab map's size)")
@@ -237,5 +260,7 @@ def validate(cfg: TrainConfig, target_config) -> None:
     elif not Path(cfg.init_from).exists():
         raise FileNotFoundError(f"init_from {cfg.init_from} does not exist")
     if cfg.resume not in ("", "auto") and not Path(cfg.resume).is_dir():
-        raise FileNotFoundError(f"resume checkpoint {cfg.resume} does not exist (use resume=auto for the latest "
-                                f"in output_dir, or a checkpoint-<step> dir)")
+        raise FileNotFoundError(
+            f"resume checkpoint {cfg.resume} does not exist (use resume=auto for the latest "
+            f"in output_dir, or a checkpoint-<step> dir)"
+        )

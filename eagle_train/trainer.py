@@ -86,8 +86,12 @@ class MicroBatches(torch.utils.data.Dataset):
 
 
 def loader(data, batches, cfg: TrainConfig, with_hidden: bool):
-    return torch.utils.data.DataLoader(MicroBatches(data, batches, cfg.max_length, with_hidden), batch_size=None,
-                                       shuffle=False, num_workers=cfg.num_workers)
+    return torch.utils.data.DataLoader(
+        MicroBatches(data, batches, cfg.max_length, with_hidden),
+        batch_size=None,
+        shuffle=False,
+        num_workers=cfg.num_workers,
+    )
 
 
 # ------------------------------------------------------------------------------------ model side
@@ -119,13 +123,19 @@ class BatchSource:
     def __call__(self, padded: dict) -> dict:
         ids = padded["input_ids"].to(self.device)
         if self.online:
-            aux, final = target_hidden_states(self.target, ids, padded["attention_mask"].to(self.device),
-                                              self.aux_layer_ids)
+            aux, final = target_hidden_states(
+                self.target, ids, padded["attention_mask"].to(self.device), self.aux_layer_ids
+            )
         else:
             aux, final = padded["aux_hidden"].to(self.device), padded["final_hidden"].to(self.device)
         probs, in_draft = target_distribution(final, self.lm_head_weight, self.t2d)
-        return {"input_ids": ids, "loss_mask": padded["loss_mask"].to(self.device), "aux_hidden": aux.float(),
-                "target_probs": probs, "in_draft": in_draft}
+        return {
+            "input_ids": ids,
+            "loss_mask": padded["loss_mask"].to(self.device),
+            "aux_hidden": aux.float(),
+            "target_probs": probs,
+            "in_draft": in_draft,
+        }
 
 
 def vocab_map_of_size(vmap: dict, size: int) -> dict:
@@ -153,8 +163,11 @@ def pool_metrics(per_batch: list[dict], accelerator, keys=None) -> dict[str, flo
             sums[2 * k] += float(m[key]) * (1.0 if key.startswith("count_") else w)
             sums[2 * k + 1] += 0.0 if key.startswith("count_") else w
     sums = accelerator.reduce(sums.to(accelerator.device), "sum").cpu()
-    out = {key: float(sums[2 * k] / sums[2 * k + 1]) if not key.startswith("count_") else float(sums[2 * k])
-           for k, key in enumerate(keys) if key.startswith("count_") or sums[2 * k + 1] > 0}
+    out = {
+        key: float(sums[2 * k] / sums[2 * k + 1]) if not key.startswith("count_") else float(sums[2 * k])
+        for k, key in enumerate(keys)
+        if key.startswith("count_") or sums[2 * k + 1] > 0
+    }
     accs = [out[f"acc_{i}"] for i in range(len(keys)) if f"acc_{i}" in out]
     if accs:
         out["sim_al"] = simulated_acceptance_length(accs)
@@ -191,8 +204,10 @@ def resolve_resume(cfg: TrainConfig) -> Path | None:
             raise FileNotFoundError(f"{path} is not a finished checkpoint (no trainer_state.json)")
         return path
     if checkpoint_dirs(cfg.output_dir):
-        raise ValueError(f"output_dir {cfg.output_dir} holds checkpoints of an earlier run: continue it with "
-                         "resume=auto, or choose another output_dir")
+        raise ValueError(
+            f"output_dir {cfg.output_dir} holds checkpoints of an earlier run: continue it with "
+            "resume=auto, or choose another output_dir"
+        )
     return None
 
 
@@ -220,8 +235,14 @@ def load_head_weights(head: nn.Module, directory: Path) -> None:
 
 def save_checkpoint(run: "Run") -> Path:
     """<output_dir>/checkpoint-<step>/{head/, optimizer.pt, scheduler.pt, rng-<rank>.pt, trainer_state.json}."""
-    accelerator, model, optimizer, scheduler, state, cfg = (run.accelerator, run.model, run.optimizer, run.scheduler,
-                                                            run.state, run.cfg)
+    accelerator, model, optimizer, scheduler, state, cfg = (
+        run.accelerator,
+        run.model,
+        run.optimizer,
+        run.scheduler,
+        run.state,
+        run.cfg,
+    )
     path = Path(cfg.output_dir) / f"checkpoint-{state['step']}"
     full = accelerator.get_state_dict(model)  # gathers FSDP/ZeRO-3 shards; every process must call it
     sharded_optim = accelerator.distributed_type.value in ("FSDP", "DEEPSPEED")
@@ -230,8 +251,11 @@ def save_checkpoint(run: "Run") -> Path:
         head = accelerator.unwrap_model(model).head
         head.config.save(path / "head")
         saved = head.saved_state_dict()  # EAGLE-3 leaves the frozen target embedding out, P-EAGLE keeps its own
-        tensors = {k.removeprefix("head."): v.detach().contiguous().cpu() for k, v in full.items()
-                   if k.removeprefix("head.") in saved}
+        tensors = {
+            k.removeprefix("head."): v.detach().contiguous().cpu()
+            for k, v in full.items()
+            if k.removeprefix("head.") in saved
+        }
         save_file(tensors, path / "head" / "model.safetensors")
         torch.save(scheduler.state_dict(), path / "scheduler.pt")
         if not sharded_optim:
@@ -243,7 +267,7 @@ def save_checkpoint(run: "Run") -> Path:
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         (path / "trainer_state.json").write_text(json.dumps({**state, "config": cfg.to_dict()}, indent=2))
-        for old in checkpoint_dirs(cfg.output_dir)[:-cfg.keep_checkpoints]:
+        for old in checkpoint_dirs(cfg.output_dir)[: -cfg.keep_checkpoints]:
             shutil.rmtree(old)
     accelerator.wait_for_everyone()
     return path
@@ -273,8 +297,9 @@ class Reporter:
 
             if not os.environ.get("WANDB_API_KEY"):
                 os.environ.setdefault("WANDB_MODE", "offline")
-            self.wandb = wandb.init(project="eagle-train", name=cfg.run_name or None, config=cfg.to_dict(),
-                                    dir=cfg.output_dir)
+            self.wandb = wandb.init(
+                project="eagle-train", name=cfg.run_name or None, config=cfg.to_dict(), dir=cfg.output_dir
+            )
 
     def log(self, step: int, metrics: dict, prefix: str):
         if not self.main:
@@ -309,8 +334,10 @@ def make_accelerator(cfg: TrainConfig):
     mixed = cfg.mixed_precision if cfg.mixed_precision != "auto" else ("bf16" if cuda else "no")
     accelerator = Accelerator(cpu=not cuda, mixed_precision=mixed)
     if accelerator.distributed_type.value == "DEEPSPEED" and cfg.gradient_accumulation_steps != 1:
-        raise ValueError("DeepSpeed steps its optimizer inside every backward: use gradient_accumulation_steps=1 "
-                         "(raise tokens_per_batch or the process count instead), or DDP/FSDP")
+        raise ValueError(
+            "DeepSpeed steps its optimizer inside every backward: use gradient_accumulation_steps=1 "
+            "(raise tokens_per_batch or the process count instead), or DDP/FSDP"
+        )
     return accelerator
 
 
@@ -344,8 +371,9 @@ def build_model(cfg: TrainConfig, build_head, resume_from: Path | None, device) 
     source that turns micro-batches into its training batches."""
     # Offline needs only the embedding and lm_head; loading on CPU keeps the rest off the GPU.
     online = cfg.mode == "online"
-    target_model, _ = load_target(cfg.target, dtype=None if online else torch.float32,
-                                  device=device if online else "cpu")
+    target_model, _ = load_target(
+        cfg.target, dtype=None if online else torch.float32, device=device if online else "cpu"
+    )
     vocab_map = None
     if not cfg.init_from:
         vocab_map = read_vocab_map(cfg.data_path)
@@ -354,8 +382,10 @@ def build_model(cfg: TrainConfig, build_head, resume_from: Path | None, device) 
     aux_ids = list(head.config.aux_layer_ids)
     manifest = read_manifest(cfg.data_path)
     if manifest["format"] == "eagle-hidden-states" and not online and manifest["aux_layer_ids"] != aux_ids:
-        raise ValueError(f"the head reads aux layers {aux_ids} but {cfg.data_path} holds {manifest['aux_layer_ids']}: "
-                         "train online or capture a store with the head's layers")
+        raise ValueError(
+            f"the head reads aux layers {aux_ids} but {cfg.data_path} holds {manifest['aux_layer_ids']}: "
+            "train online or capture a store with the head's layers"
+        )
     if resume_from is not None:
         load_head_weights(head, resume_from / "head")
     head.float()
@@ -375,23 +405,48 @@ def set_up(cfg: TrainConfig, build_head, resume_from: Path | None) -> Run:
 
     model = accelerator.prepare(HeadRunner(head))
     params = [p for p in model.parameters() if p.requires_grad]
-    raw_optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=tuple(cfg.adam_betas),
-                                      weight_decay=cfg.weight_decay)
+    raw_optimizer = torch.optim.AdamW(
+        params, lr=cfg.learning_rate, betas=tuple(cfg.adam_betas), weight_decay=cfg.weight_decay
+    )
     world, accum = accelerator.num_processes, cfg.gradient_accumulation_steps
     per_step = world * accum
     epochs = [epoch_batches(train_ids, lengths, cfg.tokens_per_batch, cfg.seed, e) for e in range(cfg.num_epochs)]
     total_steps = cfg.max_steps if cfg.max_steps > 0 else sum(len(b) // per_step for b in epochs)
     if total_steps == 0 or len(epochs[0]) < per_step:
-        raise ValueError(f"{len(train_ids)} training samples make {len(epochs[0])} micro-batches of "
-                         f"<= {cfg.tokens_per_batch} tokens, fewer than one step needs ({world} processes x "
-                         f"{accum} accumulation): use more data or a smaller tokens_per_batch")
+        raise ValueError(
+            f"{len(train_ids)} training samples make {len(epochs[0])} micro-batches of "
+            f"<= {cfg.tokens_per_batch} tokens, fewer than one step needs ({world} processes x "
+            f"{accum} accumulation): use more data or a smaller tokens_per_batch"
+        )
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        raw_optimizer, cosine_with_warmup(cfg.warmup_steps, total_steps, cfg.min_lr_ratio))
+        raw_optimizer, cosine_with_warmup(cfg.warmup_steps, total_steps, cfg.min_lr_ratio)
+    )
     optimizer = accelerator.prepare(raw_optimizer)
-    state = {"step": 0, "epoch": 0, "epoch_samples": 0, "samples_consumed": 0, "tokens_consumed": 0,
-             "num_processes": world, "total_steps": total_steps}
-    return Run(cfg, accelerator, data, lengths, train_ids, eval_ids, epochs, source, model, params, optimizer,
-               scheduler, total_steps, state)
+    state = {
+        "step": 0,
+        "epoch": 0,
+        "epoch_samples": 0,
+        "samples_consumed": 0,
+        "tokens_consumed": 0,
+        "num_processes": world,
+        "total_steps": total_steps,
+    }
+    return Run(
+        cfg,
+        accelerator,
+        data,
+        lengths,
+        train_ids,
+        eval_ids,
+        epochs,
+        source,
+        model,
+        params,
+        optimizer,
+        scheduler,
+        total_steps,
+        state,
+    )
 
 
 def restore(run: Run, checkpoint: Path) -> None:
@@ -407,26 +462,35 @@ def restore(run: Run, checkpoint: Path) -> None:
     run.scheduler.load_state_dict(torch.load(checkpoint / "scheduler.pt", weights_only=False))
     if (checkpoint / f"rng-rank{rank}.pt").is_file():
         set_rng_state(torch.load(checkpoint / f"rng-rank{rank}.pt", weights_only=False))
-    run.accelerator.print(f"resumed from {checkpoint}: step {run.state['step']}, {run.state['samples_consumed']} "
-                          f"samples consumed (saved by {saved['num_processes']} processes, now "
-                          f"{run.accelerator.num_processes})")
+    run.accelerator.print(
+        f"resumed from {checkpoint}: step {run.state['step']}, {run.state['samples_consumed']} "
+        f"samples consumed (saved by {saved['num_processes']} processes, now "
+        f"{run.accelerator.num_processes})"
+    )
 
 
 def epoch_steps(run: Run):
     """The steps left in the current epoch, from the data position in `run.state` (each step a group
     of `per_step` micro-batches), and an iterator over this process's padded share of them."""
     cfg, state, e = run.cfg, run.state, run.state["epoch"]
-    batches = run.epochs[e] if e < len(run.epochs) else epoch_batches(run.train_ids, run.lengths,
-                                                                      cfg.tokens_per_batch, cfg.seed, e)
+    batches = (
+        run.epochs[e]
+        if e < len(run.epochs)
+        else epoch_batches(run.train_ids, run.lengths, cfg.tokens_per_batch, cfg.seed, e)
+    )
     done, skip = 0, 0
     while done < state["epoch_samples"] and skip < len(batches):
         done += len(batches[skip])
         skip += 1
     if done != state["epoch_samples"]:
-        raise ValueError(f"checkpoint data position {state['epoch_samples']} in epoch {e} is not a batch "
-                         "boundary: the data, seed or tokens_per_batch changed since it was saved")
+        raise ValueError(
+            f"checkpoint data position {state['epoch_samples']} in epoch {e} is not a batch "
+            "boundary: the data, seed or tokens_per_batch changed since it was saved"
+        )
     batches = batches[skip:]
-    groups = [batches[s:s + run.per_step] for s in range(0, len(batches) // run.per_step * run.per_step, run.per_step)]
+    groups = [
+        batches[s : s + run.per_step] for s in range(0, len(batches) // run.per_step * run.per_step, run.per_step)
+    ]
     world, rank = run.accelerator.num_processes, run.accelerator.process_index
     mine = [b for group in groups for b in group[rank::world]]
     return groups, iter(loader(run.data, mine, cfg, not run.source.online))
@@ -479,8 +543,9 @@ def evaluate(run: Run, objective, reporter: Reporter, when: str) -> dict | None:
     rounds = math.ceil(len(batches) / w)
     results = []
     with torch.no_grad():
-        for k, padded in enumerate(loader(run.data, mine + batches[:1] * (rounds - len(mine)), run.cfg,
-                                          not run.source.online)):
+        for k, padded in enumerate(
+            loader(run.data, mine + batches[:1] * (rounds - len(mine)), run.cfg, not run.source.online)
+        ):
             metrics = objective(run.model, run.source(padded), lambda loss: None)
             if k < len(mine):
                 results.append(metrics)
@@ -493,12 +558,18 @@ def evaluate(run: Run, objective, reporter: Reporter, when: str) -> dict | None:
 
 def show_step(bar, metrics: dict, run: Run) -> None:
     bar.update(1)
-    bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc0=f"{metrics.get('acc_0', 0):.3f}",
-                    al=f"{metrics.get('sim_al', 0):.2f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
+    bar.set_postfix(
+        loss=f"{metrics['loss']:.3f}",
+        acc0=f"{metrics.get('acc_0', 0):.3f}",
+        al=f"{metrics.get('sim_al', 0):.2f}",
+        tok_s=f"{metrics['tokens_per_s']:.0f}",
+    )
     step = run.state["step"]
     if run.cfg.log_every and step % run.cfg.log_every == 0 and run.accelerator.is_main_process:
-        bar.write(f"step {step}/{run.total_steps} | {summary(metrics)} | lr {metrics['lr']:.2e} | "
-                  f"{metrics['tokens_per_s']:.0f} tok/s")
+        bar.write(
+            f"step {step}/{run.total_steps} | {summary(metrics)} | lr {metrics['lr']:.2e} | "
+            f"{metrics['tokens_per_s']:.0f} tok/s"
+        )
 
 
 def write_final_head(run: Run, checkpoint: Path) -> None:
@@ -525,17 +596,18 @@ def train(cfg: TrainConfig, build_head, objective, *, stop_at_step: int | None =
     Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
     reporter = Reporter(cfg, run.accelerator)
     result = {"history": [], "eval_before": None, "eval_after": None, "world_size": world}
-    run.accelerator.print(f"{cfg.method} on {cfg.target} ({cfg.mode}): {len(run.train_ids)} train / "
-                          f"{len(run.eval_ids)} eval samples, {run.total_steps} steps of {run.per_step} micro-batches "
-                          f"(<= {cfg.tokens_per_batch} tokens each), {world} process(es) on {run.accelerator.device}")
+    run.accelerator.print(
+        f"{cfg.method} on {cfg.target} ({cfg.mode}): {len(run.train_ids)} train / "
+        f"{len(run.eval_ids)} eval samples, {run.total_steps} steps of {run.per_step} micro-batches "
+        f"(<= {cfg.tokens_per_batch} tokens each), {world} process(es) on {run.accelerator.device}"
+    )
     if state["step"] == 0:
         result["eval_before"] = evaluate(run, objective, reporter, "before training")
 
     # stopping at stop_at_step is a kill right after that step's checkpoint: no final eval, no final head
     stopping = stop_at_step is not None and state["step"] < stop_at_step <= run.total_steps
     end = stop_at_step if stopping else run.total_steps
-    bar = tqdm(total=run.total_steps, initial=state["step"], disable=not run.accelerator.is_main_process,
-               desc="train")
+    bar = tqdm(total=run.total_steps, initial=state["step"], disable=not run.accelerator.is_main_process, desc="train")
     last_saved = None
     while state["step"] < end:
         groups, stream = epoch_steps(run)

@@ -53,8 +53,18 @@ def step_loss(head, h, target_probs):
     return loss, correct
 
 
-def ttt_loss(head, aux_hidden, input_ids, loss_mask, target_probs, in_draft, ttt_length: int = TTT_LENGTH,
-             decay: float = TTT_DECAY, checkpoint_logits: bool = False, fused_loss: bool = False):
+def ttt_loss(
+    head,
+    aux_hidden,
+    input_ids,
+    loss_mask,
+    target_probs,
+    in_draft,
+    ttt_length: int = TTT_LENGTH,
+    decay: float = TTT_DECAY,
+    checkpoint_logits: bool = False,
+    fused_loss: bool = False,
+):
     """Unroll `head` for `ttt_length` steps and return (loss, metrics).
 
     loss = sum_i decay**i * loss_i, loss_i the soft cross-entropy of step i averaged over its
@@ -78,23 +88,24 @@ def ttt_loss(head, aux_hidden, input_ids, loss_mask, target_probs, in_draft, ttt
         hidden = head.ttt_step(hidden, shift_left(input_ids, i + 1), positions + i, past)
         # position p is supervised iff p+i+2 < T, loss_mask[p+i+2] and in_draft[p+i+1]
         n = max(t - i - 2, 0)
-        supervised = loss_mask[:, i + 2:] & in_draft[:, i + 1:t - 1]
+        supervised = loss_mask[:, i + 2 :] & in_draft[:, i + 1 : t - 1]
         h = hidden[:, :n][supervised]
         if fused_loss:  # each row's target is read in place: row b*T + p+i+1 of the [B*T, Vd] targets
             where = supervised.nonzero()
             rows = where[:, 0] * t + where[:, 1] + i + 1
-            loss_rows, agree = soft_cross_entropy(head.norm(h), head.lm_head.weight,
-                                                  target_probs.reshape(b * t, -1), rows)
+            loss_rows, agree = soft_cross_entropy(
+                head.norm(h), head.lm_head.weight, target_probs.reshape(b * t, -1), rows
+            )
             loss_sum, correct = loss_rows.sum(), agree.sum()
         else:
-            probs = target_probs[:, i + 1:t - 1][supervised]
+            probs = target_probs[:, i + 1 : t - 1][supervised]
             if checkpoint_logits and torch.is_grad_enabled():
                 loss_sum, correct = checkpoint(step_loss, head, h, probs, use_reentrant=False)
             else:
                 loss_sum, correct = step_loss(head, h, probs)
         count = supervised.sum()
         loss_i = loss_sum / count.clamp(min=1)
-        total = total + decay ** i * loss_i
+        total = total + decay**i * loss_i
         metrics[f"loss_{i}"] = loss_i.detach()
         metrics[f"acc_{i}"] = (correct / count.clamp(min=1)).detach()
         metrics[f"count_{i}"] = count.detach()
@@ -117,4 +128,3 @@ def simulated_acceptance_length(accs) -> float:
         run *= float(a)
         al += run
     return al
-

@@ -14,8 +14,10 @@ DRAFT_VOCAB_SIZE = 32000  # the default draft vocabulary size, that of the publi
 def check_draft_vocab_size(draft_vocab_size: int, vocab_size: int, hint: str = "") -> None:
     """A draft vocabulary is a subset of the target's; `hint` follows the fix in the message."""
     if draft_vocab_size > vocab_size:
-        raise ValueError(f"draft_vocab_size {draft_vocab_size} is larger than the target vocabulary {vocab_size}; "
-                         f"use at most {vocab_size}{hint}")
+        raise ValueError(
+            f"draft_vocab_size {draft_vocab_size} is larger than the target vocabulary {vocab_size}; "
+            f"use at most {vocab_size}{hint}"
+        )
 
 
 def t2d_from_d2t(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -44,8 +44,13 @@ def parse_args(argv=None):
     shape = p.add_mutually_exclusive_group()
     shape.add_argument("--chain", type=int, default=None, metavar="K", help="chain drafting, K drafts (default 5)")
     shape.add_argument("--tree", default=None, metavar="DEPTH,TOPK,TOTAL", help="EAGLE-2 dynamic tree, e.g. 6,8,60")
-    shape.add_argument("--parallel", type=int, default=None, metavar="K",
-                       help="P-EAGLE heads: all K drafts from one forward, verified as a chain")
+    shape.add_argument(
+        "--parallel",
+        type=int,
+        default=None,
+        metavar="K",
+        help="P-EAGLE heads: all K drafts from one forward, verified as a chain",
+    )
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -84,8 +89,11 @@ def evaluate(args):
     from inference.sampling import Sampler
 
     # everything a user can get wrong is checked before the target's weights are loaded
-    shape = TreeShape.parse(args.tree) if args.tree else TreeShape.chain(
-        next(k for k in (args.parallel, args.chain, 5) if k is not None))  # K=0 is an error, not the default
+    shape = (
+        TreeShape.parse(args.tree)
+        if args.tree
+        else TreeShape.chain(next(k for k in (args.parallel, args.chain, 5) if k is not None))
+    )  # K=0 is an error, not the default
     sampler = Sampler(args.temperature, args.top_k, args.top_p)
     if args.max_new_tokens < 1:
         raise SystemExit(f"eagle-eval: --max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -99,12 +107,15 @@ def evaluate(args):
     head = load_draft_head(args.draft, model)
     check_head_fits_target(head.config, model.config)
     if args.parallel and head.config.method != "peagle":
-        raise ValueError(f"--parallel drafts with a P-EAGLE head; {args.draft} holds a {head.config.method} head "
-                         "(use --chain K or --tree)")
+        raise ValueError(
+            f"--parallel drafts with a P-EAGLE head; {args.draft} holds a {head.config.method} head "
+            "(use --chain K or --tree)"
+        )
     head.to(device=device, dtype=model.dtype).eval()
     eos = {tokenizer.eos_token_id} | set(_as_list(getattr(model.generation_config, "eos_token_id", None)))
-    runtime = Runtime(model, head, shape, sampler, eos_token_ids=eos - {None},
-                      cuda_graphs=not args.no_cuda_graphs, seed=args.seed)
+    runtime = Runtime(
+        model, head, shape, sampler, eos_token_ids=eos - {None}, cuda_graphs=not args.no_cuda_graphs, seed=args.seed
+    )
 
     from tqdm import tqdm
 
@@ -118,18 +129,31 @@ def evaluate(args):
     drafting = f"tree {shape.depth},{shape.topk},{shape.total}" if args.tree else f"chain K={shape.depth}"
     if head.config.method == "peagle":
         drafting = f"parallel (P-EAGLE) K={shape.depth}"
-    title = (f"{args.bench}: {len(prompts)} prompts, {drafting}, temperature {args.temperature}, "
-             f"{device.type} {str(model.dtype).replace('torch.', '')}")
+    title = (
+        f"{args.bench}: {len(prompts)} prompts, {drafting}, temperature {args.temperature}, "
+        f"{device.type} {str(model.dtype).replace('torch.', '')}"
+    )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     record = {
-        "target": args.target, "draft": str(args.draft), "bench": args.bench,
-        "drafting": {"depth": shape.depth, "topk": shape.topk, "total": shape.total, "chain": not args.tree,
-                     "parallel": head.config.method == "peagle"},
+        "target": args.target,
+        "draft": str(args.draft),
+        "bench": args.bench,
+        "drafting": {
+            "depth": shape.depth,
+            "topk": shape.topk,
+            "total": shape.total,
+            "chain": not args.tree,
+            "parallel": head.config.method == "peagle",
+        },
         "sampling": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed},
-        "device": str(device), "dtype": str(model.dtype).replace("torch.", ""),
-        "cuda_graphs": runtime.use_graphs, "max_new_tokens": args.max_new_tokens,
-        "wall_seconds": time.time() - t0, "summary": summary, "prompts": results,
+        "device": str(device),
+        "dtype": str(model.dtype).replace("torch.", ""),
+        "cuda_graphs": runtime.use_graphs,
+        "max_new_tokens": args.max_new_tokens,
+        "wall_seconds": time.time() - t0,
+        "summary": summary,
+        "prompts": results,
     }
     out.write_text(json.dumps(record, indent=1))
     print(format_table(summary, title))

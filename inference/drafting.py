@@ -178,9 +178,9 @@ class Drafter:
         for depth in range(1, s.depth):
             slots = length + (depth - 1) * k + torch.arange(k, device=dev)
             own_dist[frontier] = 1 + (depth - 1) * k + torch.arange(k, device=dev)
-            seen[:, (depth - 1) * k: depth * k] |= torch.eye(k, dtype=torch.bool, device=dev)
+            seen[:, (depth - 1) * k : depth * k] |= torch.eye(k, dtype=torch.bool, device=dev)
             mask = context.clone()
-            mask[:, length:length + n_spec] = seen
+            mask[:, length : length + n_spec] = seen
             tokens = head.draft_to_target_ids(torch.cat(cand_ids)[frontier])
             pos = torch.full((1, k), length - 1 + depth, device=dev)
             h, logits = self.step_fn(hidden[None], tokens[None], pos, self.cache, slots, mask[None, None])
@@ -198,8 +198,14 @@ class Drafter:
             frontier_scores = total_scores.reshape(-1)[best]
             hidden = h[0, rows]
             seen = seen[rows]
-        return self.select(torch.cat(cand_ids), torch.cat(cand_scores), torch.cat(cand_parent), own_dist,
-                           root_token, torch.cat(dists) if dists else None)
+        return self.select(
+            torch.cat(cand_ids),
+            torch.cat(cand_scores),
+            torch.cat(cand_parent),
+            own_dist,
+            root_token,
+            torch.cat(dists) if dists else None,
+        )
 
     def select(self, cand_ids, cand_scores, cand_parent, own_dist, root_token, dists) -> DraftTree:
         """Keep the best `total` candidates (a tree: every node scores below its ancestors) in

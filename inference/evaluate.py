@@ -35,8 +35,7 @@ def load_bench(name_or_file: str, num_prompts: int | None = None) -> list[dict]:
         turns = row.get("turns") or ([row["prompt"]] if "prompt" in row else None)
         if not turns or not all(isinstance(t, str) for t in turns):
             raise ValueError(f"{source} line {i + 1}: expected a 'turns' list of strings (or a 'prompt' string)")
-        prompts.append({"question_id": row.get("question_id", i), "category": row.get("category", ""),
-                        "turns": turns})
+        prompts.append({"question_id": row.get("question_id", i), "category": row.get("category", ""), "turns": turns})
     if num_prompts is not None:
         if num_prompts < 1:
             raise ValueError(f"--num-prompts must be >= 1, got {num_prompts}")
@@ -64,14 +63,21 @@ def run_prompt(runtime, tokenizer, prompt: dict, max_new_tokens: int) -> dict:
         plain = runtime.generate_plain(ids, max_new_tokens)
         answer = tokenizer.decode(spec.output_ids, skip_special_tokens=True)
         messages.append({"role": "assistant", "content": answer})
-        turns.append({
-            "prompt_tokens": len(ids),
-            "spec": {"output_ids": spec.output_ids, "forwards": spec.forwards, "emitted": spec.emitted,
-                     "accepted": spec.accepted, "seconds": spec.seconds},
-            "plain": {"output_ids": plain.output_ids, "forwards": plain.forwards, "seconds": plain.seconds},
-            "identical": spec.output_ids == plain.output_ids,
-            "answer": answer,
-        })
+        turns.append(
+            {
+                "prompt_tokens": len(ids),
+                "spec": {
+                    "output_ids": spec.output_ids,
+                    "forwards": spec.forwards,
+                    "emitted": spec.emitted,
+                    "accepted": spec.accepted,
+                    "seconds": spec.seconds,
+                },
+                "plain": {"output_ids": plain.output_ids, "forwards": plain.forwards, "seconds": plain.seconds},
+                "identical": spec.output_ids == plain.output_ids,
+                "answer": answer,
+            }
+        )
     return {"question_id": prompt["question_id"], "category": prompt["category"], "turns": turns}
 
 
@@ -97,8 +103,9 @@ def summarise(results: list[dict], depth: int) -> dict:
         # share of verification forwards whose draft position i (1-based) was accepted ...
         "acceptance_per_position": [reached[i] / len(accepted) if accepted else 0.0 for i in range(1, depth + 1)],
         # ... and the same given that position i-1 was
-        "acceptance_per_position_conditional": [reached[i] / reached[i - 1] if reached[i - 1] else 0.0
-                                                for i in range(1, depth + 1)],
+        "acceptance_per_position_conditional": [
+            reached[i] / reached[i - 1] if reached[i - 1] else 0.0 for i in range(1, depth + 1)
+        ],
         "tokens_per_forward_histogram": histogram,
         "spec_tokens_per_s": spec_tps,
         "plain_tokens_per_s": plain_tps,
@@ -142,15 +149,21 @@ def plot(summary: dict, path, title: str) -> bool:
     acc = summary["acceptance_per_position"]
     positions = list(range(1, len(acc) + 1))
     left.bar(positions, acc, label="accepted (share of forwards)")
-    left.plot(positions, summary["acceptance_per_position_conditional"], "o-", color="C1",
-              label="given previous accepted")
-    left.set(xlabel="draft position", ylabel="acceptance", ylim=(0, 1.05), xticks=positions,
-             title="acceptance per position")
+    left.plot(
+        positions, summary["acceptance_per_position_conditional"], "o-", color="C1", label="given previous accepted"
+    )
+    left.set(
+        xlabel="draft position", ylabel="acceptance", ylim=(0, 1.05), xticks=positions, title="acceptance per position"
+    )
     left.legend()
     hist = summary["tokens_per_forward_histogram"]
     right.bar([int(k) for k in hist], list(hist.values()))
-    right.set(xlabel="tokens per verification forward", ylabel="forwards", xticks=[int(k) for k in hist],
-              title=f"AL = {summary['acceptance_length']:.2f}")
+    right.set(
+        xlabel="tokens per verification forward",
+        ylabel="forwards",
+        xticks=[int(k) for k in hist],
+        title=f"AL = {summary['acceptance_length']:.2f}",
+    )
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 import torch
 
 from inference.drafting import Drafter, TreeShape
-from inference.parallel_drafting import ParallelDrafter
 from inference.graphs import GraphedStep
 from inference.llama import TargetModel, use_few_row_linears
+from inference.parallel_drafting import ParallelDrafter
 from inference.sampling import Sampler, accept_greedy, accept_sampling
 
 
@@ -38,8 +38,16 @@ class GenerationResult:
 class Runtime:
     """A target (and optionally a draft head) ready to generate; caches and graphs are reused."""
 
-    def __init__(self, hf_model, head=None, shape: TreeShape | None = None, sampler: Sampler = Sampler(),
-                 eos_token_ids=(), cuda_graphs: bool = True, seed: int | None = None):
+    def __init__(
+        self,
+        hf_model,
+        head=None,
+        shape: TreeShape | None = None,
+        sampler: Sampler = Sampler(),
+        eos_token_ids=(),
+        cuda_graphs: bool = True,
+        seed: int | None = None,
+    ):
         aux_ids = head.config.aux_layer_ids if head is not None else None
         self.target = TargetModel(hf_model, aux_ids)
         self.device = self.target.device
@@ -163,7 +171,7 @@ class Runtime:
             slots = length + steps
             width = self.width(length + shape.total + 1)
             mask = (keys[:width] < length)[None].expand(shape.total + 1, -1).clone()
-            mask[:, length:length + shape.total + 1] = tree.ancestors
+            mask[:, length : length + shape.total + 1] = tree.ancestors
             final, aux = self.target_step(tree.tokens[None], (length + tree.depths)[None], slots, mask[None, None])
             logits = target.logits(final[0])
             path, bonus, tokens_of = self.accept(tree, logits)
@@ -202,7 +210,10 @@ class Runtime:
 
         def draft_q(node):
             q = torch.zeros(p.shape[-1], device=p.device)
-            return q.index_add_(0, head.draft_to_target_ids(torch.arange(tree.dists.shape[-1], device=p.device)),
-                                tree.dists[tree.dist_index[node]].float())
+            return q.index_add_(
+                0,
+                head.draft_to_target_ids(torch.arange(tree.dists.shape[-1], device=p.device)),
+                tree.dists[tree.dist_index[node]].float(),
+            )
 
         return *accept_sampling(tokens, children, p, draft_q), tokens

@@ -21,7 +21,7 @@ SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 
 def shared_norm(hf_norm) -> RMSNorm:
     """Our RMSNorm (same op as HF's) reading the HF module's weight in place."""
-    eps = getattr(hf_norm, "variance_epsilon", None) or getattr(hf_norm, "eps")
+    eps = getattr(hf_norm, "variance_epsilon", None) or hf_norm.eps
     norm = RMSNorm(hf_norm.weight.shape[0], eps)
     norm.weight = hf_norm.weight
     return norm
@@ -119,9 +119,7 @@ class TargetModel(nn.Module):
         super().__init__()
         cfg = getattr(hf_model.config, "text_config", None) or hf_model.config
         if cfg.model_type not in SUPPORTED:
-            raise ValueError(
-                f"the speculative runtime supports {', '.join(SUPPORTED)} targets, not {cfg.model_type!r}"
-            )
+            raise ValueError(f"the speculative runtime supports {', '.join(SUPPORTED)} targets, not {cfg.model_type!r}")
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"target hidden_act {cfg.hidden_act!r} is not supported (only silu)")
         self.config = cfg

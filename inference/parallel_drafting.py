@@ -24,8 +24,10 @@ class ParallelDrafter(Drafter):
             raise ValueError("P-EAGLE drafts a chain (--parallel K); tree drafting needs an EAGLE-3 head")
         trained = head.config.num_depths
         if shape.depth > trained:
-            raise ValueError(f"--parallel {shape.depth} asks for more drafts than the head was trained "
-                             f"for (num_depths K={trained}): use --parallel <= {trained}")
+            raise ValueError(
+                f"--parallel {shape.depth} asks for more drafts than the head was trained "
+                f"for (num_depths K={trained}): use --parallel <= {trained}"
+            )
         super().__init__(head, shape, sampler, step_fn)
 
     def setup_cache(self, max_len: int):
@@ -49,7 +51,7 @@ class ParallelDrafter(Drafter):
         mask = keys[None, :] <= pos[:, None]
         mask[rows:] = keys == 0
         _, logits = self.step_fn(hidden, ids, pos[None], self.cache, pos, mask[None, None])
-        return logits[0, n - 1:rows]
+        return logits[0, n - 1 : rows]
 
     def catch_up(self, aux, next_ids, start: int):
         return None, self.step_rows(aux, next_ids, start)

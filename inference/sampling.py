@@ -80,8 +80,13 @@ def accept_greedy(tree_tokens: list[int], children: list[list[int]], target_argm
         node = nxt
 
 
-def accept_sampling(tree_tokens: list[int], children: list[list[int]], p: torch.Tensor, draft_q,
-                    generator: torch.Generator | None = None):
+def accept_sampling(
+    tree_tokens: list[int],
+    children: list[list[int]],
+    p: torch.Tensor,
+    draft_q,
+    generator: torch.Generator | None = None,
+):
     """Recursive rejection sampling over a tree. p [N, V]: the target's warped distributions at
     the tree nodes; draft_q(node) -> the draft distribution [V] its children were drawn from.
     Returns (accepted node indices, bonus token); the emitted tokens are distributed exactly as p."""

@@ -1,17 +1,29 @@
 #!/usr/bin/env bash
-# The main job on the embedded default, sized for a CPU (about 10 minutes on 2 cores):
+# The main job on the embedded default, sized for a CPU:
 # SmolLM2-135M-Instruct + ShareGPT -> tokens, loss masks, draft vocab, hidden-state store
 # (configs/smollm2_sharegpt.yaml) -> EAGLE-3 head with training-time test (configs/eagle3_smollm2.yaml,
 # cut to $STEPS steps) -> engine-exact export, checked -> acceptance-length table on MT-Bench.
+#
+# SCALE=smoke runs every step at toy size (a few conversations, steps and tokens) into runs/smoke:
+# what CI runs to prove the job finishes, not a head worth measuring.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-STEPS=${STEPS:-30}
-RUN=runs/smollm2_sharegpt   # the out_dir of configs/smollm2_sharegpt.yaml
+if [ "${SCALE:-full}" = smoke ]; then
+  RUN=runs/smoke; HEAD=runs/smoke/eagle3
+  PREP=(out_dir="$RUN" prep.num_conversations=6 prep.max_length=256)
+  TRAIN=(max_length=256 tokens_per_batch=512 max_steps=2 warmup_steps=1 save_every=1)
+  EVAL=(--num-prompts 1 --max-new-tokens 8)
+else
+  RUN=runs/smollm2_sharegpt; HEAD=runs/eagle3_smollm2   # the configs' out_dir and output_dir
+  PREP=()
+  TRAIN=(max_steps="${STEPS:-30}" warmup_steps=5 learning_rate=6e-4 save_every=10)
+  EVAL=(--num-prompts 4 --max-new-tokens 64)
+fi
 
-[ -f "$RUN/store/manifest.json" ] || eagle-prep run --config configs/smollm2_sharegpt.yaml
+[ -f "$RUN/store/manifest.json" ] || eagle-prep run --config configs/smollm2_sharegpt.yaml "${PREP[@]}"
 accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no \
-    scripts/train_eagle3.py --config configs/eagle3_smollm2.yaml output_dir=runs/eagle3_smollm2 \
-    max_steps="$STEPS" warmup_steps=5 learning_rate=6e-4 save_every=10 resume=auto
-eagle-export runs/eagle3_smollm2/final --format eagle3 --out runs/eagle3_smollm2/export --target smollm2-135m
-eagle-eval --target smollm2-135m --draft runs/eagle3_smollm2/export --bench mt_bench --num-prompts 4 \
-    --max-new-tokens 64 --chain 3 --out runs/eagle3_smollm2/eval_mt_bench.json
+    scripts/train_eagle3.py --config configs/eagle3_smollm2.yaml data_path="$RUN/store" output_dir="$HEAD" \
+    resume=auto "${TRAIN[@]}"
+eagle-export "$HEAD/final" --format eagle3 --out "$HEAD/export" --target smollm2-135m
+eagle-eval --target smollm2-135m --draft "$HEAD/export" --bench mt_bench --chain 3 \
+    --out "$HEAD/eval_mt_bench.json" "${EVAL[@]}"

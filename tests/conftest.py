@@ -8,23 +8,48 @@ import torch
 
 # Short conversations of different lengths, so batched captures really pad.
 CONVERSATIONS = [
-    {"id": "c0", "messages": [{"role": "user", "content": "What is the capital of France?"},
-                              {"role": "assistant", "content": "The capital of France is Paris."}]},
-    {"id": "c1", "messages": [{"role": "user", "content": "Count to five."},
-                              {"role": "assistant", "content": "1, 2, 3, 4, 5."},
-                              {"role": "user", "content": "Now backwards, please."},
-                              {"role": "assistant", "content": "5, 4, 3, 2, 1."}]},
-    {"id": "c2", "messages": [{"role": "system", "content": "You are terse."},
-                              {"role": "user", "content": "Hi"},
-                              {"role": "assistant", "content": "Hello."}]},
-    {"id": "c3", "messages": [{"role": "user", "content": "Write a haiku about rain."},
-                              {"role": "assistant", "content": "Soft rain on the roof,\nwhispers through the sleeping "
-                                                               "town,\nmorning comes washed clean."}]},
-    {"id": "c4", "messages": [{"role": "user", "content": "Give me one tip for learning Python."},
-                              {"role": "assistant", "content": "Write a small program every day and read the "
-                                                               "error messages carefully."}]},
-    {"id": "c5", "messages": [{"role": "user", "content": "Is 7 prime?"},
-                              {"role": "assistant", "content": "Yes."}]},
+    {
+        "id": "c0",
+        "messages": [
+            {"role": "user", "content": "What is the capital of France?"},
+            {"role": "assistant", "content": "The capital of France is Paris."},
+        ],
+    },
+    {
+        "id": "c1",
+        "messages": [
+            {"role": "user", "content": "Count to five."},
+            {"role": "assistant", "content": "1, 2, 3, 4, 5."},
+            {"role": "user", "content": "Now backwards, please."},
+            {"role": "assistant", "content": "5, 4, 3, 2, 1."},
+        ],
+    },
+    {
+        "id": "c2",
+        "messages": [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello."},
+        ],
+    },
+    {
+        "id": "c3",
+        "messages": [
+            {"role": "user", "content": "Write a haiku about rain."},
+            {
+                "role": "assistant",
+                "content": "Soft rain on the roof,\nwhispers through the sleeping town,\nmorning comes washed clean.",
+            },
+        ],
+    },
+    {
+        "id": "c4",
+        "messages": [
+            {"role": "user", "content": "Give me one tip for learning Python."},
+            {"role": "assistant", "content": "Write a small program every day and read the error messages carefully."},
+        ],
+    },
+    {"id": "c5", "messages": [{"role": "user", "content": "Is 7 prime?"}, {"role": "assistant", "content": "Yes."}]},
 ]
 
 
@@ -42,9 +67,19 @@ def tiny_llama_dir(tmp_path_factory, smollm2):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True)
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        tie_word_embeddings=True,
+    )
     path = tmp_path_factory.mktemp("tiny-llama")
     LlamaForCausalLM(config).save_pretrained(path)
     smollm2[1].save_pretrained(path)
@@ -88,6 +123,14 @@ def small_store(tmp_path_factory, small_tokenized, smollm2):
 
     path = tmp_path_factory.mktemp("store")
     model, tokenizer = smollm2
-    capture(model, small_tokenized, path, target_name=SMOLLM2, token_budget=160, shard_tokens=100,
-            pad_id=tokenizer.pad_token_id, progress=False)
+    capture(
+        model,
+        small_tokenized,
+        path,
+        target_name=SMOLLM2,
+        token_budget=160,
+        shard_tokens=100,
+        pad_id=tokenizer.pad_token_id,
+        progress=False,
+    )
     return path

@@ -66,11 +66,16 @@ def test_one_point_on_the_tiny_llama(quality, tmp_path, tiny_llama_dir, tiny_lla
     assert set(top1) == {"mt_bench", "gsm8k", "all"} and all(0 < p <= 1 for p in top1.values())
 
     pytest.importorskip("matplotlib")
-    point = {"compute_minutes": 1.0, "results": summaries,
-             "mean_acceptance_length": {name: 1.0 for name in shapes}}
-    record = {"name": "toy", "budget_minutes": 2, "data_minutes": 0.5, "eval_minutes": 0.1, "points": [point],
-              "eval": {"drafting": {name: {} for name in shapes}, "benches": ["mt_bench", "gsm8k"]},
-              "target_top1_probability": top1}
+    point = {"compute_minutes": 1.0, "results": summaries, "mean_acceptance_length": {name: 1.0 for name in shapes}}
+    record = {
+        "name": "toy",
+        "budget_minutes": 2,
+        "data_minutes": 0.5,
+        "eval_minutes": 0.1,
+        "points": [point],
+        "eval": {"drafting": {name: {} for name in shapes}, "benches": ["mt_bench", "gsm8k"]},
+        "target_top1_probability": top1,
+    }
     assert quality.plot_curve(record, tmp_path / "quality.png")
     assert (tmp_path / "quality.png").stat().st_size > 0
 

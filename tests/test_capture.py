@@ -45,8 +45,9 @@ def test_plan_bounds_padded_tokens_and_covers_every_sample():
 
 def test_capture_equals_output_hidden_states_batched_and_padded(smollm2, small_tokenized, tmp_path):
     model, tok = smollm2
-    manifest, stats = run_capture(smollm2, small_tokenized, tmp_path / "s", dtype="float32", token_budget=512,
-                                  shard_tokens=10**6)
+    manifest, stats = run_capture(
+        smollm2, small_tokenized, tmp_path / "s", dtype="float32", token_budget=512, shard_tokens=10**6
+    )
     assert stats["shards"] == 1 and manifest["aux_layer_ids"] == [2, 15, 27]
     store, source = ShardedSamples(tmp_path / "s"), ShardedSamples(small_tokenized)
     plan = plan_shards(source.lengths(), 512, 10**6)
@@ -68,14 +69,18 @@ def test_capture_equals_output_hidden_states_batched_and_padded(smollm2, small_t
             assert torch.equal(got["input_ids"], samples[b]["input_ids"])
             assert torch.equal(got["loss_mask"], samples[b]["loss_mask"])
             ref_aux = torch.cat([hs[2][b, :n], hs[15][b, :n], hs[27][b, :n]], dim=-1)
-            worst = max(worst, (got["aux_hidden"] - ref_aux).abs().max().item(),
-                        (got["final_hidden"] - hs[-1][b, :n]).abs().max().item())
+            worst = max(
+                worst,
+                (got["aux_hidden"] - ref_aux).abs().max().item(),
+                (got["final_hidden"] - hs[-1][b, :n]).abs().max().item(),
+            )
     assert worst <= 1e-4
     # and each sample alone, unpadded (relative tolerance: SmolLM2's massive activation is ~24000)
     for i in (0, 5):
         alone = model(source.tokens(i)["input_ids"][None], output_hidden_states=True).hidden_states
-        torch.testing.assert_close(by_id[i]["aux_hidden"], torch.cat([alone[2], alone[15], alone[27]], -1)[0],
-                                   rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(
+            by_id[i]["aux_hidden"], torch.cat([alone[2], alone[15], alone[27]], -1)[0], rtol=1e-5, atol=1e-4
+        )
     assert torch.equal(read_vocab_map(tmp_path / "s")["d2t"], read_vocab_map(small_tokenized)["d2t"])
 
 
@@ -120,8 +125,16 @@ def test_refuses_to_mix_targets_layers_dtypes(smollm2, tiny_llama, small_tokeniz
         run_capture(smollm2, small_tokenized, small_store, token_budget=512)
     model, tok = tiny_llama
     with pytest.raises(ValueError, match=r"4 layers, hidden 32.*Capture a new store"):
-        capture(model, small_tokenized, small_store, target_name="tiny", pad_id=2, progress=False,
-                token_budget=160, shard_tokens=100)
+        capture(
+            model,
+            small_tokenized,
+            small_store,
+            target_name="tiny",
+            pad_id=2,
+            progress=False,
+            token_budget=160,
+            shard_tokens=100,
+        )
     with pytest.raises(ValueError, match="hidden-state store; capture reads a tokenized dataset"):
         run_capture(smollm2, small_store, small_store.parent / "x")
     assert_same_store(small_store, small_store)  # untouched and still readable
@@ -141,10 +154,34 @@ def test_fp8_capture_round_trip(smollm2, small_tokenized, small_store, tmp_path)
 
 def test_two_processes_under_accelerate_make_one_store(small_tokenized, small_store, tmp_path):
     out = tmp_path / "s2"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "data_prep.cli",
-           "capture", "--target", SMOLLM2, "--data", str(small_tokenized), "--out", str(out),
-           "--token-budget", "160", "--shard-tokens", "100", "--no-progress"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "-m",
+        "data_prep.cli",
+        "capture",
+        "--target",
+        SMOLLM2,
+        "--data",
+        str(small_tokenized),
+        "--out",
+        str(out),
+        "--token-budget",
+        "160",
+        "--shard-tokens",
+        "100",
+        "--no-progress",
+    ]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     log = proc.stdout + proc.stderr

@@ -31,8 +31,12 @@ def test_reads_sharegpt_json_jsonl_openai_parquet_and_saved_datasets(tmp_path):
     import datasets
 
     openai = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}
-    parts = {"messages": [{"role": "user", "content": "Hi"},
-                          {"role": "assistant", "content": [{"type": "text", "text": "Hello!"}]}]}
+    parts = {
+        "messages": [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": [{"type": "text", "text": "Hello!"}]},
+        ]
+    }
     (tmp_path / "a.json").write_text(json.dumps([SHAREGPT_RECORD, parts]))
     (tmp_path / "a.jsonl").write_text(json.dumps(SHAREGPT_RECORD) + "\n\n" + json.dumps(parts) + "\n")
     datasets.Dataset.from_list([openai, openai]).to_parquet(str(tmp_path / "a.parquet"))
@@ -54,18 +58,30 @@ def test_embedded_sharegpt_alias():
 
 def test_malformed_records_are_counted_per_reason_not_fatal(tmp_path):
     good = json.dumps(SHAREGPT_RECORD)
-    lines = [good, "{not json", json.dumps({"text": "no schema"}), good,
-             json.dumps({"conversations": [{"from": "human", "value": "only a question"}]}),
-             json.dumps({"conversations": [{"from": "alien", "value": "?"}]}),
-             json.dumps({"messages": [{"role": "user", "content": {"image": 1}}]}),
-             json.dumps({"conversations": []}), json.dumps([1, 2]), good]
+    lines = [
+        good,
+        "{not json",
+        json.dumps({"text": "no schema"}),
+        good,
+        json.dumps({"conversations": [{"from": "human", "value": "only a question"}]}),
+        json.dumps({"conversations": [{"from": "alien", "value": "?"}]}),
+        json.dumps({"messages": [{"role": "user", "content": {"image": 1}}]}),
+        json.dumps({"conversations": []}),
+        json.dumps([1, 2]),
+        good,
+    ]
     (tmp_path / "mixed.jsonl").write_text("\n".join(lines * 5000) + "\n")  # 50,000 records
     convs, report = read_all(tmp_path / "mixed.jsonl")
     assert report.read == 50000 and len(convs) == report.kept == 15000
-    assert report.skipped == {"invalid JSON line": 5000, "no 'conversations' or 'messages' field": 5000,
-                              "no assistant turn": 5000, "unknown role 'alien'": 5000,
-                              "message content is not text": 5000, "empty conversation": 5000,
-                              "record is a list, not an object": 5000}
+    assert report.skipped == {
+        "invalid JSON line": 5000,
+        "no 'conversations' or 'messages' field": 5000,
+        "no assistant turn": 5000,
+        "unknown role 'alien'": 5000,
+        "message content is not text": 5000,
+        "empty conversation": 5000,
+        "record is a list, not an object": 5000,
+    }
     assert "skipped 5000: no assistant turn" in report.summary()
 
 
@@ -99,12 +115,16 @@ def test_wrong_schema_file_fails_tokenize_with_the_reasons(tmp_path, smollm2):
 
 # ------------------------------------------------------------------------ chat templates, masks
 
-LLAMA3 = ("{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "
-          "'<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
-          "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}")
-MISTRAL = ("{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
-           "{{ '[INST] ' + message['content'] + ' [/INST]' }}{% elif message['role'] == 'assistant' %}"
-           "{{ ' ' + message['content'] + eos_token }}{% endif %}{% endfor %}")
+LLAMA3 = (
+    "{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "
+    "'<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+MISTRAL = (
+    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
+    "{{ '[INST] ' + message['content'] + ' [/INST]' }}{% elif message['role'] == 'assistant' %}"
+    "{{ ' ' + message['content'] + eos_token }}{% endif %}{% endfor %}"
+)
 
 
 def with_template(tokenizer, template, special=()):
@@ -138,8 +158,12 @@ def test_mask_is_exactly_assistant_content_plus_end_of_turn(template, smollm2):
 
 def test_mask_keeps_content_whitespace_and_is_not_fooled_by_repeats(smollm2):
     tok = smollm2[1]
-    messages = [{"role": "user", "content": "Say OK."}, {"role": "assistant", "content": "OK."},
-                {"role": "user", "content": "OK."}, {"role": "assistant", "content": "  OK.\n"}]
+    messages = [
+        {"role": "user", "content": "Say OK."},
+        {"role": "assistant", "content": "OK."},
+        {"role": "user", "content": "OK."},
+        {"role": "assistant", "content": "  OK.\n"},
+    ]
     s = tokenize_conversation(tok, messages)
     # the repeated "OK." of the user turn is not masked; the second reply keeps its whitespace, and its
     # first token, which merges the template's "\n" with the leading spaces, counts as the reply's
@@ -166,8 +190,10 @@ def test_system_prompt_override_and_truncation(smollm2):
 
 
 def test_template_errors_are_reported_skips(smollm2, tmp_path):
-    strict = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
-              "{{ raise_exception('roles must alternate') }}{% endif %}{{ m['content'] }}{% endfor %}")
+    strict = (
+        "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('roles must alternate') }}{% endif %}{{ m['content'] }}{% endfor %}"
+    )
     tok = with_template(smollm2[1], strict)
     with pytest.raises(SkipSample, match="chat template error: roles must alternate"):
         tokenize_conversation(tok, CONVERSATIONS[2]["messages"])  # starts with a system message
@@ -232,7 +258,7 @@ def test_regenerate_replaces_assistant_turns_with_greedy_target_output(tiny_llam
         prompt = tok.apply_chat_template(c1[:k], tokenize=False, add_generation_prompt=True)
         ids = tok(prompt, return_tensors="pt", add_special_tokens=False)
         ref = model.generate(**ids, max_new_tokens=8, do_sample=False)
-        assert c1[k]["content"] == tok.decode(ref[0, ids["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+        assert c1[k]["content"] == tok.decode(ref[0, ids["input_ids"].shape[1] :], skip_special_tokens=True).strip()
     assert c1[1]["content"] != "1, 2, 3, 4, 5."
     # resume: ids already written are skipped, a torn last line (a kill mid-write) is repaired
     with out.open("a") as f:
@@ -253,11 +279,18 @@ def test_regenerate_max_turns_keeps_the_first_turns_only(tiny_llama, tmp_path):
 
 def test_regenerate_drops_an_assistant_turn_that_answers_nothing(tiny_llama, tmp_path):
     model, tok = tiny_llama
-    opener = {"id": "g", "messages": [{"role": "assistant", "content": "Hi! How can I help?"}]
-              + copy.deepcopy(CONVERSATIONS[0]["messages"])}
+    opener = {
+        "id": "g",
+        "messages": [{"role": "assistant", "content": "Hi! How can I help?"}]
+        + copy.deepcopy(CONVERSATIONS[0]["messages"]),
+    }
     alone = {"id": "a", "messages": [{"role": "assistant", "content": "Hello."}]}
     out = tmp_path / "regen.jsonl"
-    assert regenerate(model, tok, [opener, alone], out, max_new_tokens=4) == {"written": 1, "skipped_done": 0, "empty": 1}
+    assert regenerate(model, tok, [opener, alone], out, max_new_tokens=4) == {
+        "written": 1,
+        "skipped_done": 0,
+        "empty": 1,
+    }
     row = json.loads(out.read_text())
     assert [m["role"] for m in row["messages"]] == [m["role"] for m in CONVERSATIONS[0]["messages"]]
 
@@ -284,24 +317,29 @@ def test_cli_show_mask_and_vocab(conversations_jsonl, small_tokenized, tmp_path,
 
 def test_cli_run_config_end_to_end(conversations_jsonl, tmp_path, capsys):
     config = tmp_path / "c.yaml"
-    config.write_text(f"target: {SMOLLM2}\ndata: {conversations_jsonl}\nout_dir: {tmp_path / 'run'}\n"
-                      "prep:\n  num_conversations: 3\n  max_length: 64\n"
-                      "  capture: {dtype: float8_e4m3fn, token_budget: 128, shard_tokens: 64}\n")
+    config.write_text(
+        f"target: {SMOLLM2}\ndata: {conversations_jsonl}\nout_dir: {tmp_path / 'run'}\n"
+        "prep:\n  num_conversations: 3\n  max_length: 64\n"
+        "  capture: {dtype: float8_e4m3fn, token_budget: 128, shard_tokens: 64}\n"
+    )
     cli.main(["run", "--config", str(config), "prep.num_conversations=2", "prep.capture.token_budget=64"])
     out = capsys.readouterr().out
     assert "read 2 records, kept 2" in out and "tokenized 2 conversations" in out
     store = ShardedSamples(tmp_path / "run" / "store")
     assert len(store) == 2 and store.manifest["dtype"] == "float8_e4m3fn" and store.has_hidden
     assert "store " in out and "bytes/token" in out
-    assert torch.equal(read_vocab_map(tmp_path / "run" / "store")["d2t"],
-                       read_vocab_map(tmp_path / "run" / "tokenized")["d2t"])
+    assert torch.equal(
+        read_vocab_map(tmp_path / "run" / "store")["d2t"], read_vocab_map(tmp_path / "run" / "tokenized")["d2t"]
+    )
 
 
 @pytest.mark.parametrize("where", ["file", "override"])
 def test_cli_run_refuses_a_misspelt_key(conversations_jsonl, tmp_path, where):
     config = tmp_path / "c.yaml"
-    config.write_text(f"data: {conversations_jsonl}\nout_dir: {tmp_path / 'run'}\n"
-                      + ("prep:\n  num_conversation: 3\n" if where == "file" else ""))
+    config.write_text(
+        f"data: {conversations_jsonl}\nout_dir: {tmp_path / 'run'}\n"
+        + ("prep:\n  num_conversation: 3\n" if where == "file" else "")
+    )
     extra = ["prep.capture.dtpye=float32"] if where == "override" else []
     with pytest.raises(SystemExit, match="unknown key.*(num_conversation|dtpye).*prep.num_conversations"):
         cli.main(["run", "--config", str(config), *extra])
@@ -322,11 +360,14 @@ def test_tokenize_limit_counts_usable_samples_and_workers_change_nothing(convers
     results = []
     for workers in (1, 2):
         out = tmp_path / f"w{workers}"
-        manifest, report, _ = tokenize_dataset(str(tmp_path / "d.jsonl"), out, SMOLLM2, max_length=128, limit=4,
-                                               tokenizer=smollm2[1], workers=workers)
+        manifest, report, _ = tokenize_dataset(
+            str(tmp_path / "d.jsonl"), out, SMOLLM2, max_length=128, limit=4, tokenizer=smollm2[1], workers=workers
+        )
         assert manifest["num_samples"] == report.kept == 4  # 4 usable samples, whatever was skipped before
         assert report.skipped["no assistant turn"] == 2 and report.read == 6  # not what workers read ahead
         results.append(ShardedSamples(out))
     a, b = results
-    assert all(torch.equal(a[i]["input_ids"], b[i]["input_ids"]) and torch.equal(a[i]["loss_mask"], b[i]["loss_mask"])
-               for i in range(4))
+    assert all(
+        torch.equal(a[i]["input_ids"], b[i]["input_ids"]) and torch.equal(a[i]["loss_mask"], b[i]["loss_mask"])
+        for i in range(4)
+    )

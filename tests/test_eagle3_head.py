@@ -11,10 +11,22 @@ H, NH, NKV, D, V, VD = 32, 4, 2, 8, 50, 40
 
 def tiny_head(seed=0) -> Eagle3Head:
     torch.manual_seed(seed)
-    cfg = DraftConfig(hidden_size=H, num_attention_heads=NH, num_key_value_heads=NKV, head_dim=D,
-                      intermediate_size=64, vocab_size=V, draft_vocab_size=VD, rms_norm_eps=1e-6,
-                      rope_theta=10000.0, rope_scaling=None, max_position_embeddings=256,
-                      target_hidden_size=H, target_num_layers=8, aux_layer_ids=(2, 4, 5))
+    cfg = DraftConfig(
+        hidden_size=H,
+        num_attention_heads=NH,
+        num_key_value_heads=NKV,
+        head_dim=D,
+        intermediate_size=64,
+        vocab_size=V,
+        draft_vocab_size=VD,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        max_position_embeddings=256,
+        target_hidden_size=H,
+        target_num_layers=8,
+        aux_layer_ids=(2, 4, 5),
+    )
     head = Eagle3Head(cfg)
     for p in head.parameters():
         torch.nn.init.normal_(p, std=0.3)
@@ -26,7 +38,7 @@ def ttt_unroll(head, aux, ids, steps):
     t = ids.shape[1]
     hidden, past, outs = head.fc(aux), [], []
     for i in range(steps):
-        step_ids = torch.nn.functional.pad(ids[:, 1 + i:], (0, 1 + i))
+        step_ids = torch.nn.functional.pad(ids[:, 1 + i :], (0, 1 + i))
         pos = torch.arange(t)[None] + i
         hidden = head.ttt_step(hidden, step_ids, pos, past)
         outs.append(hidden)
@@ -44,7 +56,7 @@ def reference_with_cache(head, aux, ids, steps):
         mask[:, :t] = torch.ones(t, t, dtype=torch.bool).tril()
         for j in range(1, i + 1):
             mask[torch.arange(t), j * t + torch.arange(t)] = True
-        step_ids = torch.nn.functional.pad(ids[:, 1 + i:], (0, 1 + i))
+        step_ids = torch.nn.functional.pad(ids[:, 1 + i :], (0, 1 + i))
         pos = (torch.arange(t)[None] + i).expand(b, t)
         hidden, _ = head.step(hidden, step_ids, pos, cache, torch.arange(i * t, (i + 1) * t), mask[None, None])
         outs.append(hidden)
@@ -69,8 +81,9 @@ def test_ttt_step0_equals_plain_forward():
     ids = torch.randint(0, V, (1, 9))
     with torch.no_grad():
         h0 = head.ttt_step(head.fc(aux), ids, torch.arange(9)[None], [])
-        plain, logits = head.step(head.fc(aux), ids, torch.arange(9)[None],
-                                  mask=torch.ones(9, 9, dtype=torch.bool).tril()[None, None])
+        plain, logits = head.step(
+            head.fc(aux), ids, torch.arange(9)[None], mask=torch.ones(9, 9, dtype=torch.bool).tril()[None, None]
+        )
     assert (h0 - plain).abs().max() < 1e-10
     assert torch.allclose(head.logits(h0), logits)
 
@@ -79,6 +92,7 @@ def test_saved_tensors_have_design_names_and_shapes(tmp_path):
     head = tiny_head().float()
     head.save_pretrained(tmp_path)
     from safetensors.torch import load_file
+
     shapes = {k: tuple(v.shape) for k, v in load_file(tmp_path / "model.safetensors").items()}
     assert shapes == {
         "fc.weight": (H, 3 * H),
@@ -104,7 +118,19 @@ def test_saved_tensors_have_design_names_and_shapes(tmp_path):
 
 def test_draft_vocab_larger_than_target_is_refused():
     with pytest.raises(ValueError, match="larger than the target vocabulary"):
-        DraftConfig(hidden_size=H, num_attention_heads=NH, num_key_value_heads=NKV, head_dim=D,
-                    intermediate_size=64, vocab_size=V, draft_vocab_size=V + 1, rms_norm_eps=1e-6,
-                    rope_theta=1e4, rope_scaling=None, max_position_embeddings=256,
-                    target_hidden_size=H, target_num_layers=8, aux_layer_ids=(2, 4, 5))
+        DraftConfig(
+            hidden_size=H,
+            num_attention_heads=NH,
+            num_key_value_heads=NKV,
+            head_dim=D,
+            intermediate_size=64,
+            vocab_size=V,
+            draft_vocab_size=V + 1,
+            rms_norm_eps=1e-6,
+            rope_theta=1e4,
+            rope_scaling=None,
+            max_position_embeddings=256,
+            target_hidden_size=H,
+            target_num_layers=8,
+            aux_layer_ids=(2, 4, 5),
+        )

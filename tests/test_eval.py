@@ -27,8 +27,24 @@ def tiny_head_dir(tiny_llama, tmp_path_factory):
 
 def test_eval_tiny_target_mt_bench_two_turns(tiny_llama_dir, tiny_head_dir, tmp_path, capsys):
     out = tmp_path / "res" / "results.json"
-    main(["--target", str(tiny_llama_dir), "--draft", str(tiny_head_dir), "--bench", "mt_bench",
-                   "--num-prompts", "2", "--max-new-tokens", "10", "--tree", "3,2,4", "--out", str(out)])
+    main(
+        [
+            "--target",
+            str(tiny_llama_dir),
+            "--draft",
+            str(tiny_head_dir),
+            "--bench",
+            "mt_bench",
+            "--num-prompts",
+            "2",
+            "--max-new-tokens",
+            "10",
+            "--tree",
+            "3,2,4",
+            "--out",
+            str(out),
+        ]
+    )
     saved = json.loads(out.read_text())
     assert out.with_suffix(".png").stat().st_size > 1000
     assert [len(p["turns"]) for p in saved["prompts"]] == [2, 2]  # MT-Bench asks its second turn
@@ -38,12 +54,29 @@ def test_eval_tiny_target_mt_bench_two_turns(tiny_llama_dir, tiny_head_dir, tmp_
     assert "acceptance length (AL)" in capsys.readouterr().out
 
 
-def test_eval_without_matplotlib_prints_the_table_and_skips_the_plot(tiny_llama_dir, tiny_head_dir, tmp_path,
-                                                                     monkeypatch, capsys):
+def test_eval_without_matplotlib_prints_the_table_and_skips_the_plot(
+    tiny_llama_dir, tiny_head_dir, tmp_path, monkeypatch, capsys
+):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
     out = tmp_path / "results.json"
-    main(["--target", str(tiny_llama_dir), "--draft", str(tiny_head_dir), "--bench", "gsm8k", "--num-prompts", "1",
-          "--max-new-tokens", "4", "--chain", "2", "--out", str(out)])
+    main(
+        [
+            "--target",
+            str(tiny_llama_dir),
+            "--draft",
+            str(tiny_head_dir),
+            "--bench",
+            "gsm8k",
+            "--num-prompts",
+            "1",
+            "--max-new-tokens",
+            "4",
+            "--chain",
+            "2",
+            "--out",
+            str(out),
+        ]
+    )
     printed = capsys.readouterr().out
     assert "acceptance length (AL)" in printed
     assert "plot skipped: matplotlib is not installed (pip install 'eagle-train[plot]'" in printed
@@ -54,43 +87,84 @@ def test_eval_smollm2_random_head(smollm2, tmp_path):
     torch.manual_seed(0)
     Eagle3Head.from_target(smollm2[0]).save_pretrained(tmp_path / "head")
     out = tmp_path / "results.json"
-    main(["--target", "smollm2-135m", "--draft", str(tmp_path / "head"), "--bench", "humaneval",
-          "--num-prompts", "1", "--max-new-tokens", "10", "--chain", "3", "--out", str(out)])
+    main(
+        [
+            "--target",
+            "smollm2-135m",
+            "--draft",
+            str(tmp_path / "head"),
+            "--bench",
+            "humaneval",
+            "--num-prompts",
+            "1",
+            "--max-new-tokens",
+            "10",
+            "--chain",
+            "3",
+            "--out",
+            str(out),
+        ]
+    )
     saved = json.loads(out.read_text())
     al = saved["summary"]["acceptance_length"]
     assert al == pytest.approx(recount_al(saved), abs=1e-12)
     assert 1.0 <= al < 1.3  # a random head is (almost) never right
     turn = saved["prompts"][0]["turns"][0]
     assert turn["identical"] and turn["spec"]["forwards"] == len(turn["spec"]["output_ids"]) - 1 - sum(
-        turn["spec"]["accepted"])
+        turn["spec"]["accepted"]
+    )
 
 
 def test_head_for_another_target_is_refused(tiny_head_dir, tmp_path):
     with pytest.raises(SystemExit, match="does not fit this target.*hidden size 32 != target's 576"):
-        main(["--target", "smollm2-135m", "--draft", str(tiny_head_dir), "--bench", "gsm8k",
-              "--out", str(tmp_path / "r.json")])
+        main(
+            [
+                "--target",
+                "smollm2-135m",
+                "--draft",
+                str(tiny_head_dir),
+                "--bench",
+                "gsm8k",
+                "--out",
+                str(tmp_path / "r.json"),
+            ]
+        )
 
 
 def test_head_with_other_vocabulary_is_refused(tiny_llama_dir, tmp_path):
     from eagle_train.draft_config import DraftConfig
 
-    cfg = DraftConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
-                      vocab_size=32000, draft_vocab_size=1000, rms_norm_eps=1e-6, rope_theta=1e4, rope_scaling=None,
-                      max_position_embeddings=1024, target_hidden_size=32, target_num_layers=4,
-                      aux_layer_ids=(2, 2, 1))
+    cfg = DraftConfig(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        vocab_size=32000,
+        draft_vocab_size=1000,
+        rms_norm_eps=1e-6,
+        rope_theta=1e4,
+        rope_scaling=None,
+        max_position_embeddings=1024,
+        target_hidden_size=32,
+        target_num_layers=4,
+        aux_layer_ids=(2, 2, 1),
+    )
     Eagle3Head(cfg).save_pretrained(tmp_path / "head")
     with pytest.raises(SystemExit, match="vocabulary 32000 != target's 49152"):
         main(["--target", str(tiny_llama_dir), "--draft", str(tmp_path / "head"), "--out", str(tmp_path / "r.json")])
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--bench", "no/such/prompts.jsonl"], "neither one of mt_bench, humaneval, gsm8k nor an existing .jsonl"),
-    (["--chain", "0"], "chain drafting needs K >= 1"),
-    (["--tree", "3,2"], "--tree expects depth,topk,total"),
-    (["--tree", "2,2,9"], "proposes only 6 tokens, fewer than total=9"),
-    (["--temperature", "-1"], "temperature must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--bench", "no/such/prompts.jsonl"], "neither one of mt_bench, humaneval, gsm8k nor an existing .jsonl"),
+        (["--chain", "0"], "chain drafting needs K >= 1"),
+        (["--tree", "3,2"], "--tree expects depth,topk,total"),
+        (["--tree", "2,2,9"], "proposes only 6 tokens, fewer than total=9"),
+        (["--temperature", "-1"], "temperature must be >= 0"),
+    ],
+)
 def test_bad_arguments_are_refused(tiny_llama_dir, tiny_head_dir, tmp_path, args, message):
     with pytest.raises(SystemExit, match=message):
-        main(["--target", str(tiny_llama_dir), "--draft", str(tiny_head_dir), "--out", str(tmp_path / "r.json"),
-              *args])
+        main(["--target", str(tiny_llama_dir), "--draft", str(tiny_head_dir), "--out", str(tmp_path / "r.json"), *args])

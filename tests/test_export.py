@@ -14,16 +14,30 @@ from eagle_train.export import LAYOUTS, check_directory, export_head, import_che
 from eagle_train.export.cli import main as cli_main
 from eagle_train.export.engines import DraftFiles, engine_state, head_from_engine_state, head_shapes, inspect_engine
 
-H, NH, NKV, D, I, V, VD, N = 32, 4, 2, 8, 64, 50, 40, 8
+H, NH, NKV, D, I, V, VD, N = 32, 4, 2, 8, 64, 50, 40, 8  # noqa: E741 (I: intermediate size)
 
 
 def tiny_head(seed=0, aux=(2, 4, 5), theta=100000.0) -> Eagle3Head:
     """A random fp32 head with a reduced vocabulary (a random sorted subset of the target's)."""
     torch.manual_seed(seed)
-    cfg = DraftConfig(hidden_size=H, num_attention_heads=NH, num_key_value_heads=NKV, head_dim=D,
-                      intermediate_size=I, vocab_size=V, draft_vocab_size=VD, rms_norm_eps=1e-5, rope_theta=theta,
-                      rope_scaling=None, max_position_embeddings=1024, target_hidden_size=H, target_num_layers=N,
-                      aux_layer_ids=aux, target="tiny-target", target_architectures=["LlamaForCausalLM"])
+    cfg = DraftConfig(
+        hidden_size=H,
+        num_attention_heads=NH,
+        num_key_value_heads=NKV,
+        head_dim=D,
+        intermediate_size=I,
+        vocab_size=V,
+        draft_vocab_size=VD,
+        rms_norm_eps=1e-5,
+        rope_theta=theta,
+        rope_scaling=None,
+        max_position_embeddings=1024,
+        target_hidden_size=H,
+        target_num_layers=N,
+        aux_layer_ids=aux,
+        target="tiny-target",
+        target_architectures=["LlamaForCausalLM"],
+    )
     head = Eagle3Head(cfg)
     for p in head.parameters():
         torch.nn.init.normal_(p, std=0.3)
@@ -40,8 +54,16 @@ def set_random_vocab_map(head):
 
 
 def tiny_target_config(max_position_embeddings=1024, theta=100000.0):
-    return LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=I, num_hidden_layers=N, num_attention_heads=NH,
-                       num_key_value_heads=NKV, max_position_embeddings=max_position_embeddings, rope_theta=theta)
+    return LlamaConfig(
+        vocab_size=V,
+        hidden_size=H,
+        intermediate_size=I,
+        num_hidden_layers=N,
+        num_attention_heads=NH,
+        num_key_value_heads=NKV,
+        max_position_embeddings=max_position_embeddings,
+        rope_theta=theta,
+    )
 
 
 def draft_logits(head, aux, ids, positions):
@@ -87,6 +109,7 @@ def rewrite(directory, config_update=None, tensors_update=None, drop=()):
 
 # ---- round trips ----------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("fmt", ["eagle3", "speculators"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_export_reloads_to_the_same_logits_in_every_engine(tmp_path, fmt, dtype):
@@ -128,8 +151,8 @@ def test_engine_state_uses_each_engines_names_fusions_and_vocab_map(tmp_path):
     trt = engine_state(inspect_engine("trtllm", files), files)
     assert trt["model.d2t"].dtype == torch.int32 and "model.midlayer.self_attn.qkv_proj.weight" in trt
     q, k = head.midlayer.self_attn.q_proj.weight, head.midlayer.self_attn.k_proj.weight
-    assert torch.equal(trt["model.midlayer.self_attn.qkv_proj.weight"][NH * D:NH * D + NKV * D], k)
-    assert torch.equal(sglang["model.midlayer.self_attn.qkv_proj.weight"][:NH * D], q)
+    assert torch.equal(trt["model.midlayer.self_attn.qkv_proj.weight"][NH * D : NH * D + NKV * D], k)
+    assert torch.equal(sglang["model.midlayer.self_attn.qkv_proj.weight"][: NH * D], q)
 
 
 def test_smollm2_head_round_trips_through_every_engine(tmp_path, smollm2):
@@ -163,6 +186,7 @@ def test_smollm2_head_round_trips_through_every_engine(tmp_path, smollm2):
 
 # ---- --check: each problem on its own -------------------------------------------------------------
 
+
 @pytest.fixture
 def exported(tmp_path):
     return export_head(tiny_head(), tmp_path / "good", "eagle3", dtype="bf16")
@@ -172,7 +196,10 @@ def test_check_passes_a_fresh_export_and_names_what_each_engine_loads(exported):
     reports = check_directory(exported, ["vllm", "sglang", "trtllm"], tiny_target_config())
     assert all(r.ok for r in reports.values())
     assert reports["vllm"].loads["model.layers.0.self_attn.qkv_proj.weight"] == [
-        "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight"]
+        "midlayer.self_attn.q_proj.weight",
+        "midlayer.self_attn.k_proj.weight",
+        "midlayer.self_attn.v_proj.weight",
+    ]
     assert reports["sglang"].loads["hot_token_id"] == ["d2t"]
     assert all("the target's embedding" in " ".join(r.filled) for r in reports.values())
     assert all(r.context_length == 1024 and r.aux_layers == (2, 4, 5) for r in reports.values())
@@ -314,8 +341,10 @@ def test_speculators_config_states_norm_before_residual(tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert config["norm_before_residual"] is False
     assert config["speculators_config"]["proposal_methods"] == [{"proposal_type": "greedy", "speculative_tokens": 5}]
-    assert config["speculators_config"]["verifier"] == {"name_or_path": "tiny-target",
-                                                         "architectures": ["LlamaForCausalLM"]}
+    assert config["speculators_config"]["verifier"] == {
+        "name_or_path": "tiny-target",
+        "architectures": ["LlamaForCausalLM"],
+    }
     config.pop("norm_before_residual")
     config["speculators_config"]["verifier"]["name_or_path"] = "smollm2-135m"
     (out / "config.json").write_text(json.dumps(config))
@@ -327,25 +356,48 @@ def test_speculators_config_states_norm_before_residual(tmp_path):
 
 # ---- import ---------------------------------------------------------------------------------------
 
+
 def reference_layout_dir(directory):
     """An EAGLE-3 directory written from docs/design.md sections 4 and 6 by hand, not by our exporter."""
     torch.manual_seed(3)
-    names = {"fc.weight": (H, 3 * H), "midlayer.input_layernorm.weight": (H,), "midlayer.hidden_norm.weight": (H,),
-             "midlayer.self_attn.q_proj.weight": (NH * D, 2 * H), "midlayer.self_attn.k_proj.weight": (NKV * D, 2 * H),
-             "midlayer.self_attn.v_proj.weight": (NKV * D, 2 * H), "midlayer.self_attn.o_proj.weight": (H, NH * D),
-             "midlayer.post_attention_layernorm.weight": (H,), "midlayer.mlp.gate_proj.weight": (I, H),
-             "midlayer.mlp.up_proj.weight": (I, H), "midlayer.mlp.down_proj.weight": (H, I), "norm.weight": (H,),
-             "lm_head.weight": (VD, H)}
+    names = {
+        "fc.weight": (H, 3 * H),
+        "midlayer.input_layernorm.weight": (H,),
+        "midlayer.hidden_norm.weight": (H,),
+        "midlayer.self_attn.q_proj.weight": (NH * D, 2 * H),
+        "midlayer.self_attn.k_proj.weight": (NKV * D, 2 * H),
+        "midlayer.self_attn.v_proj.weight": (NKV * D, 2 * H),
+        "midlayer.self_attn.o_proj.weight": (H, NH * D),
+        "midlayer.post_attention_layernorm.weight": (H,),
+        "midlayer.mlp.gate_proj.weight": (I, H),
+        "midlayer.mlp.up_proj.weight": (I, H),
+        "midlayer.mlp.down_proj.weight": (H, I),
+        "norm.weight": (H,),
+        "lm_head.weight": (VD, H),
+    }
     tensors = {k: torch.randn(shape) for k, shape in names.items()}
     ids = torch.tensor(sorted(set(range(V)) - {3, 7, 11, 19, 23, 29, 31, 37, 41, 47}))  # VD target ids
     tensors["d2t"] = ids - torch.arange(VD)
     tensors["t2d"] = torch.zeros(V, dtype=torch.bool)
     tensors["t2d"][ids] = True
-    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
-              "hidden_size": H, "num_attention_heads": NH, "num_key_value_heads": NKV, "head_dim": D,
-              "intermediate_size": I, "vocab_size": V, "draft_vocab_size": VD, "rms_norm_eps": 1e-5,
-              "rope_theta": 100000.0, "rope_scaling": None, "max_position_embeddings": 1024,
-              "tie_word_embeddings": False, "torch_dtype": "float32"}
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "hidden_size": H,
+        "num_attention_heads": NH,
+        "num_key_value_heads": NKV,
+        "head_dim": D,
+        "intermediate_size": I,
+        "vocab_size": V,
+        "draft_vocab_size": VD,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 100000.0,
+        "rope_scaling": None,
+        "max_position_embeddings": 1024,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
     directory.mkdir()
     (directory / "config.json").write_text(json.dumps(config))
     save_file(tensors, directory / "model.safetensors")
@@ -392,6 +444,7 @@ def test_import_refuses_a_config_that_disagrees_with_the_weights(tmp_path):
 
 # ---- export refusals and the command line -------------------------------------------------------
 
+
 def test_export_refuses_bad_requests_before_writing(tmp_path):
     head = tiny_head()
     with pytest.raises(ValueError, match="unknown export format"):
@@ -415,13 +468,32 @@ def test_cli_exports_a_training_checkpoint_with_a_model_card(tmp_path, capsys):
     tiny_head().save_pretrained(checkpoint / "head")
     (checkpoint / "trainer_state.json").write_text(json.dumps({"step": 1200, "config": {"data_path": "sharegpt"}}))
     results = tmp_path / "eval.json"
-    results.write_text(json.dumps({  # the shape eagle-eval writes
-        "bench": "mt_bench", "drafting": {"depth": 3, "topk": 1, "total": 3, "chain": True},
-        "sampling": {"temperature": 0.0}, "device": "cuda", "dtype": "bfloat16",
-        "summary": {"acceptance_length": 3.21, "acceptance_per_position": [0.8, 0.6, 0.4], "speedup": 1.9}}))
+    results.write_text(
+        json.dumps(
+            {  # the shape eagle-eval writes
+                "bench": "mt_bench",
+                "drafting": {"depth": 3, "topk": 1, "total": 3, "chain": True},
+                "sampling": {"temperature": 0.0},
+                "device": "cuda",
+                "dtype": "bfloat16",
+                "summary": {"acceptance_length": 3.21, "acceptance_per_position": [0.8, 0.6, 0.4], "speedup": 1.9},
+            }
+        )
+    )
     out = tmp_path / "exported"
-    code = cli_exit([str(tmp_path / "run" / "checkpoint-1200"), "--format", "speculators", "--out", str(out),
-                     "--dtype", "bf16", "--eval-results", str(results)])
+    code = cli_exit(
+        [
+            str(tmp_path / "run" / "checkpoint-1200"),
+            "--format",
+            "speculators",
+            "--out",
+            str(out),
+            "--dtype",
+            "bf16",
+            "--eval-results",
+            str(results),
+        ]
+    )
     assert code == 0, capsys.readouterr().out
     card = (out / "README.md").read_text()
     assert "acceptance length **3.21** (mt_bench, chain K=3, temperature 0.0, cuda bfloat16)" in card
@@ -448,9 +520,16 @@ def test_runtime_drafts_the_same_from_the_export_as_from_the_training_checkpoint
     from inference.generate import Runtime
 
     torch.manual_seed(0)
-    target_cfg = LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=5,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                             tie_word_embeddings=False)
+    target_cfg = LlamaConfig(
+        vocab_size=16,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=5,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(target_cfg).eval()
     prompt = [1, 5, 9, 3]
     plain = Runtime(model, cuda_graphs=False).generate_plain(prompt, 16).output_ids
@@ -466,8 +545,12 @@ def test_runtime_drafts_the_same_from_the_export_as_from_the_training_checkpoint
     head.save_pretrained(tmp_path / "checkpoint-7" / "head")
     for fmt in ("eagle3", "speculators"):
         export_head(head, tmp_path / fmt, fmt, dtype="fp32")
-    runs = {name: Runtime(model, load_draft_head(tmp_path / name, model), TreeShape.chain(3), cuda_graphs=False)
-            .generate(prompt, 16) for name in ("checkpoint-7", "eagle3", "speculators")}
+    runs = {
+        name: Runtime(model, load_draft_head(tmp_path / name, model), TreeShape.chain(3), cuda_graphs=False).generate(
+            prompt, 16
+        )
+        for name in ("checkpoint-7", "eagle3", "speculators")
+    }
     reference = runs.pop("checkpoint-7")
     assert reference.output_ids == plain and sum(reference.accepted) >= 5 and 0 in reference.accepted
     for name, run in runs.items():

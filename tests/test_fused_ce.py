@@ -67,8 +67,9 @@ def test_target_rows_pick_rows_of_a_shared_probs_tensor():
     rows = torch.randperm(20, generator=torch.Generator().manual_seed(3))[:12]
     h = hidden[:12]
     want = grads(lambda a, b, p: soft_cross_entropy(a, b, p[rows], chunk_size=64), h, weight, probs, upstream[:12])
-    got = grads(lambda a, b, p: soft_cross_entropy(a, b, p, target_rows=rows, chunk_size=64), h, weight, probs,
-                upstream[:12])
+    got = grads(
+        lambda a, b, p: soft_cross_entropy(a, b, p, target_rows=rows, chunk_size=64), h, weight, probs, upstream[:12]
+    )
     for a, b in zip(got, want):
         assert torch.equal(a, b)
 
@@ -123,8 +124,13 @@ def test_real_smollm2_head_loss(smollm2):
     probs = torch.softmax(model.lm_head(final)[0][:, t2d], dim=-1)
     x = head.norm(head.fc(aux))[0].detach()
     want = grads(reference, x, head.lm_head.weight.detach(), probs, torch.ones(x.shape[0]))
-    got = grads(lambda h, w, p: soft_cross_entropy(h, w, p, chunk_size=4096), x, head.lm_head.weight.detach(), probs,
-                torch.ones(x.shape[0]))
+    got = grads(
+        lambda h, w, p: soft_cross_entropy(h, w, p, chunk_size=4096),
+        x,
+        head.lm_head.weight.detach(),
+        probs,
+        torch.ones(x.shape[0]),
+    )
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-4)
     assert torch.equal(got[1], want[1])
     torch.testing.assert_close(got[2], want[2], rtol=1e-4, atol=1e-6)
@@ -164,8 +170,9 @@ def test_triton_kernels_in_the_interpreter():
     before triton is imported, hence the subprocess)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root)
-    out = subprocess.run([sys.executable, "-c", TRITON_CHECK], env=env, capture_output=True, text=True, cwd=root,
-                         timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", TRITON_CHECK], env=env, capture_output=True, text=True, cwd=root, timeout=300
+    )
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
 
 
@@ -185,7 +192,6 @@ def test_triton_matches_chunked_on_cuda(dtype):
     if dtype == torch.float32:
         ref = grads(reference, *cuda)
         torch.testing.assert_close(got[0], ref[0], rtol=1e-4, atol=1e-4)
-
 
 
 @pytest.mark.parametrize("ttt_length", [1, 3])

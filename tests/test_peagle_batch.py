@@ -14,11 +14,26 @@ H, NH, NKV, D, V, VD, K = 32, 4, 2, 8, 50, 40, 4
 
 def tiny_peagle(seed=0, layers=2, head_dim=D) -> PEagleHead:
     torch.manual_seed(seed)
-    cfg = DraftConfig(hidden_size=H, num_attention_heads=NH, num_key_value_heads=NKV, head_dim=head_dim,
-                      intermediate_size=64, vocab_size=V, draft_vocab_size=VD, rms_norm_eps=1e-6,
-                      rope_theta=10000.0, rope_scaling=None, max_position_embeddings=256,
-                      target_hidden_size=H, target_num_layers=8, aux_layer_ids=(2, 4, 5),
-                      num_hidden_layers=layers, method="peagle", mask_token_id=V - 1, num_depths=K)
+    cfg = DraftConfig(
+        hidden_size=H,
+        num_attention_heads=NH,
+        num_key_value_heads=NKV,
+        head_dim=head_dim,
+        intermediate_size=64,
+        vocab_size=V,
+        draft_vocab_size=VD,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        max_position_embeddings=256,
+        target_hidden_size=H,
+        target_num_layers=8,
+        aux_layer_ids=(2, 4, 5),
+        num_hidden_layers=layers,
+        method="peagle",
+        mask_token_id=V - 1,
+        num_depths=K,
+    )
     head = PEagleHead(cfg)
     for p in head.parameters():
         torch.nn.init.normal_(p, std=0.3)
@@ -33,22 +48,27 @@ def tiny_peagle(seed=0, layers=2, head_dim=D) -> PEagleHead:
 def test_attention_rule_hand_worked():
     """Row 0: length 5, depth-1 chains at anchors 1, 2 and a depth-2 chain at 1.
     Row 1: length 3 (anchors 0, 1), padded to the same width."""
-    rows = [dict(anchor=torch.tensor([0, 1, 2, 3, 1, 2, 1]), depth=torch.tensor([0, 0, 0, 0, 1, 1, 2])),
-            dict(anchor=torch.tensor([0, 1]), depth=torch.tensor([0, 0]))]
+    rows = [
+        dict(anchor=torch.tensor([0, 1, 2, 3, 1, 2, 1]), depth=torch.tensor([0, 0, 0, 0, 1, 1, 2])),
+        dict(anchor=torch.tensor([0, 1]), depth=torch.tensor([0, 0])),
+    ]
     for r in rows:
         r["supervised"] = r["owned"] = torch.ones(len(r["anchor"]), dtype=torch.bool)
     mask = pb.dense_mask(pb.Elements.stack(rows))
     #            keys: (0,0) (1,0) (2,0) (3,0) (1,1) (2,1) (1,2)
-    expected_0 = [[1, 0, 0, 0, 0, 0, 0],  # (0,0)
-                  [1, 1, 0, 0, 0, 0, 0],  # (1,0)
-                  [1, 1, 1, 0, 0, 0, 0],  # (2,0)
-                  [1, 1, 1, 1, 0, 0, 0],  # (3,0)
-                  [1, 1, 0, 0, 1, 0, 0],  # (1,1): depth 0 up to anchor 1, itself
-                  [1, 1, 1, 0, 0, 1, 0],  # (2,1): depth 0 up to anchor 2, itself
-                  [1, 1, 0, 0, 1, 0, 1]]  # (1,2): depth 0 up to anchor 1, (1,1), itself
+    expected_0 = [
+        [1, 0, 0, 0, 0, 0, 0],  # (0,0)
+        [1, 1, 0, 0, 0, 0, 0],  # (1,0)
+        [1, 1, 1, 0, 0, 0, 0],  # (2,0)
+        [1, 1, 1, 1, 0, 0, 0],  # (3,0)
+        [1, 1, 0, 0, 1, 0, 0],  # (1,1): depth 0 up to anchor 1, itself
+        [1, 1, 1, 0, 0, 1, 0],  # (2,1): depth 0 up to anchor 2, itself
+        [1, 1, 0, 0, 1, 0, 1],
+    ]  # (1,2): depth 0 up to anchor 1, (1,1), itself
     #            keys: (0,0) (1,0) pad x5
-    expected_1 = [[1, 0, 0, 0, 0, 0, 0],
-                  [1, 1, 0, 0, 0, 0, 0]] + [[0, 0, 1, 1, 1, 1, 1]] * 5  # padding sees only padding
+    expected_1 = [[1, 0, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0, 0]] + [
+        [0, 0, 1, 1, 1, 1, 1]
+    ] * 5  # padding sees only padding
     assert mask.shape == (2, 1, 7, 7)
     assert mask[0, 0].int().tolist() == expected_0
     assert mask[1, 0].int().tolist() == expected_1
@@ -69,7 +89,7 @@ def test_depth_sampling_nested_seeded_and_sized():
     for d in range(1, 8):
         here, before = set(anchor[depth == d].tolist()), set(anchor[depth == d - 1].tolist())
         assert here <= before, f"depth {d} chains are not extensions of depth {d - 1} chains"
-        assert len(here) == round(n * max(0.7 ** d, 0.2)), d
+        assert len(here) == round(n * max(0.7**d, 0.2)), d
         sup = pb.is_supervised(anchor[depth == d], d, loss_mask, in_draft, t)
         assert sup.all()  # depth >= 1 elements are only sampled where they are trained
     other = pb.sample_chains(loss_mask, in_draft, t, 8, torch.Generator().manual_seed(2))
@@ -85,9 +105,13 @@ def random_batch(seed=0, b=2, t=23, lengths=(23, 17), lm_head=None):
     lm_head = torch.randn(V, H, generator=g, dtype=torch.double) * 3 if lm_head is None else lm_head
     final = torch.randn(b, t, H, generator=g, dtype=torch.double)
     probs, in_draft = target_distribution(final, lm_head, tiny_peagle().t2d)
-    return dict(input_ids=torch.randint(0, V - 1, (b, t), generator=g), loss_mask=loss_mask,
-                aux_hidden=torch.randn(b, t, 3 * H, generator=g, dtype=torch.double),
-                target_probs=probs, in_draft=in_draft)
+    return dict(
+        input_ids=torch.randint(0, V - 1, (b, t), generator=g),
+        loss_mask=loss_mask,
+        aux_hidden=torch.randn(b, t, 3 * H, generator=g, dtype=torch.double),
+        target_probs=probs,
+        in_draft=in_draft,
+    )
 
 
 def runner(head):
@@ -142,8 +166,12 @@ def test_partition_owns_each_element_once_and_carries_left_context():
     el = pb.build_elements(batch["loss_mask"], in_draft, torch.tensor([23, 17]), K, g)
     segs = pb.partition(el, 4, 23)
     for b in range(2):
-        owned = sorted((a, d) for s in segs for a, d, o in zip(s.row(b)["anchor"].tolist(),
-                                                               s.row(b)["depth"].tolist(), s.row(b)["owned"]) if o)
+        owned = sorted(
+            (a, d)
+            for s in segs
+            for a, d, o in zip(s.row(b)["anchor"].tolist(), s.row(b)["depth"].tolist(), s.row(b)["owned"])
+            if o
+        )
         assert owned == sorted(zip(el.row(b)["anchor"].tolist(), el.row(b)["depth"].tolist()))
     last = segs[-1].row(0)
     context = ~last["owned"]

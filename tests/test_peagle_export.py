@@ -7,13 +7,13 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
+from test_export import NH, D, H, V, tiny_head, tiny_peagle_head, tiny_target_config
 
 from eagle_train import peagle_batch as pb
 from eagle_train.checkpoint import load_draft_head
 from eagle_train.export import check_directory, export_head, import_head
 from eagle_train.export.engines import DraftFiles, engine_state, head_from_engine_state
 from eagle_train.peagle import PEagleHead
-from test_export import D, H, NH, V, tiny_head, tiny_peagle_head, tiny_target_config
 
 K, LAYERS, MASK_ID = 5, 3, 7
 
@@ -80,8 +80,12 @@ def test_speculators_peagle_round_trip(tmp_path, trained):
     assert config["transformer_layer_config"]["num_hidden_layers"] == LAYERS
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         names = set(f.keys())
-    assert {"layers.0.self_attn.q_proj.weight", "layers.2.mlp.down_proj.weight", "mask_hidden",
-            "embed_tokens.weight"} <= names and not any(n.startswith("midlayer.") for n in names)
+    assert {
+        "layers.0.self_attn.q_proj.weight",
+        "layers.2.mlp.down_proj.weight",
+        "mask_hidden",
+        "embed_tokens.weight",
+    } <= names and not any(n.startswith("midlayer.") for n in names)
     report = check_directory(out, None, tiny_target_config())["vllm"]
     assert report.ok, report.render()
     served = head_from_engine_state(report, engine_state(report, DraftFiles(out)))

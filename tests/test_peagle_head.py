@@ -3,6 +3,7 @@
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_peagle_batch import NH, NKV, VD, D, H, K, V, tiny_peagle
 
 from eagle_train import peagle_batch as pb
 from eagle_train.checkpoint import load_draft_head
@@ -10,7 +11,6 @@ from eagle_train.peagle import PEagleHead
 from inference.drafting import TreeShape
 from inference.parallel_drafting import ParallelDrafter
 from inference.sampling import Sampler
-from test_peagle_batch import H, K, NH, NKV, D, V, VD, tiny_peagle
 
 
 def training_logits(head, aux, ids, anchor: int, k: int):

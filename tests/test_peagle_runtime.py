@@ -3,13 +3,13 @@ training-mode outputs, and greedy speculative decoding reproduces the target's o
 
 import pytest
 import torch
+from test_peagle_head import training_logits
 
 from eagle_train.hidden_states import target_hidden_states
 from eagle_train.peagle import PEagleHead
 from inference.drafting import TreeShape
 from inference.generate import Runtime
 from inference.parallel_drafting import ParallelDrafter
-from test_peagle_head import training_logits
 
 K = 4
 

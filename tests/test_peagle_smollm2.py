@@ -5,13 +5,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_peagle_batch import runner
+from test_peagle_head import parallel_drafts, training_logits
 
 from eagle_train.peagle_train import PEagleObjective, build_peagle_head
 from eagle_train.store import ShardedSamples, read_vocab_map
 from eagle_train.trainer import pad_samples
 from eagle_train.ttt import target_distribution
-from test_peagle_batch import runner
-from test_peagle_head import parallel_drafts, training_logits
 
 K = 4
 
@@ -19,15 +19,21 @@ K = 4
 @pytest.fixture(scope="module")
 def peagle_setup(smollm2, small_store):
     model, _ = smollm2
-    cfg = SimpleNamespace(init_from="", mask_token_id=None, num_depths=K, draft_num_layers=None,
-                          aux_layer_ids=None, target="smollm2-135m")
+    cfg = SimpleNamespace(
+        init_from="", mask_token_id=None, num_depths=K, draft_num_layers=None, aux_layer_ids=None, target="smollm2-135m"
+    )
     torch.manual_seed(0)
     head = build_peagle_head(cfg, model, read_vocab_map(small_store))
     data = ShardedSamples(small_store)
     padded = pad_samples([data[i] for i in range(3)], 128)
     probs, in_draft = target_distribution(padded["final_hidden"], model.lm_head.weight, head.t2d)
-    batch = dict(input_ids=padded["input_ids"], loss_mask=padded["loss_mask"], aux_hidden=padded["aux_hidden"],
-                 target_probs=probs, in_draft=in_draft)
+    batch = dict(
+        input_ids=padded["input_ids"],
+        loss_mask=padded["loss_mask"],
+        aux_hidden=padded["aux_hidden"],
+        target_probs=probs,
+        in_draft=in_draft,
+    )
     return head, batch, data
 
 
@@ -72,7 +78,7 @@ def test_parallel_drafts_equal_training_outputs_on_real_hidden_states(peagle_set
     ids, aux = sample["input_ids"][None], sample["aux_hidden"][None]
     p = len(sample["input_ids"]) - 3
     with torch.no_grad():
-        _, logits = parallel_drafts(head, K, 256).catch_up(aux[:, :p + 1], ids[:, 1:p + 2], 0)
+        _, logits = parallel_drafts(head, K, 256).catch_up(aux[:, : p + 1], ids[:, 1 : p + 2], 0)
         expected = training_logits(head, aux, ids, p, K)
     assert (logits - expected).abs().max() < 1e-3 * expected.abs().max()
     assert torch.equal(logits.argmax(-1), expected.argmax(-1))

@@ -18,8 +18,16 @@ def tiny_pair(seed=0):
     """A tiny Llama with a 16-token vocabulary and a random head over 12 of those tokens: random
     drafts are accepted often enough to exercise multi-token acceptance and tree compaction."""
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=5, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=5,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(20)  # confident targets: acceptance well above chance
@@ -40,13 +48,12 @@ def hf_greedy(model, prompt, n):
     seq = list(prompt)
     for _ in range(n):
         seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
-    return seq[len(prompt):]
+    return seq[len(prompt) :]
 
 
 def hf_generate(model, prompt, n, eos):
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=eos,
-                         pad_token_id=eos)
-    return out[0, len(prompt):].tolist()
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+    return out[0, len(prompt) :].tolist()
 
 
 def noisy_oracle(runtime, true_seq):
@@ -80,6 +87,7 @@ def noisy_oracle(runtime, true_seq):
             h, logits = real(aux, next_ids, start)
             n = next_ids.shape[1]
             return h, oracle(logits[None], next_ids[0, -1:], torch.tensor([start + n - 1]))[0]
+
         return wrapped
 
     step.reset = getattr(real_step, "reset", None)  # a GraphedStep's, under CUDA graphs
@@ -87,8 +95,11 @@ def noisy_oracle(runtime, true_seq):
     drafter.catch_up, drafter.catch_up_padded = catching_up(drafter.catch_up), catching_up(drafter.catch_up_padded)
 
 
-@pytest.mark.parametrize("shape", [TreeShape.chain(1), TreeShape.chain(4), TreeShape(3, 3, 8), TreeShape(4, 2, 6)],
-                         ids=["chain1", "chain4", "tree3-3-8", "tree4-2-6"])
+@pytest.mark.parametrize(
+    "shape",
+    [TreeShape.chain(1), TreeShape.chain(4), TreeShape(3, 3, 8), TreeShape(4, 2, 6)],
+    ids=["chain1", "chain4", "tree3-3-8", "tree4-2-6"],
+)
 def test_tiny_greedy_speculative_equals_target_greedy(shape, monkeypatch):
     model, head = tiny_pair()
     compactions = []
@@ -129,8 +140,9 @@ def test_draft_cache_holds_step0_entries_of_the_committed_sequence():
         aux, _ = target_hidden_states(model, seq[:, :committed])
         cache = head.new_cache(1, committed)
         pos = torch.arange(committed)
-        head.step(head.fc(aux), seq[:, 1:committed + 1], pos[None], cache, pos,
-                  (pos[None, :] <= pos[:, None])[None, None])
+        head.step(
+            head.fc(aux), seq[:, 1 : committed + 1], pos[None], cache, pos, (pos[None, :] <= pos[:, None])[None, None]
+        )
     got = runtime.drafter.cache
     assert (got.k[:, :, :committed] - cache.k).abs().max() < 1e-5
     assert (got.v[:, :, :committed] - cache.v).abs().max() < 1e-5
@@ -142,10 +154,12 @@ def test_eos_stops_generation_and_is_emitted():
     free = Runtime(model, head, TreeShape.chain(3)).generate(prompt, 20).output_ids
     eos = free[7]
     first = free.index(eos)
-    for runtime in (Runtime(model, head, TreeShape.chain(3), eos_token_ids=[eos]),
-                    Runtime(model, head, TreeShape(3, 2, 5), eos_token_ids=[eos])):
-        assert runtime.generate(prompt, 20).output_ids == free[:first + 1]
-        assert runtime.generate_plain(prompt, 20).output_ids == free[:first + 1]
+    for runtime in (
+        Runtime(model, head, TreeShape.chain(3), eos_token_ids=[eos]),
+        Runtime(model, head, TreeShape(3, 2, 5), eos_token_ids=[eos]),
+    ):
+        assert runtime.generate(prompt, 20).output_ids == free[: first + 1]
+        assert runtime.generate_plain(prompt, 20).output_ids == free[: first + 1]
 
 
 @pytest.fixture(scope="module")
@@ -237,8 +251,9 @@ def test_fixed_shape_path_of_cuda_graphs_is_lossless_on_cpu():
             pass
 
     drafter = runtime.drafter
-    runtime.target_step, drafter.step_fn, drafter.layer_fn = (Eager(f) for f in (
-        runtime.target_step, drafter.step_fn, drafter.layer_fn))
+    runtime.target_step, drafter.step_fn, drafter.layer_fn = (
+        Eager(f) for f in (runtime.target_step, drafter.step_fn, drafter.layer_fn)
+    )
     noisy_oracle(runtime, prompt + reference)
     spec = runtime.generate(prompt, 30)
     assert runtime.target.max_len == 256 and spec.output_ids == reference and sum(spec.accepted) > 10

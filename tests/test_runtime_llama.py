@@ -2,8 +2,16 @@
 
 import pytest
 import torch
-from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from eagle_train.hidden_states import target_hidden_states, target_logits
 from inference.llama import TargetModel
@@ -19,9 +27,19 @@ FAMILIES = {
 def tiny_target(family="llama", seed=0):
     torch.manual_seed(seed)
     cfg_cls, model_cls, extra = FAMILIES[family]
-    cfg = cfg_cls(vocab_size=96, hidden_size=48, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=12, max_position_embeddings=256, rope_theta=1000.0,
-                  tie_word_embeddings=False, **extra)
+    cfg = cfg_cls(
+        vocab_size=96,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=12,
+        max_position_embeddings=256,
+        rope_theta=1000.0,
+        tie_word_embeddings=False,
+        **extra,
+    )
     model = model_cls(cfg).eval()
     with torch.no_grad():
         for p in model.parameters():
@@ -82,8 +100,9 @@ def test_tree_verification_and_compaction_equal_hf_on_each_path():
         runtime.compact(n + torch.tensor(path), n + 1 + torch.arange(3))
         nxt = torch.randint(0, 96, (1, 1))
         length = n + 4
-        final, _ = runtime(nxt, torch.tensor([[length]]), torch.tensor([length]),
-                           torch.ones(1, 1, 1, length + 1, dtype=torch.bool))
+        final, _ = runtime(
+            nxt, torch.tensor([[length]]), torch.tensor([length]), torch.ones(1, 1, 1, length + 1, dtype=torch.bool)
+        )
         seq = torch.cat([prefix, tokens[:, [0] + path], nxt], dim=1)
         assert (runtime.logits(final)[0, -1] - model(seq).logits[0, -1]).abs().max() < 1e-5
 

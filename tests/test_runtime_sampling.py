@@ -55,7 +55,7 @@ def run_tree_rounds(p1, p2, q1, q2, rounds, gen, wrong_q=False):
                 tokens.append(b), children.append([]), dists.append(None), p.append(p1)
                 children[node].append(len(tokens) - 1)
         p = torch.stack(p)
-        q = (lambda node: torch.full((v,), 1.0 / v)) if wrong_q else (lambda node: dists[node])
+        q = (lambda node: torch.full((v,), 1.0 / v)) if wrong_q else (lambda node: dists[node])  # noqa: B023 (used within this iteration)
         path, bonus = accept_sampling(tokens, children, p, q, generator=gen)
         emitted = [tokens[i] for i in path] + [bonus]
         second = emitted[1] if len(emitted) > 1 else torch.multinomial(p2[emitted[0]], 1, generator=gen).item()
@@ -80,8 +80,16 @@ def tiny_pair(seed=0, v=6, vd=5):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=v, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=v,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(8)

@@ -8,9 +8,19 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from eagle_train.store import (HIDDEN_FORMAT, MANIFEST, ShardedSamples, StoreWriter, check_store_matches,
-                               finalize_manifest, read_manifest, read_vocab_map, shard_name, write_json_atomic,
-                               write_vocab_map)
+from eagle_train.store import (
+    HIDDEN_FORMAT,
+    MANIFEST,
+    ShardedSamples,
+    StoreWriter,
+    check_store_matches,
+    finalize_manifest,
+    read_manifest,
+    read_vocab_map,
+    shard_name,
+    write_json_atomic,
+    write_vocab_map,
+)
 
 H = 16
 
@@ -21,9 +31,14 @@ def fake_samples(lengths, seed=0, h=H):
     for n in lengths:
         # low / mid / high layers of very different scale, like a real target's
         aux = torch.cat([torch.randn(n, h, generator=g) * s for s in (0.05, 3.0, 400.0)], dim=-1)
-        out.append({"input_ids": torch.randint(0, 1000, (n,), generator=g),
-                    "loss_mask": torch.rand(n, generator=g) > 0.4,
-                    "aux_hidden": aux, "final_hidden": torch.randn(n, h, generator=g) * 2})
+        out.append(
+            {
+                "input_ids": torch.randint(0, 1000, (n,), generator=g),
+                "loss_mask": torch.rand(n, generator=g) > 0.4,
+                "aux_hidden": aux,
+                "final_hidden": torch.randn(n, h, generator=g) * 2,
+            }
+        )
     return out
 
 
@@ -31,8 +46,15 @@ def write_store(path, samples, dtype, per_shard=2):
     with StoreWriter(path, dtype) as w:
         for k in range(0, len(samples), per_shard):
             w.add_shard(k // per_shard, samples[k : k + per_shard], range(k, min(k + per_shard, len(samples))))
-    return finalize_manifest(path, {"format": HIDDEN_FORMAT, "dtype": dtype, "aux_layer_ids": [2, 15, 27],
-                                    "target": {"name": "t", "num_hidden_layers": 30, "hidden_size": H}})
+    return finalize_manifest(
+        path,
+        {
+            "format": HIDDEN_FORMAT,
+            "dtype": dtype,
+            "aux_layer_ids": [2, 15, 27],
+            "target": {"name": "t", "num_hidden_layers": 30, "hidden_size": H},
+        },
+    )
 
 
 def rel_err(a, b):
@@ -125,8 +147,9 @@ def test_unfinished_or_foreign_directories_are_refused(tmp_path):
 
 
 def config(name="/cache/targets/SmolLM2-135M-Instruct.Q4_1-e9965bdc7643", layers=30, hidden=576, vocab=49152):
-    return SimpleNamespace(_name_or_path=name, model_type="llama", num_hidden_layers=layers, hidden_size=hidden,
-                           vocab_size=vocab)
+    return SimpleNamespace(
+        _name_or_path=name, model_type="llama", num_hidden_layers=layers, hidden_size=hidden, vocab_size=vocab
+    )
 
 
 def test_check_store_matches(small_store, smollm2):

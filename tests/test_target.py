@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from eagle_train import target as target_mod
-from eagle_train.hidden_states import default_aux_layer_ids, target_hidden_states, target_logits
 from eagle_train.draft_config import target_rope
+from eagle_train.hidden_states import default_aux_layer_ids, target_hidden_states, target_logits
 from eagle_train.target import SMOLLM2, check_decoder, load_target, load_target_config, resolve_target
 
 
@@ -28,11 +28,12 @@ def test_smollm2_alias_loads_frozen_fp32(smollm2):
 
 def test_smollm2_generates_sensible_text(smollm2):
     model, tokenizer = smollm2
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                           tokenize=False, add_generation_prompt=True)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], tokenize=False, add_generation_prompt=True
+    )
     ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
     out = model.generate(**ids, max_new_tokens=12, do_sample=False)
-    assert "Paris" in tokenizer.decode(out[0, ids["input_ids"].shape[1]:])
+    assert "Paris" in tokenizer.decode(out[0, ids["input_ids"].shape[1] :])
 
 
 def test_unknown_alias_lists_aliases():

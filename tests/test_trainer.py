@@ -42,14 +42,33 @@ def store(tmp_path_factory, tokenized, smollm2):
     from data_prep.capture import capture
 
     path = tmp_path_factory.mktemp("trainer") / "store"
-    capture(smollm2[0], tokenized, path, target_name="smollm2-135m", dtype="float32", token_budget=512,
-            pad_id=smollm2[1].pad_token_id, progress=False)
+    capture(
+        smollm2[0],
+        tokenized,
+        path,
+        target_name="smollm2-135m",
+        dtype="float32",
+        token_budget=512,
+        pad_id=smollm2[1].pad_token_id,
+        progress=False,
+    )
     return with_small_vocab_map(path)
 
 
 def config(data_path, out, *overrides):
-    base = [f"data_path={data_path}", f"output_dir={out}", "ttt_length=3", "tokens_per_batch=128", "max_length=128",
-            "learning_rate=1e-3", "warmup_steps=2", "eval_fraction=0", "report_to=none", "log_every=0", "seed=0"]
+    base = [
+        f"data_path={data_path}",
+        f"output_dir={out}",
+        "ttt_length=3",
+        "tokens_per_batch=128",
+        "max_length=128",
+        "learning_rate=1e-3",
+        "warmup_steps=2",
+        "eval_fraction=0",
+        "report_to=none",
+        "log_every=0",
+        "seed=0",
+    ]
     return load_train_config(None, base + list(overrides))
 
 
@@ -63,9 +82,17 @@ def losses(result):
 
 
 def test_overrides_are_typed_and_unknown_keys_name_the_valid_ones():
-    cfg = load_train_config(REPO / "configs" / "eagle3_smollm2.yaml",
-                            ["learning_rate=2e-4", "ttt_length=5", "aux_layer_ids=[2,15,27]", "gradient_checkpointing=true",
-                             "adam_betas=0.9,0.99", "draft_vocab_size=null"])
+    cfg = load_train_config(
+        REPO / "configs" / "eagle3_smollm2.yaml",
+        [
+            "learning_rate=2e-4",
+            "ttt_length=5",
+            "aux_layer_ids=[2,15,27]",
+            "gradient_checkpointing=true",
+            "adam_betas=0.9,0.99",
+            "draft_vocab_size=null",
+        ],
+    )
     assert (cfg.learning_rate, cfg.ttt_length, cfg.aux_layer_ids) == (2e-4, 5, [2, 15, 27])
     assert cfg.gradient_checkpointing is True and cfg.adam_betas == [0.9, 0.99] and cfg.draft_vocab_size is None
     with pytest.raises(ValueError, match=r"unknown config key\(s\) \['lerning_rate'\]; valid keys: .*learning_rate"):
@@ -76,15 +103,18 @@ def test_overrides_are_typed_and_unknown_keys_name_the_valid_ones():
         load_train_config(None, ["ttt_length"])
 
 
-@pytest.mark.parametrize("overrides, error, match", [
-    (["draft_vocab_size=50000"], ValueError, "draft_vocab_size 50000 is larger than the target vocabulary 49152"),
-    (["ttt_length=0"], ValueError, "ttt_length must be >= 1"),
-    (["data_path=/nonexistent/store"], FileNotFoundError, "data_path /nonexistent/store does not exist"),
-    (["eval_fraction=1.5"], ValueError, "eval_fraction must be in"),
-    (["aux_layer_ids=[3,15,27]"], ValueError, "store holds aux layers"),
-    (["resume=/nonexistent/ckpt"], FileNotFoundError, "resume checkpoint"),
-    (["mode=streaming"], ValueError, "mode 'streaming' is not one of"),
-])
+@pytest.mark.parametrize(
+    "overrides, error, match",
+    [
+        (["draft_vocab_size=50000"], ValueError, "draft_vocab_size 50000 is larger than the target vocabulary 49152"),
+        (["ttt_length=0"], ValueError, "ttt_length must be >= 1"),
+        (["data_path=/nonexistent/store"], FileNotFoundError, "data_path /nonexistent/store does not exist"),
+        (["eval_fraction=1.5"], ValueError, "eval_fraction must be in"),
+        (["aux_layer_ids=[3,15,27]"], ValueError, "store holds aux layers"),
+        (["resume=/nonexistent/ckpt"], FileNotFoundError, "resume checkpoint"),
+        (["mode=streaming"], ValueError, "mode 'streaming' is not one of"),
+    ],
+)
 def test_bad_runs_fail_before_any_compute(monkeypatch, store, tmp_path, overrides, error, match):
     def no_compute(*args, **kwargs):
         raise AssertionError("the target was loaded before the config was checked")
@@ -95,7 +125,8 @@ def test_bad_runs_fail_before_any_compute(monkeypatch, store, tmp_path, override
 
 
 def test_a_store_from_another_target_or_a_dataset_without_hidden_states_is_refused(
-        monkeypatch, store, tokenized, tiny_llama_dir, tmp_path):
+    monkeypatch, store, tokenized, tiny_llama_dir, tmp_path
+):
     monkeypatch.setattr("eagle_train.trainer.load_target", lambda *a, **k: pytest.fail("target loaded"))
     with pytest.raises(ValueError, match="does not match target"):
         run(config(store, tmp_path, f"target={tiny_llama_dir}"))
@@ -151,8 +182,13 @@ def test_resume_after_a_stop_continues_the_identical_loss_curve(store, smollm2, 
     first = run(config(store, tmp_path / "b", *overrides, "save_every=2"), stop_at_step=stop)
     ckpt = first["checkpoint"]
     assert ckpt.name == f"checkpoint-{stop}"
-    assert {p.name for p in ckpt.iterdir()} == {"head", "optimizer.pt", "scheduler.pt", "rng-rank0.pt",
-                                                "trainer_state.json"}
+    assert {p.name for p in ckpt.iterdir()} == {
+        "head",
+        "optimizer.pt",
+        "scheduler.pt",
+        "rng-rank0.pt",
+        "trainer_state.json",
+    }
     saved = json.loads((ckpt / "trainer_state.json").read_text())
     assert saved["step"] == stop and saved["num_processes"] == 1 and saved["samples_consumed"] > 0
     resumed = run(config(store, tmp_path / "b", *overrides, "resume=auto"))
@@ -178,11 +214,32 @@ def test_resume_after_a_stop_continues_the_identical_loss_curve(store, smollm2, 
 def test_two_processes_train_and_the_loss_decreases(store, tmp_path):
     """accelerate launch with 2 CPU processes (gloo): world size 2 inside the run, loss goes down."""
     out = tmp_path / "ddp"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           str(REPO / "scripts" / "train_eagle3.py"), f"data_path={store}", f"output_dir={out}", "num_epochs=6",
-           "ttt_length=3", "tokens_per_batch=128", "max_length=128", "learning_rate=2e-3", "warmup_steps=2",
-           "eval_fraction=0", "report_to=none", "log_every=1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        str(REPO / "scripts" / "train_eagle3.py"),
+        f"data_path={store}",
+        f"output_dir={out}",
+        "num_epochs=6",
+        "ttt_length=3",
+        "tokens_per_batch=128",
+        "max_length=128",
+        "learning_rate=2e-3",
+        "warmup_steps=2",
+        "eval_fraction=0",
+        "report_to=none",
+        "log_every=1",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -205,21 +262,40 @@ def test_resume_with_another_process_count_continues_the_run(store, tmp_path):
     stop = len(straight["history"]) // 2
     run(config(store, tmp_path / "b", *common), stop_at_step=stop)
     out = tmp_path / "b"
-    args = [f"{k}={v}" for k, v in config(store, out, *common, "gradient_accumulation_steps=1",
-                                          "resume=auto").to_dict().items() if v is not None]
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           str(REPO / "scripts" / "train_eagle3.py"), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    args = [
+        f"{k}={v}"
+        for k, v in config(store, out, *common, "gradient_accumulation_steps=1", "resume=auto").to_dict().items()
+        if v is not None
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        str(REPO / "scripts" / "train_eagle3.py"),
+        *args,
+    ]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=900, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "saved by 1 processes, now 2" in proc.stdout
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     resumed = [r["loss"] for r in rows if r["split"] == "train"][stop:]
     assert len(resumed) == len(straight["history"]) - stop > 0
     assert resumed == pytest.approx(losses(straight)[stop:], rel=1e-5)
-    state, reference = (json.loads((d / f"checkpoint-{_last_step(d)}" / "trainer_state.json").read_text())
-                        for d in (out, tmp_path / "a"))
+    state, reference = (
+        json.loads((d / f"checkpoint-{_last_step(d)}" / "trainer_state.json").read_text())
+        for d in (out, tmp_path / "a")
+    )
     assert state["num_processes"] == 2 and state["samples_consumed"] == reference["samples_consumed"]
 
 

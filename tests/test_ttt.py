@@ -5,12 +5,11 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from test_eagle3_head import VD, H, V
+from test_eagle3_head import tiny_head as plain_tiny_head
 
 from eagle_train.eagle3 import Eagle3Head
 from eagle_train.ttt import simulated_acceptance_length, target_distribution, ttt_loss
-
-from test_eagle3_head import H, V, VD
-from test_eagle3_head import tiny_head as plain_tiny_head
 
 
 def tiny_head(seed=0) -> Eagle3Head:
@@ -46,7 +45,7 @@ def reference_losses(head, aux, ids, mask, final, lm_head, steps):
         vis[:, :t] = torch.ones(t, t, dtype=torch.bool).tril()
         for j in range(1, i + 1):
             vis[torch.arange(t), j * t + torch.arange(t)] = True
-        step_ids = F.pad(ids[:, 1 + i:], (0, 1 + i))
+        step_ids = F.pad(ids[:, 1 + i :], (0, 1 + i))
         pos = (torch.arange(t)[None] + i).expand(b, t)
         hidden, logits = head.step(hidden, step_ids, pos, cache, torch.arange(i * t, (i + 1) * t), vis[None, None])
         losses, hits = [], 0
@@ -82,7 +81,7 @@ def test_step0_loss_equals_hand_computed_cross_entropy_of_a_plain_forward():
     probs, in_draft = target_distribution(final, lm_head, head.t2d)
     with torch.no_grad():
         loss, metrics = ttt_loss(head, aux, ids, mask, probs.double(), in_draft, ttt_length=1)
-        (ref_loss, ref_acc, ref_n), = reference_losses(head, aux, ids, mask, final, lm_head, 1)
+        ((ref_loss, ref_acc, ref_n),) = reference_losses(head, aux, ids, mask, final, lm_head, 1)
     assert ref_n > 5
     assert metrics["count_0"] == ref_n
     assert abs(loss.item() - ref_loss.item()) < 1e-6
@@ -95,15 +94,16 @@ def test_every_ttt_step_loss_matches_the_cached_runtime_reference(fused_loss):
     aux, ids, mask, final, lm_head = random_batch(seed=2, t=15)
     probs, in_draft = target_distribution(final, lm_head, head.t2d)
     with torch.no_grad():
-        loss, metrics = ttt_loss(head, aux, ids, mask, probs.double(), in_draft, ttt_length=4, decay=0.8,
-                                 fused_loss=fused_loss)
+        loss, metrics = ttt_loss(
+            head, aux, ids, mask, probs.double(), in_draft, ttt_length=4, decay=0.8, fused_loss=fused_loss
+        )
         ref = reference_losses(head, aux, ids, mask, final, lm_head, 4)
     for i, (ref_loss, ref_acc, ref_n) in enumerate(ref):
         assert metrics[f"count_{i}"] == ref_n, f"step {i}"
         assert abs(metrics[f"loss_{i}"].item() - ref_loss.item()) < 1e-6, f"step {i}"
         assert abs(metrics[f"acc_{i}"].item() - ref_acc) < 1e-9, f"step {i}"
     assert ref[3][2] < ref[0][2]  # later steps lose positions at the end
-    assert abs(loss.item() - sum(0.8 ** i * r[0].item() for i, r in enumerate(ref))) < 1e-6
+    assert abs(loss.item() - sum(0.8**i * r[0].item() for i, r in enumerate(ref))) < 1e-6
 
 
 def test_logit_checkpointing_gives_the_same_loss_and_gradients():
@@ -112,8 +112,9 @@ def test_logit_checkpointing_gives_the_same_loss_and_gradients():
     for checkpoint_logits in (False, True):
         head = tiny_head(3)
         probs, in_draft = target_distribution(final, lm_head, head.t2d)
-        loss, _ = ttt_loss(head, aux, ids, mask, probs.double(), in_draft, ttt_length=3,
-                           checkpoint_logits=checkpoint_logits)
+        loss, _ = ttt_loss(
+            head, aux, ids, mask, probs.double(), in_draft, ttt_length=3, checkpoint_logits=checkpoint_logits
+        )
         loss.backward()
         grads.append((loss.item(), {n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None}))
     (l0, g0), (l1, g1) = grads

@@ -36,11 +36,15 @@ def check_vocab_map(head) -> None:
     cfg = head.config
     ids = torch.arange(cfg.draft_vocab_size) + head.d2t.cpu()
     if ids.min() < 0 or ids.max() >= cfg.vocab_size or ids.unique().numel() != ids.numel():
-        raise ValueError("the head's d2t maps draft ids outside the target vocabulary or twice to one id: "
-                         "set the data's vocab map with head.set_vocab_map(d2t, t2d) before exporting")
+        raise ValueError(
+            "the head's d2t maps draft ids outside the target vocabulary or twice to one id: "
+            "set the data's vocab map with head.set_vocab_map(d2t, t2d) before exporting"
+        )
     if not torch.equal(t2d_from_d2t(head.d2t.cpu(), cfg.vocab_size), head.t2d.cpu()):
-        raise ValueError("the head's t2d does not mark exactly the target ids d2t maps to: "
-                         "set both from one vocab map (head.set_vocab_map)")
+        raise ValueError(
+            "the head's t2d does not mark exactly the target ids d2t maps to: "
+            "set both from one vocab map (head.set_vocab_map)"
+        )
 
 
 def export_head(head, out_dir, format: str = "eagle3", dtype="bf16", **provenance) -> Path:
@@ -53,8 +57,10 @@ def export_head(head, out_dir, format: str = "eagle3", dtype="bf16", **provenanc
     lay = layout(format)
     dtype = resolve_dtype(dtype)
     if lay.name not in ("speculators", head.config.method):
-        raise ValueError(f"a {head.config.method} head cannot be written in the {lay.name} layout "
-                         f"(use --format {head.config.method} or --format speculators)")
+        raise ValueError(
+            f"a {head.config.method} head cannot be written in the {lay.name} layout "
+            f"(use --format {head.config.method} or --format speculators)"
+        )
     check_vocab_map(head)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -94,18 +100,22 @@ def import_head(directory, target_model=None, target_config=None):
     missing = sorted(set(expected) - set(state) - {"t2d"})
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
-        raise ValueError(f"{directory} ({lay.name} layout): missing tensors {missing}, tensors this head does not "
-                         f"have {unexpected}")
+        raise ValueError(
+            f"{directory} ({lay.name} layout): missing tensors {missing}, tensors this head does not have {unexpected}"
+        )
     for name, t in state.items():
         if tuple(t.shape) != tuple(expected[name].shape):
-            raise ValueError(f"{directory}: {name} is {list(t.shape)}, config.json implies "
-                             f"{list(expected[name].shape)}: config.json and the weights disagree")
+            raise ValueError(
+                f"{directory}: {name} is {list(t.shape)}, config.json implies "
+                f"{list(expected[name].shape)}: config.json and the weights disagree"
+            )
         if name == "d2t" and t.is_floating_point():
             raise ValueError(f"{directory}: d2t is {t.dtype}; offsets must be integers (re-export it as int64)")
     if "t2d" not in state:  # optional in engine layouts: it follows from d2t
         state["t2d"] = t2d_from_d2t(state["d2t"].long(), cfg.vocab_size)
-    head.load_state_dict({k: v.long() if k == "d2t" else v.bool() if k == "t2d" else v.float()
-                          for k, v in state.items()}, strict=False)
+    head.load_state_dict(
+        {k: v.long() if k == "d2t" else v.bool() if k == "t2d" else v.float() for k, v in state.items()}, strict=False
+    )
     if own_embedding is not None:
         head.embed_tokens.weight.data = own_embedding.float()
     elif target_model is not None and "embed_tokens.weight" not in expected:

@@ -29,10 +29,17 @@ def eval_summary(record: dict) -> list[str]:
     drafting, sampling = record.get("drafting") or {}, record.get("sampling") or {}
     shape = ""
     if drafting:
-        shape = (f"chain K={drafting['depth']}" if drafting.get("chain")
-                 else f"tree depth {drafting['depth']}, top-k {drafting['topk']}, {drafting['total']} tokens")
-    where = [record.get("bench"), shape, f"temperature {sampling['temperature']}" if "temperature" in sampling
-             else None, " ".join(str(record[k]) for k in ("device", "dtype") if k in record)]
+        shape = (
+            f"chain K={drafting['depth']}"
+            if drafting.get("chain")
+            else f"tree depth {drafting['depth']}, top-k {drafting['topk']}, {drafting['total']} tokens"
+        )
+    where = [
+        record.get("bench"),
+        shape,
+        f"temperature {sampling['temperature']}" if "temperature" in sampling else None,
+        " ".join(str(record[k]) for k in ("device", "dtype") if k in record),
+    ]
     where = ", ".join(w for w in where if w)
     lines = [f"- acceptance length **{float(summary['acceptance_length']):.2f}**" + (f" ({where})" if where else "")]
     if summary.get("acceptance_per_position"):
@@ -64,11 +71,18 @@ def write_model_card(out: Path, config: dict, layout_name: str, dtype, eval_resu
     if eval_results is not None:
         if isinstance(eval_results, (str, Path)):
             eval_results = json.loads(Path(eval_results).read_text())
-        lines += ["", "## Measured with eagle-eval", ""] + (eval_summary(eval_results) or
-                                                            ["- (the results file reports no acceptance length)"])
-    lines += ["", "## Serving", "", SERVE[layout_name].format(target=servable_target(target), out=out)
-              if layout_name in SERVE
-              else "See docs/deploying.md.", ""]
+        lines += ["", "## Measured with eagle-eval", ""] + (
+            eval_summary(eval_results) or ["- (the results file reports no acceptance length)"]
+        )
+    lines += [
+        "",
+        "## Serving",
+        "",
+        SERVE[layout_name].format(target=servable_target(target), out=out)
+        if layout_name in SERVE
+        else "See docs/deploying.md.",
+        "",
+    ]
     path = out / "README.md"
     path.write_text("\n".join(lines))
     return path

@@ -25,28 +25,53 @@ RoPE or sizes that disagree with the weights or the target, ...)."""
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="eagle-export", description=__doc__, epilog=EPILOG,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("checkpoint", nargs="?", help="training checkpoint (checkpoint-N/ with head/), head dir, "
-                                                 "or an engine-layout dir to convert")
+    p = argparse.ArgumentParser(
+        prog="eagle-export", description=__doc__, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "checkpoint",
+        nargs="?",
+        help="training checkpoint (checkpoint-N/ with head/), head dir, or an engine-layout dir to convert",
+    )
     p.add_argument("--format", choices=sorted(LAYOUTS), help="layout to write")
     p.add_argument("--out", help="output directory (export: the layout dir; --import: the checkpoint dir)")
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="weights dtype (default bf16; "
-                   "d2t stays int64, t2d bool)")
-    p.add_argument("--target", help="the target (alias, HF dir or hub id): compare context, RoPE and sizes, "
-                                    "and resolve default aux layers of directories that do not state them")
+    p.add_argument(
+        "--dtype",
+        choices=["bf16", "fp16", "fp32"],
+        default="bf16",
+        help="weights dtype (default bf16; d2t stays int64, t2d bool)",
+    )
+    p.add_argument(
+        "--target",
+        help="the target (alias, HF dir or hub id): compare context, RoPE and sizes, "
+        "and resolve default aux layers of directories that do not state them",
+    )
     p.add_argument("--eval-results", help="eagle-eval JSON to put the measured acceptance length in the model card")
     p.add_argument("--data", help="training data to name in the model card (default: from the checkpoint)")
     p.add_argument("--steps", type=int, help="training steps for the model card (default: from checkpoint-N)")
-    p.add_argument("--speculative-tokens", type=int, default=3, help="draft tokens per step vLLM uses for a "
-                                                                     "speculators export (default 3)")
-    p.add_argument("--verifier", help="the target as vLLM should load it, for a speculators export (default: "
-                                      "the head's target; embedded aliases map to their hub id)")
+    p.add_argument(
+        "--speculative-tokens",
+        type=int,
+        default=3,
+        help="draft tokens per step vLLM uses for a speculators export (default 3)",
+    )
+    p.add_argument(
+        "--verifier",
+        help="the target as vLLM should load it, for a speculators export (default: "
+        "the head's target; embedded aliases map to their hub id)",
+    )
     p.add_argument("--check", metavar="DIR", help="report what each engine would do with DIR")
-    p.add_argument("--engine", choices=[*ENGINE_NAMES, "all"], help="engine for --check (default: the engines "
-                                                                  "the directory's layout is meant for)")
-    p.add_argument("--import", dest="import_dir", metavar="DIR", help="engine-layout dir to turn into a "
-                                                                      "training checkpoint at --out")
+    p.add_argument(
+        "--engine",
+        choices=[*ENGINE_NAMES, "all"],
+        help="engine for --check (default: the engines the directory's layout is meant for)",
+    )
+    p.add_argument(
+        "--import",
+        dest="import_dir",
+        metavar="DIR",
+        help="engine-layout dir to turn into a training checkpoint at --out",
+    )
     args = p.parse_args(argv)
     modes = [m for m in (args.checkpoint, args.check, args.import_dir) if m]
     if len(modes) != 1:

@@ -15,31 +15,53 @@ this engine; "info" = what the engine does, for the reader.
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
 from eagle_train.draft_config import DraftConfig, target_rope
-from eagle_train.export.layouts import (HEAD_CLASSES, MASK_TOKEN_KEYS, PROVENANCE_KEY, detect_layout,
-                                        draft_config_from_llama, mask_token_ids)
+from eagle_train.export.layouts import (
+    HEAD_CLASSES,
+    MASK_TOKEN_KEYS,
+    PROVENANCE_KEY,
+    detect_layout,
+    draft_config_from_llama,
+    mask_token_ids,
+)
 from eagle_train.hidden_states import default_aux_layer_ids
 from eagle_train.target import HUB_IDS
 from eagle_train.vocab_map import t2d_from_d2t
 
 ENGINE_NAMES = ("vllm", "sglang", "trtllm")
-SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
-                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-                      "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn}
-STACKED = ((".q_proj.", ".qkv_proj.", "q"), (".k_proj.", ".qkv_proj.", "k"), (".v_proj.", ".qkv_proj.", "v"),
-           (".gate_proj.", ".gate_up_proj.", 0), (".up_proj.", ".gate_up_proj.", 1))
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+}
+STACKED = (
+    (".q_proj.", ".qkv_proj.", "q"),
+    (".k_proj.", ".qkv_proj.", "k"),
+    (".v_proj.", ".qkv_proj.", "v"),
+    (".gate_proj.", ".gate_up_proj.", 0),
+    (".up_proj.", ".gate_up_proj.", 1),
+)
 SHARD_ORDER = {"q": 0, "k": 1, "v": 2, 0: 0, 1: 1}
 
 
 # ---- reading a directory ---------------------------------------------------------------------------
+
 
 def weight_files(directory: Path) -> list[Path]:
     index = directory / "model.safetensors.index.json"
@@ -48,8 +70,9 @@ def weight_files(directory: Path) -> list[Path]:
     for name in ("model.safetensors", "pytorch_model.bin"):
         if (directory / name).exists():
             return [directory / name]
-    raise FileNotFoundError(f"{directory} holds no model.safetensors (nor model.safetensors.index.json "
-                            "or pytorch_model.bin)")
+    raise FileNotFoundError(
+        f"{directory} holds no model.safetensors (nor model.safetensors.index.json or pytorch_model.bin)"
+    )
 
 
 class DraftFiles:
@@ -87,6 +110,7 @@ class DraftFiles:
 
 
 # ---- the engines' loaders --------------------------------------------------------------------------
+
 
 def stack(name: str):
     """(fused parameter name, shard) the way all three engines fuse q/k/v and gate/up."""
@@ -145,23 +169,54 @@ class Engine:
 
 ENGINES = {
     "vllm": Engine(
-        "vllm", "vLLM", ("eagle3", "speculators"), vllm_rename, lambda i, n: f"model.layers.{i}.",
-        {"fc.weight": "model.fc.weight", "norm.weight": "model.norm.weight", "lm_head.weight": "lm_head.weight",
-         "embed_tokens.weight": "model.embed_tokens.weight", "d2t": "draft_id_to_target_id",
-         "mask_hidden": "mask_hidden"},
-        "crash", True),
+        "vllm",
+        "vLLM",
+        ("eagle3", "speculators"),
+        vllm_rename,
+        lambda i, n: f"model.layers.{i}.",
+        {
+            "fc.weight": "model.fc.weight",
+            "norm.weight": "model.norm.weight",
+            "lm_head.weight": "lm_head.weight",
+            "embed_tokens.weight": "model.embed_tokens.weight",
+            "d2t": "draft_id_to_target_id",
+            "mask_hidden": "mask_hidden",
+        },
+        "crash",
+        True,
+    ),
     "sglang": Engine(
-        "sglang", "SGLang", ("eagle3",), sglang_rename,
+        "sglang",
+        "SGLang",
+        ("eagle3",),
+        sglang_rename,
         lambda i, n: "model.midlayer." if i == 0 else f"model.additional_layers.{i - 1}.",
-        {"fc.weight": "model.fc.weight", "norm.weight": "model.norm.weight", "lm_head.weight": "lm_head.weight",
-         "embed_tokens.weight": "model.embed_tokens.weight", "d2t": "hot_token_id"},
-        "ignored", False),
+        {
+            "fc.weight": "model.fc.weight",
+            "norm.weight": "model.norm.weight",
+            "lm_head.weight": "lm_head.weight",
+            "embed_tokens.weight": "model.embed_tokens.weight",
+            "d2t": "hot_token_id",
+        },
+        "ignored",
+        False,
+    ),
     "trtllm": Engine(
-        "trtllm", "TensorRT-LLM", ("eagle3",), trtllm_rename,
+        "trtllm",
+        "TensorRT-LLM",
+        ("eagle3",),
+        trtllm_rename,
         lambda i, n: "model.midlayer." if n == 1 else f"model.midlayer.{i}.",
-        {"fc.weight": "model.fc.weight", "norm.weight": "model.norm.weight", "lm_head.weight": "lm_head.weight",
-         "embed_tokens.weight": "model.embed_tokens.weight", "d2t": "model.d2t"},
-        "ignored", False),
+        {
+            "fc.weight": "model.fc.weight",
+            "norm.weight": "model.norm.weight",
+            "lm_head.weight": "lm_head.weight",
+            "embed_tokens.weight": "model.embed_tokens.weight",
+            "d2t": "model.d2t",
+        },
+        "ignored",
+        False,
+    ),
 }
 
 
@@ -173,20 +228,34 @@ def engine(name: str) -> Engine:
 
 # ---- the head as an engine sizes it --------------------------------------------------------------
 
+
 def head_shapes(cfg: DraftConfig, parallel: bool) -> dict[str, tuple]:
     """Every tensor of the head (our names) with the shape config.json implies."""
     h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
-    shapes = {"fc.weight": (h, 3 * cfg.target_hidden_size), "norm.weight": (h,),
-              "lm_head.weight": (cfg.draft_vocab_size, h), "d2t": (cfg.draft_vocab_size,), "t2d": (cfg.vocab_size,),
-              "embed_tokens.weight": (cfg.vocab_size, h)}
+    shapes = {
+        "fc.weight": (h, 3 * cfg.target_hidden_size),
+        "norm.weight": (h,),
+        "lm_head.weight": (cfg.draft_vocab_size, h),
+        "d2t": (cfg.draft_vocab_size,),
+        "t2d": (cfg.vocab_size,),
+        "embed_tokens.weight": (cfg.vocab_size, h),
+    }
     for layer in range(cfg.num_hidden_layers):
         p, width = ("midlayer.", 2 * h) if layer == 0 else (f"layers.{layer}.", h)
-        shapes.update({p + "self_attn.q_proj.weight": (q, width), p + "self_attn.k_proj.weight": (kv, width),
-                       p + "self_attn.v_proj.weight": (kv, width), p + "self_attn.o_proj.weight": (h, q),
-                       p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
-                       p + "mlp.down_proj.weight": (h, i), p + "input_layernorm.weight": (h,),
-                       p + "post_attention_layernorm.weight": (h,)})
+        shapes.update(
+            {
+                p + "self_attn.q_proj.weight": (q, width),
+                p + "self_attn.k_proj.weight": (kv, width),
+                p + "self_attn.v_proj.weight": (kv, width),
+                p + "self_attn.o_proj.weight": (h, q),
+                p + "mlp.gate_proj.weight": (i, h),
+                p + "mlp.up_proj.weight": (i, h),
+                p + "mlp.down_proj.weight": (h, i),
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+            }
+        )
         if layer == 0:
             shapes[p + "hidden_norm.weight"] = (h,)
     if parallel:
@@ -206,6 +275,7 @@ def engine_param(eng: Engine, head_name: str, n_layers: int):
 
 
 # ---- the report ----------------------------------------------------------------------------------
+
 
 @dataclass
 class Finding:
@@ -243,8 +313,10 @@ class EngineReport:
         if self.ignored:
             lines.append("  ignores: " + ", ".join(self.ignored))
         lines.append(f"  drafts up to: {self.context_length if self.context_length else 'unknown'} tokens")
-        lines.append("  captures target layers (HF hidden_states indices): "
-                     + (str(list(self.aux_layers)) if self.aux_layers else "the target's defaults (2, N//2, N-3)"))
+        lines.append(
+            "  captures target layers (HF hidden_states indices): "
+            + (str(list(self.aux_layers)) if self.aux_layers else "the target's defaults (2, N//2, N-3)")
+        )
         lines += [f"  {f.severity.upper()}: {f.message}" for f in self.findings]
         return "\n".join(lines)
 
@@ -256,9 +328,12 @@ def llama_part(config: dict, layout_name: str) -> dict:
 def is_parallel(config: dict, meta: dict) -> bool:
     """A P-EAGLE directory: a mask token id, a mask_hidden tensor, or more than one draft layer."""
     layer = config.get("transformer_layer_config") or {}
-    return (bool(mask_token_ids(config)) or "mask_hidden" in meta
-            or config.get("speculators_model_type") == "peagle"
-            or max(config.get("num_hidden_layers", 1), layer.get("num_hidden_layers", 1)) > 1)
+    return (
+        bool(mask_token_ids(config))
+        or "mask_hidden" in meta
+        or config.get("speculators_model_type") == "peagle"
+        or max(config.get("num_hidden_layers", 1), layer.get("num_hidden_layers", 1)) > 1
+    )
 
 
 def intended_aux(config: dict, n_layers: int | None) -> tuple[int, ...] | None:
@@ -298,13 +373,17 @@ def inspect_engine(name: str, files: DraftFiles, target_config=None) -> EngineRe
         return report
     report = EngineReport(name, lay.name)
     if lay.name not in eng.layouts:
-        report.add("error", f"{eng.title} does not read the {lay.name} layout (its Llama keys sit under "
-                            "transformer_layer_config); export with --format eagle3 for it")
+        report.add(
+            "error",
+            f"{eng.title} does not read the {lay.name} layout (its Llama keys sit under "
+            "transformer_layer_config); export with --format eagle3 for it",
+        )
         return report
     if target_config is not None:
         target_config = getattr(target_config, "text_config", None) or target_config
     n_target = (config.get(PROVENANCE_KEY) or {}).get("target_num_layers") or (
-        target_config.num_hidden_layers if target_config is not None else None)
+        target_config.num_hidden_layers if target_config is not None else None
+    )
     llama = llama_part(config, lay.name)
     parallel = report.parallel = is_parallel(config, meta)
 
@@ -321,24 +400,34 @@ def inspect_engine(name: str, files: DraftFiles, target_config=None) -> EngineRe
         cfg.num_depths = (config.get(PROVENANCE_KEY) or {}).get("num_depths")
     report.config = cfg
     if parallel and not eng.parallel_drafting:
-        report.add("error", f"P-EAGLE (parallel drafting) head: {eng.title}'s EAGLE-3 path drafts one token per "
-                            "pass and has no mask_hidden / mask token; serve it with vLLM")
+        report.add(
+            "error",
+            f"P-EAGLE (parallel drafting) head: {eng.title}'s EAGLE-3 path drafts one token per "
+            "pass and has no mask_hidden / mask token; serve it with vLLM",
+        )
     check_config_keys(report, eng, files, llama, lay.name, cfg)
     check_weights(report, eng, files, cfg, parallel)
     check_vocab_map(report, eng, files, cfg)
     check_target(report, eng, llama, cfg, target_config)
     intended = intended_aux(config, n_target)
     if intended and report.aux_layers and tuple(report.aux_layers) != tuple(intended):
-        fix = {"vllm": f"write \"eagle_aux_hidden_state_layer_ids\": {list(intended)} in config.json",
-               "sglang": "write \"eagle_config\": {\"eagle_aux_hidden_state_layer_ids\": "
-                         f"{[i - 1 for i in intended]}}} in config.json (SGLang adds one)",
-               "trtllm": "pass speculative_config eagle3_layers_to_capture: "
-                         f"{sorted(i - 1 for i in intended)} (TensorRT-LLM does not read config.json for this)"}
-        report.add("error", f"{eng.title} would capture target layers {list(report.aux_layers)} but the head was "
-                            f"trained on {list(intended)}: {fix[name]}")
+        fix = {
+            "vllm": f'write "eagle_aux_hidden_state_layer_ids": {list(intended)} in config.json',
+            "sglang": 'write "eagle_config": {"eagle_aux_hidden_state_layer_ids": '
+            f"{[i - 1 for i in intended]}}} in config.json (SGLang adds one)",
+            "trtllm": "pass speculative_config eagle3_layers_to_capture: "
+            f"{sorted(i - 1 for i in intended)} (TensorRT-LLM does not read config.json for this)",
+        }
+        report.add(
+            "error",
+            f"{eng.title} would capture target layers {list(report.aux_layers)} but the head was "
+            f"trained on {list(intended)}: {fix[name]}",
+        )
     elif intended is None:
-        report.add("info", "the target's layer count is unknown here (pass --target) so the default aux layers "
-                           "cannot be compared")
+        report.add(
+            "info",
+            "the target's layer count is unknown here (pass --target) so the default aux layers cannot be compared",
+        )
     if parallel and eng.parallel_drafting:
         check_parallel(report, files, cfg)
     return report
@@ -346,19 +435,37 @@ def inspect_engine(name: str, files: DraftFiles, target_config=None) -> EngineRe
 
 def check_config_keys(report, eng, files, llama, layout_name, cfg):
     name, config = eng.name, files.config
-    known = ("eagle_aux_hidden_state_layer_ids", "eagle_config", "norm_before_residual", PROVENANCE_KEY,
-             "speculators_config", "rope_parameters", *MASK_TOKEN_KEYS)
-    reads = {"vllm": {"eagle_aux_hidden_state_layer_ids", "eagle_config", "norm_before_residual",
-                      "speculators_config", *MASK_TOKEN_KEYS},
-             "sglang": {"eagle_config"}, "trtllm": {"eagle_config"}}[name]
+    known = (
+        "eagle_aux_hidden_state_layer_ids",
+        "eagle_config",
+        "norm_before_residual",
+        PROVENANCE_KEY,
+        "speculators_config",
+        "rope_parameters",
+        *MASK_TOKEN_KEYS,
+    )
+    reads = {
+        "vllm": {
+            "eagle_aux_hidden_state_layer_ids",
+            "eagle_config",
+            "norm_before_residual",
+            "speculators_config",
+            *MASK_TOKEN_KEYS,
+        },
+        "sglang": {"eagle_config"},
+        "trtllm": {"eagle_config"},
+    }[name]
     if name == "vllm" and config.get("eagle_aux_hidden_state_layer_ids"):
         reads = reads - {"eagle_config"}
     report.ignored += [f"config:{k}" for k in known if (k in config or k in llama) and k not in reads]
     if "draft_vocab_size" not in config:
         if name == "sglang":
-            report.add("error", "no draft_vocab_size: SGLang then fails to build the head or, with it null, loads "
-                                "the target's lm_head over the draft's (load_lm_head_from_target); write "
-                                "draft_vocab_size even when it equals vocab_size")
+            report.add(
+                "error",
+                "no draft_vocab_size: SGLang then fails to build the head or, with it null, loads "
+                "the target's lm_head over the draft's (load_lm_head_from_target); write "
+                "draft_vocab_size even when it equals vocab_size",
+            )
         else:
             report.add("warning", f"no draft_vocab_size: {eng.title} assumes the full vocabulary ({cfg.vocab_size})")
     if "rope_theta" not in llama:
@@ -371,22 +478,32 @@ def check_config_keys(report, eng, files, llama, layout_name, cfg):
     report.context_length = cfg.max_position_embeddings
     norm_first = config.get("norm_before_residual")
     if name == "vllm" and config.get("speculators_model_type") == "eagle3" and norm_first is None:
-        report.add("error", "norm_before_residual unset: vLLM takes true for speculators eagle3 configs, the "
-                            "speculators library false; write it explicitly (eagle-train heads: false)")
+        report.add(
+            "error",
+            "norm_before_residual unset: vLLM takes true for speculators eagle3 configs, the "
+            "speculators library false; write it explicitly (eagle-train heads: false)",
+        )
     elif name == "vllm" and norm_first:
         report.add("info", "norm_before_residual true: vLLM normalises the hidden input before the residual")
     elif norm_first:
-        report.add("error", f"norm_before_residual true: {eng.title} ignores the key and keeps the un-normed "
-                            "residual, so this head's outputs would silently differ; serve it with vLLM")
+        report.add(
+            "error",
+            f"norm_before_residual true: {eng.title} ignores the key and keeps the un-normed "
+            "residual, so this head's outputs would silently differ; serve it with vLLM",
+        )
     if layout_name == "speculators" and name == "vllm":
         verifier = ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
         if not verifier or verifier in HUB_IDS:
-            report.add("error", f"speculators_config.verifier.name_or_path is {verifier!r}: `vllm serve DIR` cannot "
-                                "load the target from it; write its hub id or path (eagle-export --verifier)")
+            report.add(
+                "error",
+                f"speculators_config.verifier.name_or_path is {verifier!r}: `vllm serve DIR` cannot "
+                "load the target from it; write its hub id or path (eagle-export --verifier)",
+            )
     if llama.get("tie_word_embeddings"):
         sev = "warning" if name == "vllm" else "error"
-        report.add(sev, f"tie_word_embeddings true: {eng.title} may tie the draft lm_head to the embedding; "
-                        "write false")
+        report.add(
+            sev, f"tie_word_embeddings true: {eng.title} may tie the draft lm_head to the embedding; write false"
+        )
     if llama.get("attention_bias") and not any(k.endswith("q_proj.bias") for k in files.meta):
         report.add("error", "attention_bias true but no q/k/v bias tensors: the biases would stay at init")
 
@@ -409,11 +526,14 @@ def check_weights(report, eng, files, cfg, parallel):
         needed.pop((embed_param, None))  # vLLM uses a file's own embedding; the others always the target's
         report.filled.append(f"{embed_param} <- the target's embedding")
         if eng.name == "sglang" and "embed_tokens.weight" in meta:
-            report.add("error" if parallel else "info", "SGLang replaces the draft's embed_tokens with the "
-                       "target's (set_embed)" + (": the trained mask-token row is lost" if parallel else ""))
+            report.add(
+                "error" if parallel else "info",
+                "SGLang replaces the draft's embed_tokens with the "
+                "target's (set_embed)" + (": the trained mask-token row is lost" if parallel else ""),
+            )
     params = {p for p, _ in needed}
     loaded: dict[tuple, str] = {}
-    for file_name, (shape, dtype, _) in sorted(meta.items()):
+    for file_name, (shape, _, _) in sorted(meta.items()):
         param = eng.rename(file_name, n, params)
         if param is None:
             report.ignored.append(file_name)
@@ -429,39 +549,53 @@ def check_weights(report, eng, files, cfg, parallel):
                 report.ignored.append(file_name)
             continue
         head_name, want = needed[where]
-        if tuple(shape) != tuple(want) and not (head_name == "mask_hidden" and
-                                                torch.Size(shape).numel() == torch.Size(want).numel()):
-            report.add("error", f"{file_name} has shape {list(shape)} but config.json implies {list(want)} "
-                                f"(hidden_size {cfg.hidden_size}, heads {cfg.num_attention_heads}/"
-                                f"{cfg.num_key_value_heads}, head_dim {cfg.head_dim}, intermediate "
-                                f"{cfg.intermediate_size}, target_hidden_size {cfg.target_hidden_size}, "
-                                f"draft_vocab_size {cfg.draft_vocab_size}): config.json and the weights disagree")
+        if tuple(shape) != tuple(want) and not (
+            head_name == "mask_hidden" and torch.Size(shape).numel() == torch.Size(want).numel()
+        ):
+            report.add(
+                "error",
+                f"{file_name} has shape {list(shape)} but config.json implies {list(want)} "
+                f"(hidden_size {cfg.hidden_size}, heads {cfg.num_attention_heads}/"
+                f"{cfg.num_key_value_heads}, head_dim {cfg.head_dim}, intermediate "
+                f"{cfg.intermediate_size}, target_hidden_size {cfg.target_hidden_size}, "
+                f"draft_vocab_size {cfg.draft_vocab_size}): config.json and the weights disagree",
+            )
         loaded[where] = file_name
-    for (param, shard) in sorted(loaded, key=lambda w: (w[0], SHARD_ORDER.get(w[1], 0))):
+    for param, shard in sorted(loaded, key=lambda w: (w[0], SHARD_ORDER.get(w[1], 0))):
         report.loads.setdefault(param, []).append(loaded[(param, shard)])
     for where, (head_name, _) in sorted(needed.items(), key=lambda kv: str(kv[0])):
         if where in loaded:
             continue
         param = where[0]
         if head_name == "embed_tokens.weight":
-            report.add("error", f"target_hidden_size {cfg.target_hidden_size} differs from hidden_size "
-                                f"{cfg.hidden_size} but there is no embed_tokens.weight: {eng.title} keeps a "
-                                "randomly initialised embedding")
+            report.add(
+                "error",
+                f"target_hidden_size {cfg.target_hidden_size} differs from hidden_size "
+                f"{cfg.hidden_size} but there is no embed_tokens.weight: {eng.title} keeps a "
+                "randomly initialised embedding",
+            )
         elif head_name == "d2t":
             if cfg.draft_vocab_size < cfg.vocab_size:
-                what = {"vllm": "zero offsets, so draft id i is read as target id i",
-                        "sglang": "no hot-token map, so draft ids are used as target ids",
-                        "trtllm": "an uninitialised int32 buffer"}[eng.name]
-                report.add("error", f"no d2t with a reduced draft vocabulary ({cfg.draft_vocab_size} < "
-                                    f"{cfg.vocab_size}): {eng.title} uses {what}; every draft token maps to a "
-                                    "wrong target token")
+                what = {
+                    "vllm": "zero offsets, so draft id i is read as target id i",
+                    "sglang": "no hot-token map, so draft ids are used as target ids",
+                    "trtllm": "an uninitialised int32 buffer",
+                }[eng.name]
+                report.add(
+                    "error",
+                    f"no d2t with a reduced draft vocabulary ({cfg.draft_vocab_size} < "
+                    f"{cfg.vocab_size}): {eng.title} uses {what}; every draft token maps to a "
+                    "wrong target token",
+                )
             else:
                 report.filled.append(f"{param} <- identity (full vocabulary)")
         elif head_name == "lm_head.weight":
             report.add("error", f"no lm_head.weight: {eng.title} would use the target's lm_head or leave it random")
         elif head_name != "mask_hidden":  # check_parallel names that one
-            report.add("error", f"no tensor for {param} (expected {head_name}): {eng.title} leaves it at its "
-                                "random initialisation")
+            report.add(
+                "error",
+                f"no tensor for {param} (expected {head_name}): {eng.title} leaves it at its random initialisation",
+            )
     report.filled.sort()
 
 
@@ -470,12 +604,16 @@ def check_vocab_map(report, eng, files, cfg):
     if "d2t" in meta:
         _, dtype, _ = meta["d2t"]
         if not isinstance(dtype, torch.dtype) or dtype.is_floating_point:
-            report.add("error", f"d2t is {dtype}, not int64: float offsets lose ids (bf16 holds integers exactly "
-                                f"only up to 256){', and SGLang indexes with floats' if eng.name == 'sglang' else ''}; "
-                                "re-export keeping d2t int64")
+            report.add(
+                "error",
+                f"d2t is {dtype}, not int64: float offsets lose ids (bf16 holds integers exactly "
+                f"only up to 256){', and SGLang indexes with floats' if eng.name == 'sglang' else ''}; "
+                "re-export keeping d2t int64",
+            )
         elif dtype != torch.int64:
-            report.add("warning", f"d2t is {dtype}; the reference layout stores int64 offsets "
-                                  f"({eng.title} casts it on load)")
+            report.add(
+                "warning", f"d2t is {dtype}; the reference layout stores int64 offsets ({eng.title} casts it on load)"
+            )
         else:
             d2t = files.tensor("d2t")
             target_ids = torch.arange(len(d2t)) + d2t
@@ -493,24 +631,33 @@ def check_target(report, eng, llama, cfg, target_config):
         return
     target_ctx = getattr(target_config, "max_position_embeddings", None)
     if target_ctx and cfg.max_position_embeddings < target_ctx:
-        effect = {"vllm": f"vLLM caps the draft at {cfg.max_position_embeddings} tokens (max_model_len = "
-                          "min(draft, target)), so longer requests lose speculation or the server its context",
-                  "sglang": "SGLang refuses the longer context unless SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1, "
-                            "then indexes past the draft's RoPE cache",
-                  "trtllm": "TensorRT-LLM sizes the draft's RoPE table for it"}[eng.name]
-        report.add("error", f"max_position_embeddings {cfg.max_position_embeddings} < the target's {target_ctx}: "
-                            f"{effect}; write at least {target_ctx}")
+        effect = {
+            "vllm": f"vLLM caps the draft at {cfg.max_position_embeddings} tokens (max_model_len = "
+            "min(draft, target)), so longer requests lose speculation or the server its context",
+            "sglang": "SGLang refuses the longer context unless SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1, "
+            "then indexes past the draft's RoPE cache",
+            "trtllm": "TensorRT-LLM sizes the draft's RoPE table for it",
+        }[eng.name]
+        report.add(
+            "error",
+            f"max_position_embeddings {cfg.max_position_embeddings} < the target's {target_ctx}: "
+            f"{effect}; write at least {target_ctx}",
+        )
         if eng.name == "vllm":
             report.context_length = min(cfg.max_position_embeddings, target_ctx)
     theta, scaling = target_rope(target_config)
     if abs(cfg.rope_theta - theta) > 1e-6 * theta or plain_scaling(cfg.rope_scaling) != plain_scaling(scaling):
-        report.add("error", f"RoPE as {eng.title} reads it (rope_theta {cfg.rope_theta}, rope_scaling "
-                            f"{cfg.rope_scaling}) differs from the target's (rope_theta {theta}, rope_scaling "
-                            f"{scaling}): draft positions would be rotated wrongly")
+        report.add(
+            "error",
+            f"RoPE as {eng.title} reads it (rope_theta {cfg.rope_theta}, rope_scaling "
+            f"{cfg.rope_scaling}) differs from the target's (rope_theta {theta}, rope_scaling "
+            f"{scaling}): draft positions would be rotated wrongly",
+        )
     t_hidden = target_config.hidden_size
     if cfg.target_hidden_size != t_hidden:
-        report.add("error", f"the head reads target hidden states of width {cfg.target_hidden_size}, the target "
-                            f"has {t_hidden}")
+        report.add(
+            "error", f"the head reads target hidden states of width {cfg.target_hidden_size}, the target has {t_hidden}"
+        )
     if cfg.vocab_size != target_config.vocab_size:
         report.add("error", f"vocab_size {cfg.vocab_size} is not the target's {target_config.vocab_size}")
 
@@ -523,19 +670,31 @@ def check_parallel(report, files, cfg):
     """vLLM's P-EAGLE (parallel_drafting) rules, docs/design.md section 6."""
     config, meta = files.config, files.meta
     if "mask_hidden" not in meta:
-        report.add("error", "P-EAGLE export without mask_hidden: vLLM with parallel_drafting stops with "
-                            "'mask_hidden not found in weights'; export the trained [1, 1, 3H] mask_hidden")
+        report.add(
+            "error",
+            "P-EAGLE export without mask_hidden: vLLM with parallel_drafting stops with "
+            "'mask_hidden not found in weights'; export the trained [1, 1, 3H] mask_hidden",
+        )
     elif torch.Size(meta["mask_hidden"][0]).numel() != 3 * cfg.target_hidden_size:
-        report.add("error", f"mask_hidden has shape {list(meta['mask_hidden'][0])}, vLLM needs "
-                            f"3 x target hidden = {3 * cfg.target_hidden_size} values")
+        report.add(
+            "error",
+            f"mask_hidden has shape {list(meta['mask_hidden'][0])}, vLLM needs "
+            f"3 x target hidden = {3 * cfg.target_hidden_size} values",
+        )
     ids = mask_token_ids(config)
     if config.get("speculators_model_type") == "peagle":  # vLLM's update_peagle: pard_token = mask_token_id
         if "mask_token_id" not in config:
-            report.add("error", "speculators P-EAGLE config without mask_token_id: vLLM's speculators reader "
-                                "needs it (it becomes pard_token)")
+            report.add(
+                "error",
+                "speculators P-EAGLE config without mask_token_id: vLLM's speculators reader "
+                "needs it (it becomes pard_token)",
+            )
     elif not ids:
-        report.add("error", "P-EAGLE export without a mask token id: write ptd_token_id, pard_token and "
-                            "mask_token_id (vLLM versions read different ones)")
+        report.add(
+            "error",
+            "P-EAGLE export without a mask token id: write ptd_token_id, pard_token and "
+            "mask_token_id (vLLM versions read different ones)",
+        )
     else:
         if len(set(ids.values())) > 1:
             report.add("error", f"mask token ids disagree: {ids}")
@@ -543,13 +702,20 @@ def check_parallel(report, files, cfg):
         if missing:
             report.add("warning", f"mask token id not written as {missing}: some vLLM versions read only those")
     if "embed_tokens.weight" not in meta:
-        report.add("error", "P-EAGLE export without embed_tokens.weight: vLLM falls back to the target's embedding, "
-                            "whose mask-token row was never trained")
-    report.add("info", "vLLM drafts all K tokens in one pass only with --speculative-config "
-                       "'{\"method\": \"eagle3\", \"parallel_drafting\": true, ...}'")
+        report.add(
+            "error",
+            "P-EAGLE export without embed_tokens.weight: vLLM falls back to the target's embedding, "
+            "whose mask-token row was never trained",
+        )
+    report.add(
+        "info",
+        "vLLM drafts all K tokens in one pass only with --speculative-config "
+        '\'{"method": "eagle3", "parallel_drafting": true, ...}\'',
+    )
 
 
 # ---- the tensors an engine would hold, and a head built back from them ---------------------------
+
 
 def engine_state(report: EngineReport, files: DraftFiles) -> dict[str, torch.Tensor]:
     """The engine's parameters as it would load them: renamed, q/k/v and gate/up fused in its shard
@@ -573,8 +739,10 @@ def head_from_engine_state(report: EngineReport, state: dict[str, torch.Tensor],
     `embedding` is what the engine fills from the target (the target's input embedding)."""
     cfg = report.config
     eng = ENGINES[report.engine]
-    sizes = {"qkv_proj": [cfg.num_attention_heads * cfg.head_dim] + [cfg.num_key_value_heads * cfg.head_dim] * 2,
-             "gate_up_proj": [cfg.intermediate_size] * 2}
+    sizes = {
+        "qkv_proj": [cfg.num_attention_heads * cfg.head_dim] + [cfg.num_key_value_heads * cfg.head_dim] * 2,
+        "gate_up_proj": [cfg.intermediate_size] * 2,
+    }
     head_state = {}
     for head_name, shape in head_shapes(cfg, report.parallel).items():
         where = engine_param(eng, head_name, cfg.num_hidden_layers)

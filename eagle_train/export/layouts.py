@@ -20,9 +20,9 @@ reads only `eagle_config.eagle_aux_hidden_state_layer_ids` and captures id + 1, 
 holds ours minus one. Both are written only when the ids are not the target's defaults.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Callable
 
 import torch
 
@@ -76,8 +76,12 @@ def llama_keys(cfg: DraftConfig, dtype: torch.dtype) -> dict:
 def provenance(cfg: DraftConfig, extra: dict) -> dict:
     """What an import needs that the engine keys do not carry (the target's layer count, the aux
     ids in our convention), plus whatever the caller recorded (data, steps)."""
-    ours = {"target": cfg.target, "target_num_layers": cfg.target_num_layers,
-            "aux_layer_ids": list(cfg.aux_layer_ids), "method": cfg.method}
+    ours = {
+        "target": cfg.target,
+        "target_num_layers": cfg.target_num_layers,
+        "aux_layer_ids": list(cfg.aux_layer_ids),
+        "method": cfg.method,
+    }
     if cfg.num_depths:
         ours["num_depths"] = cfg.num_depths
     return {**ours, **extra}
@@ -95,9 +99,13 @@ def non_default_aux_ids(cfg: DraftConfig) -> list[int] | None:
 
 # ---- eagle3 --------------------------------------------------------------------------------------
 
+
 def eagle3_config(cfg: DraftConfig, dtype: torch.dtype, extra: dict) -> dict:
-    config = {"architectures": [EAGLE3_ARCHITECTURE], **llama_keys(cfg, dtype),
-              "draft_vocab_size": cfg.draft_vocab_size}
+    config = {
+        "architectures": [EAGLE3_ARCHITECTURE],
+        **llama_keys(cfg, dtype),
+        "draft_vocab_size": cfg.draft_vocab_size,
+    }
     if cfg.target_hidden_size != cfg.hidden_size:
         config["target_hidden_size"] = cfg.target_hidden_size
     ids = non_default_aux_ids(cfg)
@@ -133,12 +141,15 @@ def draft_config_from_llama(llama: dict, top: dict, target_config=None, aux_laye
     aux = aux_layer_ids or ours.get("aux_layer_ids") or aux_ids_in_config(top)
     if not aux:
         if not n:
-            raise ValueError("config.json names no aux layer ids and the target's layer count is unknown: "
-                             "pass the target (--target T / target_model=...) so the defaults (2, N//2, N-3) apply")
+            raise ValueError(
+                "config.json names no aux layer ids and the target's layer count is unknown: "
+                "pass the target (--target T / target_model=...) so the defaults (2, N//2, N-3) apply"
+            )
         aux = default_aux_layer_ids(n)
     heads = llama["num_attention_heads"]
-    theta, scaling = target_rope(SimpleNamespace(rope_theta=llama.get("rope_theta", 10000.0),
-                                                 rope_scaling=llama.get("rope_scaling")))
+    theta, scaling = target_rope(
+        SimpleNamespace(rope_theta=llama.get("rope_theta", 10000.0), rope_scaling=llama.get("rope_scaling"))
+    )
     if scaling:
         scaling.pop("type", None)
     return DraftConfig(
@@ -169,10 +180,12 @@ def eagle3_read(config: dict, target_config=None) -> DraftConfig:
 
 def is_eagle3(config: dict) -> bool:
     return EAGLE3_ARCHITECTURE in (config.get("architectures") or []) or (
-        config.get("model_type") == "llama" and "draft_vocab_size" in config)
+        config.get("model_type") == "llama" and "draft_vocab_size" in config
+    )
 
 
 # ---- speculators -------------------------------------------------------------------------------
+
 
 def speculators_config(cfg: DraftConfig, dtype: torch.dtype, extra: dict) -> dict:
     extra = dict(extra)
@@ -211,9 +224,11 @@ def speculators_read(config: dict, target_config=None) -> DraftConfig:
     if not isinstance(layer, dict):
         raise ValueError("speculators config.json has no transformer_layer_config dict")
     if config.get("norm_before_residual", config.get("speculators_model_type") != "peagle"):  # vLLM's defaults
-        raise ValueError("this speculators head applies hidden_norm before the residual "
-                         "(norm_before_residual true or unset, as vLLM reads it); eagle-train heads keep "
-                         "the un-normed residual, so it cannot be imported as an eagle3 head")
+        raise ValueError(
+            "this speculators head applies hidden_norm before the residual "
+            "(norm_before_residual true or unset, as vLLM reads it); eagle-train heads keep "
+            "the un-normed residual, so it cannot be imported as an eagle3 head"
+        )
     cfg = draft_config_from_llama(layer, config, target_config)
     if config.get("speculators_model_type") == "peagle":
         tokens = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
@@ -259,16 +274,18 @@ def peagle_config(cfg: DraftConfig, dtype: torch.dtype, extra: dict) -> dict:
     return config
 
 
-
 # ---- the table -----------------------------------------------------------------------------------
+
 
 def rename(prefixes: list[tuple[str, str]]) -> Callable[[str], str]:
     """Name map replacing the first matching prefix (old, new)."""
+
     def apply(name: str) -> str:
         for old, new in prefixes:
             if name.startswith(old):
-                return new + name[len(old):]
+                return new + name[len(old) :]
         return name
+
     return apply
 
 
@@ -284,11 +301,18 @@ class Layout:
 
 
 LAYOUTS: dict[str, Layout] = {
-    "eagle3": Layout("eagle3", ("vllm", "sglang", "trtllm"), eagle3_config, eagle3_read,
-                     rename([]), rename([]), is_eagle3),
-    "speculators": Layout("speculators", ("vllm",), speculators_config, speculators_read,
-                          rename([("midlayer.", "layers.0.")]), rename([("layers.0.", "midlayer.")]),
-                          is_speculators),
+    "eagle3": Layout(
+        "eagle3", ("vllm", "sglang", "trtllm"), eagle3_config, eagle3_read, rename([]), rename([]), is_eagle3
+    ),
+    "speculators": Layout(
+        "speculators",
+        ("vllm",),
+        speculators_config,
+        speculators_read,
+        rename([("midlayer.", "layers.0.")]),
+        rename([("layers.0.", "midlayer.")]),
+        is_speculators,
+    ),
     # On disk a P-EAGLE directory is the eagle3 layout plus keys, so it is read (and detected) as that
     # row, whose reader sees the mask token; this row only writes.
     "peagle": Layout("peagle", ("vllm",), peagle_config, eagle3_read, rename([]), rename([]), lambda config: False),
@@ -301,8 +325,8 @@ def detect_layout(config: dict) -> Layout:
         if layout.matches(config):
             return layout
     raise ValueError(
-        "config.json is in no known draft layout (expected architectures [\"LlamaForCausalLMEagle3\"], "
-        f"or speculators_model_type \"eagle3\" / \"peagle\"; known layouts: {', '.join(LAYOUTS)})"
+        'config.json is in no known draft layout (expected architectures ["LlamaForCausalLMEagle3"], '
+        f'or speculators_model_type "eagle3" / "peagle"; known layouts: {", ".join(LAYOUTS)})'
     )
 
 

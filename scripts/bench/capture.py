@@ -72,43 +72,59 @@ def main(argv=None):
     model, tokenizer = load_target(a.target, dtype=a.dtype, device=a.device)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        manifest, _, _ = tokenize_dataset(a.data, tmp / "tok", a.target, max_length=a.max_length,
-                                          limit=a.num_conversations, tokenizer=tokenizer)
+        manifest, _, _ = tokenize_dataset(
+            a.data, tmp / "tok", a.target, max_length=a.max_length, limit=a.num_conversations, tokenizer=tokenizer
+        )
         data = ShardedSamples(tmp / "tok")
         tokens = manifest["num_tokens"]
         plan = plan_shards(data.lengths(), a.token_budget, a.shard_tokens)
         padded = sum(len(b) * max(data.lengths()[i] for i in b) for s in plan for b in s)
-        print(f"{a.target} on {a.device} ({next(model.parameters()).dtype}): {len(data)} conversations, "
-              f"{tokens} tokens, {sum(len(s) for s in plan)} batches (budget {a.token_budget}), "
-              f"padding {100 * (padded / tokens - 1):.1f}%")
+        print(
+            f"{a.target} on {a.device} ({next(model.parameters()).dtype}): {len(data)} conversations, "
+            f"{tokens} tokens, {sum(len(s) for s in plan)} batches (budget {a.token_budget}), "
+            f"padding {100 * (padded / tokens - 1):.1f}%"
+        )
         # warm up kernels / allocator on the longest batch
         bare_forward_seconds(model, data, [[plan[0][0]]], tokenizer.pad_token_id)
         results = {"tokens": tokens, "conversations": len(data), "device": a.device, "repeats": a.repeats}
-        for r in range(a.repeats):  # interleaved, best of each: a shared CPU's noise hits all three alike
+        for _ in range(a.repeats):  # interleaved, best of each: a shared CPU's noise hits all three alike
             bare = bare_forward_seconds(model, data, plan, tokenizer.pad_token_id)
             results["bare_s"] = min(bare, results.get("bare_s", bare))
             for dtype in ("bfloat16", "float8_e4m3fn"):
                 shutil.rmtree(tmp / dtype, ignore_errors=True)
                 start = time.perf_counter()
-                capture(model, tmp / "tok", tmp / dtype, target_name=a.target, dtype=dtype,
-                        token_budget=a.token_budget, shard_tokens=a.shard_tokens, pad_id=tokenizer.pad_token_id,
-                        progress=False)
+                capture(
+                    model,
+                    tmp / "tok",
+                    tmp / dtype,
+                    target_name=a.target,
+                    dtype=dtype,
+                    token_budget=a.token_budget,
+                    shard_tokens=a.shard_tokens,
+                    pad_id=tokenizer.pad_token_id,
+                    progress=False,
+                )
                 took = time.perf_counter() - start
                 results[f"{dtype}_s"] = min(took, results.get(f"{dtype}_s", took))
                 results[f"{dtype}_bytes_per_token"] = store_bytes(tmp / dtype) / tokens
-        results["fp8_error_vs_bf16"] = fp8_error(ShardedSamples(tmp / "bfloat16"),
-                                                 ShardedSamples(tmp / "float8_e4m3fn"))
+        results["fp8_error_vs_bf16"] = fp8_error(
+            ShardedSamples(tmp / "bfloat16"), ShardedSamples(tmp / "float8_e4m3fn")
+        )
 
     bare = tokens / results["bare_s"]
     print(f"bare forward       {bare:10.0f} tok/s  ({results['bare_s']:.1f}s)")
     for dtype in ("bfloat16", "float8_e4m3fn"):
         rate = tokens / results[f"{dtype}_s"]
-        print(f"capture {dtype:13s}{rate:8.0f} tok/s  ({results[f'{dtype}_s']:.1f}s, "
-              f"{100 * (results[f'{dtype}_s'] / results['bare_s'] - 1):+.1f}% vs bare), "
-              f"{results[f'{dtype}_bytes_per_token']:.0f} bytes/token")
+        print(
+            f"capture {dtype:13s}{rate:8.0f} tok/s  ({results[f'{dtype}_s']:.1f}s, "
+            f"{100 * (results[f'{dtype}_s'] / results['bare_s'] - 1):+.1f}% vs bare), "
+            f"{results[f'{dtype}_bytes_per_token']:.0f} bytes/token"
+        )
     for key, err in results["fp8_error_vs_bf16"].items():
-        print(f"fp8 vs bf16 {key:12s} relative error {100 * err['relative']:.2f}% "
-              f"(worst token {100 * err['worst_token']:.2f}%)")
+        print(
+            f"fp8 vs bf16 {key:12s} relative error {100 * err['relative']:.2f}% "
+            f"(worst token {100 * err['worst_token']:.2f}%)"
+        )
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=2) + "\n")
 

@@ -23,9 +23,15 @@ def random_llama(spec: str, device, dtype):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     layers, hidden = (int(x) for x in spec.split(","))
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 8 // 3 // 64 * 64,
-                      num_hidden_layers=layers, num_attention_heads=hidden // 128 or 1,
-                      num_key_value_heads=max(hidden // 512, 1), max_position_embeddings=4096)
+    cfg = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=hidden,
+        intermediate_size=hidden * 8 // 3 // 64 * 64,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 128 or 1,
+        num_key_value_heads=max(hidden // 512, 1),
+        max_position_embeddings=4096,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval().requires_grad_(False)
     model.generation_config.eos_token_id = None  # decode the full length
@@ -34,11 +40,16 @@ def random_llama(spec: str, device, dtype):
 
 def hf_generate(model, prompt, max_new_tokens, eos):
     t0 = time.perf_counter()
-    out = model.generate(torch.tensor([prompt], device=model.device), max_new_tokens=max_new_tokens,
-                         do_sample=False, eos_token_id=eos, pad_token_id=eos if eos is not None else 0)
+    out = model.generate(
+        torch.tensor([prompt], device=model.device),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=eos if eos is not None else 0,
+    )
     if model.device.type == "cuda":
         torch.cuda.synchronize()
-    return out[0, len(prompt):].tolist(), time.perf_counter() - t0
+    return out[0, len(prompt) :].tolist(), time.perf_counter() - t0
 
 
 def main():
@@ -68,8 +79,10 @@ def main():
         from inference.evaluate import chat_ids, load_bench
 
         model, tokenizer = load_target(args.target, dtype=dtype, device=device)
-        prompts = [chat_ids(tokenizer, [{"role": "user", "content": q["turns"][0]}])
-                   for q in load_bench(args.bench, args.num_prompts)]
+        prompts = [
+            chat_ids(tokenizer, [{"role": "user", "content": q["turns"][0]}])
+            for q in load_bench(args.bench, args.num_prompts)
+        ]
         eos = tokenizer.eos_token_id
     if args.draft:
         from eagle_train.checkpoint import load_draft_head
@@ -87,7 +100,7 @@ def main():
         hf_generate(model, prompts[0], 8, eos)  # warm-up
         outs, secs = zip(*(hf_generate(model, q, args.max_new_tokens, eos) for q in prompts))
         rows.append(("HF generate", sum(map(len, outs)) / sum(secs), None, list(outs)))
-    for graphs in ([True, False] if device.type == "cuda" else [False]):
+    for graphs in [True, False] if device.type == "cuda" else [False]:
         runtime = Runtime(model, head, shape, eos_token_ids=eos_ids, cuda_graphs=graphs)
         tag = "graphs" if graphs else ("eager" if device.type == "cuda" else "cpu")
         for name, fn in (("plain", runtime.generate_plain), ("speculative", runtime.generate)):
@@ -99,8 +112,10 @@ def main():
             rows.append((f"runtime {name} ({tag})", tps, al, outs))
             reference = reference or outs
     drafting = f"tree {shape.depth},{shape.topk},{shape.total}" if args.tree else f"chain K={shape.depth}"
-    print(f"{args.random_llama and f'random Llama {args.random_llama}' or args.target}, {len(prompts)} prompts x "
-          f"{args.max_new_tokens} new tokens, {drafting}, {device.type} {str(dtype).replace('torch.', '')}")
+    print(
+        f"{args.random_llama and f'random Llama {args.random_llama}' or args.target}, {len(prompts)} prompts x "
+        f"{args.max_new_tokens} new tokens, {drafting}, {device.type} {str(dtype).replace('torch.', '')}"
+    )
     plain_tps = next(tps for name, tps, _, _ in rows if name.startswith("runtime plain"))
     print(f"{'method':34s} {'tokens/s':>9s} {'vs plain':>9s} {'AL':>6s}  same tokens as plain")
     for name, tps, al, outs in rows:

@@ -69,12 +69,17 @@ def main(argv=None):
         model = model.to(torch.bfloat16 if device.type == "cuda" else torch.float32)
     dtype = model.dtype
     eagle3 = load_draft_head(args.eagle3, model) if args.eagle3 else Eagle3Head.from_target(model)
-    peagle = (load_draft_head(args.peagle, model) if args.peagle
-              else PEagleHead.from_target(model, mask_token_id=0, num_depths=max(ks)))
+    peagle = (
+        load_draft_head(args.peagle, model)
+        if args.peagle
+        else PEagleHead.from_target(model, mask_token_id=0, num_depths=max(ks))
+    )
     g = torch.Generator().manual_seed(0)
     h3 = 3 * model.config.hidden_size
-    print(f"drafting time per step on {device} {str(dtype).replace('torch.', '')}: context {args.context}, "
-          f"{args.accepted} accepted tokens per step, P-EAGLE N={peagle.config.num_hidden_layers} layers")
+    print(
+        f"drafting time per step on {device} {str(dtype).replace('torch.', '')}: context {args.context}, "
+        f"{args.accepted} accepted tokens per step, P-EAGLE N={peagle.config.num_hidden_layers} layers"
+    )
     print(f"{'K':>3} {'EAGLE-3 chain ms':>17} {'P-EAGLE parallel ms':>20} {'ratio':>6}")
     for k in ks:
         row = []

@@ -74,13 +74,11 @@ def bench_kernels(args, device) -> dict:
     dst = torch.empty_like(src)
     t = timed(lambda: dst.copy_(src), device, repeat=10)
     out["copy_bandwidth_bytes_per_s"] = 2 * n_bytes / t  # read + write
-    del src, dst
     m = 8192 if cuda else 512
     a = torch.randn(m, m, dtype=torch.bfloat16 if cuda else torch.float32, device=device)
     t = timed(lambda: a @ a, device, repeat=10)
     out["matmul_flops_per_s"] = 2 * m**3 / t
     out["matmul_size"] = m
-    del a
 
     # The TTT loss of one step: N tokens, H=576 (SmolLM2), the default Vd, hidden bf16 under autocast.
     n, h, vd = (args.loss_tokens, 576, DRAFT_VOCAB_SIZE) if cuda else (256, 64, 2000)
@@ -101,6 +99,7 @@ def bench_kernels(args, device) -> dict:
         def run():
             loss, agree = soft_cross_entropy(x, weight, probs, impl=impl)
             return (loss * supervised).sum(), (agree & supervised).sum()
+
         return run
 
     impls = {"log_softmax (ttt.step_loss)": reference, "fused_ce chunked": fused("chunked")}
@@ -113,7 +112,7 @@ def bench_kernels(args, device) -> dict:
 
         def fwd_bwd():
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
-                loss, correct = fn()
+                loss, correct = fn()  # noqa: B023 (called within this iteration)
             loss.backward()
             return loss, correct
 
@@ -135,15 +134,27 @@ def bench_kernels(args, device) -> dict:
             ref = value
         err = max(float((value[2] - ref[2]).abs().max()), float((value[3] - ref[3]).abs().max()))
         rel = max(float((value[2] - ref[2]).norm() / ref[2].norm()), float((value[3] - ref[3]).norm() / ref[3].norm()))
-        results[name] = {"seconds": t, "tokens_per_s": n / t, "peak_bytes": peak, "loss": value[0],
-                         "correct": value[1], "max_grad_diff_vs_log_softmax": err, "rel_grad_diff_vs_log_softmax": rel}
+        results[name] = {
+            "seconds": t,
+            "tokens_per_s": n / t,
+            "peak_bytes": peak,
+            "loss": value[0],
+            "correct": value[1],
+            "max_grad_diff_vs_log_softmax": err,
+            "rel_grad_diff_vs_log_softmax": rel,
+        }
         rows.append([name, t * 1e3, n / t, peak / 2**30, value[0], value[1], err, rel])
     out["ttt_step_loss"] = {"tokens": n, "hidden": h, "draft_vocab": vd, "impls": results}
-    print(table(f"\n== kernels: HBM copy {out['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s (spec "
-                f"{H100_HBM_BYTES_PER_S / 1e12} TB/s), bf16 matmul {m}^3 {out['matmul_flops_per_s'] / 1e12:.0f} "
-                f"TFLOP/s (dense peak {H100_BF16_DENSE_FLOPS / 1e12:.0f})\n"
-                f"   one TTT step's loss, {n} tokens x {vd} draft vocab, forward+backward:",
-                ["impl", "ms", "tok/s", "peak GiB", "loss", "top-1", "max |dgrad|", "rel dgrad"], rows))
+    print(
+        table(
+            f"\n== kernels: HBM copy {out['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s (spec "
+            f"{H100_HBM_BYTES_PER_S / 1e12} TB/s), bf16 matmul {m}^3 {out['matmul_flops_per_s'] / 1e12:.0f} "
+            f"TFLOP/s (dense peak {H100_BF16_DENSE_FLOPS / 1e12:.0f})\n"
+            f"   one TTT step's loss, {n} tokens x {vd} draft vocab, forward+backward:",
+            ["impl", "ms", "tok/s", "peak GiB", "loss", "top-1", "max |dgrad|", "rel dgrad"],
+            rows,
+        )
+    )
     return out
 
 
@@ -165,8 +176,9 @@ def bench_turns(tokenizer, runtime, prompts: int, max_new_tokens: int) -> dict[s
                 ids = chat_ids(tokenizer, messages)
                 plain = runtime.generate_plain(ids, max_new_tokens)
                 turns[bench].append({"ids": ids, "plain": plain})
-                messages.append({"role": "assistant",
-                                 "content": tokenizer.decode(plain.output_ids, skip_special_tokens=True)})
+                messages.append(
+                    {"role": "assistant", "content": tokenizer.decode(plain.output_ids, skip_special_tokens=True)}
+                )
     return turns
 
 
@@ -204,10 +216,20 @@ def bench_decode(args, device, model, tokenizer, save=lambda partial: None) -> d
     plain_tokens = sum(len(t["plain"].output_ids) for t in all_turns)
     plain_seconds = sum(t["plain"].seconds for t in all_turns)
     plain_tps = plain_tokens / plain_seconds
-    out = {"prompts_per_bench": args.prompts, "max_new_tokens": args.max_new_tokens, "turns": len(all_turns),
-           "plain": {"tokens": plain_tokens, "seconds": plain_seconds, "tokens_per_s": plain_tps,
-                     "per_bench": {b: sum(len(t["plain"].output_ids) for t in ts) / sum(t["plain"].seconds for t in ts)
-                                   for b, ts in turns.items()}}}
+    out = {
+        "prompts_per_bench": args.prompts,
+        "max_new_tokens": args.max_new_tokens,
+        "turns": len(all_turns),
+        "plain": {
+            "tokens": plain_tokens,
+            "seconds": plain_seconds,
+            "tokens_per_s": plain_tps,
+            "per_bench": {
+                b: sum(len(t["plain"].output_ids) for t in ts) / sum(t["plain"].seconds for t in ts)
+                for b, ts in turns.items()
+            },
+        },
+    }
 
     # HF generate on the first turns of a subset (it is ~10x slower), against plain on the same turns
     subset = [ts[i] for ts in turns.values() for i in range(min(args.hf_prompts, len(ts)))]
@@ -217,16 +239,28 @@ def bench_decode(args, device, model, tokenizer, save=lambda partial: None) -> d
         n = len(t["plain"].output_ids)
         sync(device)
         t0 = time.perf_counter()
-        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                             do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        gen = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+        )
         sync(device)
         if i > 0:  # the first call pays one-time costs
             hf_tokens += gen.shape[1] - ids.shape[1]
             hf_seconds += time.perf_counter() - t0
     sub_plain = subset[1:]
-    sub_plain_tps = sum(len(t["plain"].output_ids) for t in sub_plain) / max(sum(t["plain"].seconds for t in sub_plain), 1e-9)
+    sub_plain_tps = sum(len(t["plain"].output_ids) for t in sub_plain) / max(
+        sum(t["plain"].seconds for t in sub_plain), 1e-9
+    )
     hf_tps = hf_tokens / hf_seconds if hf_seconds else float("nan")
-    out["hf_generate"] = {"turns": len(sub_plain), "tokens_per_s": hf_tps, "plain_tokens_per_s_same_turns": sub_plain_tps}
+    out["hf_generate"] = {
+        "turns": len(sub_plain),
+        "tokens_per_s": hf_tps,
+        "plain_tokens_per_s_same_turns": sub_plain_tps,
+    }
 
     configs = []
     if args.eagle3:
@@ -237,12 +271,16 @@ def bench_decode(args, device, model, tokenizer, save=lambda partial: None) -> d
         configs += [("peagle", f"parallel K={k}", args.peagle, TreeShape.chain(k)) for k in args.parallel]
     # most wanted first (results are saved after each shape, so a time limit costs the last ones):
     # the middle chain of each head, then the tree, then the other chain lengths
-    middle = {"eagle3": f"chain K={args.chain[len(args.chain) // 2]}" if args.chain else "",
-              "peagle": f"parallel K={args.parallel[-1]}" if args.parallel else ""}
+    middle = {
+        "eagle3": f"chain K={args.chain[len(args.chain) // 2]}" if args.chain else "",
+        "peagle": f"parallel K={args.parallel[-1]}" if args.parallel else "",
+    }
     configs.sort(key=lambda c: (c[1] != middle[c[0]], "tree" not in c[1]))
     heads = {}
-    rows = [["HF generate", "", "", hf_tps, hf_tps / sub_plain_tps, 1.0, ""],
-            ["plain (runtime)", "", "", plain_tps, 1.0, sub_plain_tps / hf_tps, ""]]
+    rows = [
+        ["HF generate", "", "", hf_tps, hf_tps / sub_plain_tps, 1.0, ""],
+        ["plain (runtime)", "", "", plain_tps, 1.0, sub_plain_tps / hf_tps, ""],
+    ]
     out["speculative"] = []
     for method, name, path, shape in configs:
         try:
@@ -261,36 +299,69 @@ def bench_decode(args, device, model, tokenizer, save=lambda partial: None) -> d
                 accepted += r.accepted
                 identical += r.output_ids == t["plain"].output_ids
         except Exception as e:  # e.g. a head the runtime cannot drive yet: the other shapes still run
-            out["speculative"].append({"method": method, "drafting": name, "head": str(path),
-                                       "error": f"{type(e).__name__}: {e}"})
+            out["speculative"].append(
+                {"method": method, "drafting": name, "head": str(path), "error": f"{type(e).__name__}: {e}"}
+            )
             rows.append([f"{method} {name}", "error", f"{type(e).__name__}: {str(e)[:60]}", "", "", "", ""])
             print(f"{method} {name}: {type(e).__name__}: {e}", file=sys.stderr)
             continue
         al = emitted / max(forwards, 1)
         tps = tokens / seconds
         speedup = tps / plain_tps
-        record = {"method": method, "drafting": name, "head": str(path), "acceptance_length": al,
-                  "acceptance_rates": acceptance_rates(accepted, shape.depth), "tokens_per_s": tps,
-                  "speedup_vs_plain": speedup, "speedup_vs_hf": tps / hf_tps, "speedup_over_al": speedup / al,
-                  "identical_to_plain": identical, "turns": len(all_turns)}
+        record = {
+            "method": method,
+            "drafting": name,
+            "head": str(path),
+            "acceptance_length": al,
+            "acceptance_rates": acceptance_rates(accepted, shape.depth),
+            "tokens_per_s": tps,
+            "speedup_vs_plain": speedup,
+            "speedup_vs_hf": tps / hf_tps,
+            "speedup_over_al": speedup / al,
+            "identical_to_plain": identical,
+            "turns": len(all_turns),
+        }
         out["speculative"].append(record)
         save(out)
-        rows.append([f"{method} {name}", al, " ".join(f"{a:.2f}" for a in record["acceptance_rates"]), tps, speedup,
-                     tps / hf_tps, f"{speedup / al:.2f}"])
+        rows.append(
+            [
+                f"{method} {name}",
+                al,
+                " ".join(f"{a:.2f}" for a in record["acceptance_rates"]),
+                tps,
+                speedup,
+                tps / hf_tps,
+                f"{speedup / al:.2f}",
+            ]
+        )
 
     weight_bytes = decode_weight_bytes(model)
     bound = H100_HBM_BYTES_PER_S / weight_bytes
-    out["roofline"] = {"weight_bytes": weight_bytes, "bound_tokens_per_s_spec_bw": bound,
-                       "plain_fraction_of_bound": plain_tps / bound}
+    out["roofline"] = {
+        "weight_bytes": weight_bytes,
+        "bound_tokens_per_s_spec_bw": bound,
+        "plain_fraction_of_bound": plain_tps / bound,
+    }
     if args.copy_bandwidth:
         out["roofline"]["bound_tokens_per_s_measured_bw"] = args.copy_bandwidth / weight_bytes
-    print(table(f"\n== decode at batch 1, greedy, {len(all_turns)} turns of {args.prompts} prompts x "
-                f"{len(turns)} benches, <= {args.max_new_tokens} new tokens (AL: tokens per verification)",
-                ["", "AL", "accept@pos", "tok/s", "x plain", "x HF", "speedup/AL"], rows))
-    measured = (f", {out['roofline']['bound_tokens_per_s_measured_bw']:.0f} at the measured copy bandwidth"
-                if args.copy_bandwidth else "")
-    print(f"roofline: plain decoding {plain_tps:.0f} tok/s vs {bound:.0f} tok/s = {weight_bytes / 1e6:.0f} MB of "
-          f"weights per token at {H100_HBM_BYTES_PER_S / 1e12} TB/s{measured}: {100 * plain_tps / bound:.1f}% of the bound")
+    print(
+        table(
+            f"\n== decode at batch 1, greedy, {len(all_turns)} turns of {args.prompts} prompts x "
+            f"{len(turns)} benches, <= {args.max_new_tokens} new tokens (AL: tokens per verification)",
+            ["", "AL", "accept@pos", "tok/s", "x plain", "x HF", "speedup/AL"],
+            rows,
+        )
+    )
+    measured = (
+        f", {out['roofline']['bound_tokens_per_s_measured_bw']:.0f} at the measured copy bandwidth"
+        if args.copy_bandwidth
+        else ""
+    )
+    print(
+        f"roofline: plain decoding {plain_tps:.0f} tok/s vs {bound:.0f} tok/s = {weight_bytes / 1e6:.0f} MB of "
+        f"weights per token at {H100_HBM_BYTES_PER_S / 1e12} TB/s{measured}: "
+        f"{100 * plain_tps / bound:.1f}% of the bound"
+    )
     return out
 
 
@@ -340,16 +411,22 @@ def bench_capture(args, device, model, tokenizer) -> dict:
     def full():  # what `eagle-prep capture` does per shard: forward, copy to host, pack + write in the background
         with tempfile.TemporaryDirectory() as tmp, StoreWriter(tmp, "bfloat16") as writer:
             for k, b in enumerate(samples):
-                writer.add_shard(k, capture_batch(model, b, aux_ids, tokenizer.pad_token_id, "bfloat16"),
-                                 list(range(len(b))))
+                writer.add_shard(
+                    k, capture_batch(model, b, aux_ids, tokenizer.pad_token_id, "bfloat16"), list(range(len(b)))
+                )
 
     rows, out = [], {"tokens": tokens, "token_budget": args.capture_token_budget}
     for name, fn in (("bare forward", bare), ("target_hidden_states", hidden), ("capture + store writer", full)):
         t = timed(fn, device, repeat=3)
         out[name] = tokens / t
         rows.append([name, tokens / t, 100 * (out["bare forward"] / (tokens / t) - 1)])
-    print(table(f"\n== capture: {tokens} tokens in {len(batches)} batches of <= {args.capture_token_budget} "
-                "padded tokens", ["", "tok/s", "overhead %"], rows))
+    print(
+        table(
+            f"\n== capture: {tokens} tokens in {len(batches)} batches of <= {args.capture_token_budget} padded tokens",
+            ["", "tok/s", "overhead %"],
+            rows,
+        )
+    )
     return out
 
 
@@ -364,8 +441,9 @@ def bench_train(args, device, model, tokenizer) -> dict:
     from eagle_train.train_config import TrainConfig
     from eagle_train.trainer import BatchSource, HeadRunner, pad_samples
 
-    cfg = TrainConfig(target=args.target, data_path=args.data, mode="online", max_length=2048,
-                      tokens_per_batch=args.train_tokens)
+    cfg = TrainConfig(
+        target=args.target, data_path=args.data, mode="online", max_length=2048, tokens_per_batch=args.train_tokens
+    )
     torch.manual_seed(0)
     head = build_eagle3_head(cfg, model, read_vocab_map(args.data)).float().to(device)
     runner = HeadRunner(head)
@@ -409,14 +487,35 @@ def bench_train(args, device, model, tokenizer) -> dict:
     flops = flops_first / padded_tokens[0] * sum(padded_tokens[1:])  # FLOPs scale with padded tokens
     tokens = sum(real[1:])
     peak = args.peak_flops
-    out = {"steps": len(prepared) - 1, "tokens": tokens, "padded_tokens": sum(padded_tokens[1:]),
-           "head_seconds": t_head, "target_seconds": t_source,
-           "head_tokens_per_s": tokens / t_head, "online_tokens_per_s": tokens / (t_head + t_source),
-           "head_flops_per_token": flops / tokens, "head_mfu": flops / t_head / peak, "peak_flops": peak}
-    print(table(f"\n== EAGLE-3 training ({cfg.ttt_length} TTT steps, {args.train_tokens} tokens per batch, bf16 autocast); MFU "
-                f"vs {peak / 1e12:.0f} TFLOP/s bf16 dense", ["", "tok/s", "GFLOP/token", "MFU %"],
-                [["head fwd+bwd+AdamW", out["head_tokens_per_s"], out["head_flops_per_token"] / 1e9, 100 * out["head_mfu"]],
-                 ["+ online target fwd + distribution", out["online_tokens_per_s"], "", ""]]))
+    out = {
+        "steps": len(prepared) - 1,
+        "tokens": tokens,
+        "padded_tokens": sum(padded_tokens[1:]),
+        "head_seconds": t_head,
+        "target_seconds": t_source,
+        "head_tokens_per_s": tokens / t_head,
+        "online_tokens_per_s": tokens / (t_head + t_source),
+        "head_flops_per_token": flops / tokens,
+        "head_mfu": flops / t_head / peak,
+        "peak_flops": peak,
+    }
+    print(
+        table(
+            f"\n== EAGLE-3 training ({cfg.ttt_length} TTT steps, {args.train_tokens} tokens per batch, bf16 autocast); "
+            "MFU "
+            f"vs {peak / 1e12:.0f} TFLOP/s bf16 dense",
+            ["", "tok/s", "GFLOP/token", "MFU %"],
+            [
+                [
+                    "head fwd+bwd+AdamW",
+                    out["head_tokens_per_s"],
+                    out["head_flops_per_token"] / 1e9,
+                    100 * out["head_mfu"],
+                ],
+                ["+ online target fwd + distribution", out["online_tokens_per_s"], "", ""],
+            ],
+        )
+    )
     print(f"padding: {100 * (1 - tokens / out['padded_tokens']):.1f}% of the batch tokens")
     return out
 
@@ -462,9 +561,13 @@ def main(argv=None):
             p.error(f"{path} does not exist")
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "peak_flops": args.peak_flops, "hbm_bytes_per_s": H100_HBM_BYTES_PER_S,
-              "args": {k: v for k, v in vars(args).items()}}
+    result = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "peak_flops": args.peak_flops,
+        "hbm_bytes_per_s": H100_HBM_BYTES_PER_S,
+        "args": {k: v for k, v in vars(args).items()},
+    }
     print(f"scripts/bench/gpu.py on {result['device']}, torch {torch.__version__}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

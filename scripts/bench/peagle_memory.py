@@ -27,11 +27,26 @@ from eagle_train.vocab_map import DRAFT_VOCAB_SIZE
 
 
 def smollm2_sized_head(num_depths: int, layers: int, draft_vocab: int) -> PEagleHead:
-    cfg = DraftConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
-                      intermediate_size=1536, vocab_size=49152, draft_vocab_size=draft_vocab, rms_norm_eps=1e-5,
-                      rope_theta=100000.0, rope_scaling=None, max_position_embeddings=8192,
-                      target_hidden_size=576, target_num_layers=30, aux_layer_ids=(2, 15, 27),
-                      num_hidden_layers=layers, method="peagle", mask_token_id=16, num_depths=num_depths)
+    cfg = DraftConfig(
+        hidden_size=576,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        intermediate_size=1536,
+        vocab_size=49152,
+        draft_vocab_size=draft_vocab,
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,
+        rope_scaling=None,
+        max_position_embeddings=8192,
+        target_hidden_size=576,
+        target_num_layers=30,
+        aux_layer_ids=(2, 15, 27),
+        num_hidden_layers=layers,
+        method="peagle",
+        mask_token_id=16,
+        num_depths=num_depths,
+    )
     return PEagleHead(cfg)
 
 
@@ -39,10 +54,13 @@ def synthetic_batch(length: int, head: PEagleHead, device):
     g = torch.Generator().manual_seed(0)
     vd = head.config.draft_vocab_size
     probs = torch.softmax(torch.randn(1, length, vd, generator=g) * 3, -1)
-    return {"input_ids": torch.randint(17, 49152, (1, length), generator=g).to(device),
-            "loss_mask": torch.ones(1, length, dtype=torch.bool, device=device),
-            "aux_hidden": torch.randn(1, length, 3 * 576, generator=g).to(device),
-            "target_probs": probs.to(device), "in_draft": torch.ones(1, length, dtype=torch.bool, device=device)}
+    return {
+        "input_ids": torch.randint(17, 49152, (1, length), generator=g).to(device),
+        "loss_mask": torch.ones(1, length, dtype=torch.bool, device=device),
+        "aux_hidden": torch.randn(1, length, 3 * 576, generator=g).to(device),
+        "target_probs": probs.to(device),
+        "in_draft": torch.ones(1, length, dtype=torch.bool, device=device),
+    }
 
 
 def rss_bytes() -> int:
@@ -58,8 +76,9 @@ def measure(args, segments: int) -> dict:
     objective = PEagleObjective(args.num_depths, segments)
     run = lambda fn, *a: fn(head, *a)  # noqa: E731  (the trainer's HeadRunner protocol)
     torch.manual_seed(1)
-    elements = pb.build_elements(batch["loss_mask"], batch["in_draft"], torch.tensor([args.max_length]),
-                                 args.num_depths)
+    elements = pb.build_elements(
+        batch["loss_mask"], batch["in_draft"], torch.tensor([args.max_length]), args.num_depths
+    )
     largest = max(s.anchor.shape[1] for s in pb.partition(elements, segments, args.max_length))
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -76,9 +95,15 @@ def measure(args, segments: int) -> dict:
         peak = torch.cuda.max_memory_allocated() - base
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
-    return {"segments": segments, "device": device.type, "peak_mib": round(peak / 2**20),
-            "seconds": round(time.perf_counter() - start, 2), "elements": int(elements.anchor.shape[1]),
-            "largest_segment": largest, "loss": round(float(metrics["loss"]), 4)}
+    return {
+        "segments": segments,
+        "device": device.type,
+        "peak_mib": round(peak / 2**20),
+        "seconds": round(time.perf_counter() - start, 2),
+        "elements": int(elements.anchor.shape[1]),
+        "largest_segment": largest,
+        "loss": round(float(metrics["loss"]), 4),
+    }
 
 
 def child(args, segments, queue):
@@ -97,8 +122,10 @@ def main(argv=None):
     args = p.parse_args(argv)
     counts = [int(s) for s in args.segments.split(",")]
     default = pb.default_num_segments(args.max_length, args.num_depths)
-    print(f"P-EAGLE step, max length {args.max_length}, K={args.num_depths}, N={args.layers} layers, "
-          f"draft vocab {args.draft_vocab}; default segments: {default}")
+    print(
+        f"P-EAGLE step, max length {args.max_length}, K={args.num_depths}, N={args.layers} layers, "
+        f"draft vocab {args.draft_vocab}; default segments: {default}"
+    )
     rows = []
     for s in counts:
         if torch.cuda.is_available() and not args.cpu:
@@ -111,8 +138,10 @@ def main(argv=None):
             row = queue.get()
             proc.join()
         rows.append(row)
-        print(f"segments {row['segments']}: peak +{row['peak_mib']} MiB ({row['device']}), {row['seconds']} s, "
-              f"{row['elements']} elements, largest forward {row['largest_segment']} elements, loss {row['loss']}")
+        print(
+            f"segments {row['segments']}: peak +{row['peak_mib']} MiB ({row['device']}), {row['seconds']} s, "
+            f"{row['elements']} elements, largest forward {row['largest_segment']} elements, loss {row['loss']}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

@@ -66,29 +66,62 @@ POLL_SECONDS = 2.0
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--budget", type=float, required=True, metavar="MIN",
-                   help="minutes of compute (data + training) the recipe may spend; evaluation is extra")
+    p.add_argument(
+        "--budget",
+        type=float,
+        required=True,
+        metavar="MIN",
+        help="minutes of compute (data + training) the recipe may spend; evaluation is extra",
+    )
     p.add_argument("--out", required=True, help="run directory (new); quality.json and quality.png go here")
-    p.add_argument("--prep", nargs="+", required=True, metavar="ARG",
-                   help="prep YAML then its key=value overrides (eagle-prep run), e.g. "
-                        "configs/smollm2_sharegpt.yaml prep.num_conversations=200")
-    p.add_argument("--train", nargs="+", required=True, metavar="ARG",
-                   help="train YAML then its key=value overrides (scripts/train_eagle3.py), e.g. "
-                        "configs/eagle3_smollm2.yaml max_steps=300 ttt_length=4")
-    p.add_argument("--data", default=None, metavar="DIR",
-                   help="data directory (default <out>/data); one made earlier by the same --prep is reused and "
-                        "charged its recorded minutes, so several training recipes can share one prep")
-    p.add_argument("--eval-every", type=float, default=None, metavar="MIN",
-                   help="evaluate at every multiple of this many minutes of compute (default: budget / 4)")
-    p.add_argument("--save-every", type=int, default=5, metavar="STEPS",
-                   help="checkpoint interval of the trainer (overrides the recipe's save_every): the checkpoint a "
-                        "point evaluates is the newest one when its minute comes (default 5)")
+    p.add_argument(
+        "--prep",
+        nargs="+",
+        required=True,
+        metavar="ARG",
+        help="prep YAML then its key=value overrides (eagle-prep run), e.g. "
+        "configs/smollm2_sharegpt.yaml prep.num_conversations=200",
+    )
+    p.add_argument(
+        "--train",
+        nargs="+",
+        required=True,
+        metavar="ARG",
+        help="train YAML then its key=value overrides (scripts/train_eagle3.py), e.g. "
+        "configs/eagle3_smollm2.yaml max_steps=300 ttt_length=4",
+    )
+    p.add_argument(
+        "--data",
+        default=None,
+        metavar="DIR",
+        help="data directory (default <out>/data); one made earlier by the same --prep is reused and "
+        "charged its recorded minutes, so several training recipes can share one prep",
+    )
+    p.add_argument(
+        "--eval-every",
+        type=float,
+        default=None,
+        metavar="MIN",
+        help="evaluate at every multiple of this many minutes of compute (default: budget / 4)",
+    )
+    p.add_argument(
+        "--save-every",
+        type=int,
+        default=5,
+        metavar="STEPS",
+        help="checkpoint interval of the trainer (overrides the recipe's save_every): the checkpoint a "
+        "point evaluates is the newest one when its minute comes (default 5)",
+    )
     p.add_argument("--bench", nargs="+", default=list(BENCHES), help=f"bench sets (default: {' '.join(BENCHES)})")
     p.add_argument("--num-prompts", type=int, default=20, help="prompts per bench (default 20)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per turn (default 128)")
     p.add_argument("--chain", type=int, default=3, metavar="K", help="chain drafting with K drafts (default 3)")
-    p.add_argument("--tree", default="3,2,4", metavar="DEPTH,TOPK,TOTAL",
-                   help="EAGLE-2 tree verified alongside the chain (default 3,2,4: 4 drafts per round); none: skip")
+    p.add_argument(
+        "--tree",
+        default="3,2,4",
+        metavar="DEPTH,TOPK,TOTAL",
+        help="EAGLE-2 tree verified alongside the chain (default 3,2,4: 4 drafts per round); none: skip",
+    )
     p.add_argument("--device", default=None, help="evaluation device (default: cuda when available, else cpu)")
     p.add_argument("--name", default=None, help="label of the curve (default: the --out directory's name)")
     return p.parse_args(argv)
@@ -104,13 +137,16 @@ def prepare_data(prep: list[str], data_dir: Path) -> float:
     if record.is_file():
         done = json.loads(record.read_text())
         if done["prep"] != prep:
-            raise SystemExit(f"{data_dir} holds the data of --prep {' '.join(done['prep'])}, not of this --prep: "
-                             "choose another --data")
+            raise SystemExit(
+                f"{data_dir} holds the data of --prep {' '.join(done['prep'])}, not of this --prep: "
+                "choose another --data"
+            )
         print(f"[quality] data: reusing {data_dir} ({done['minutes']:.2f} min when it was made)")
         return done["minutes"]
     if data_dir.exists() and any(data_dir.iterdir()):
-        raise SystemExit(f"{data_dir} holds files but no prep.json (an unfinished prep?): delete it or choose "
-                         "another --data")
+        raise SystemExit(
+            f"{data_dir} holds files but no prep.json (an unfinished prep?): delete it or choose another --data"
+        )
     data_dir.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "data_prep.cli", "run", "--config", *prep, f"out_dir={data_dir}"]
     print(f"[quality] data: {' '.join(command[1:])}")
@@ -119,8 +155,10 @@ def prepare_data(prep: list[str], data_dir: Path) -> float:
         rc = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT)
     minutes = (time.time() - start) / 60
     if rc != 0:
-        raise SystemExit(f"eagle-prep run failed (exit {rc}); the end of {data_dir / 'prep.log'}:\n"
-                         + "".join((data_dir / "prep.log").read_text().splitlines(True)[-15:]))
+        raise SystemExit(
+            f"eagle-prep run failed (exit {rc}); the end of {data_dir / 'prep.log'}:\n"
+            + "".join((data_dir / "prep.log").read_text().splitlines(True)[-15:])
+        )
     record.write_text(json.dumps({"prep": prep, "minutes": minutes}, indent=1))
     print(f"[quality] data: {minutes:.2f} min")
     return minutes
@@ -184,8 +222,10 @@ class Evaluator:
     def __call__(self, head_dir) -> tuple[dict, dict]:
         """({drafting: {bench: summary}}, {bench: [(prompt ids, plain output ids) per turn]})."""
         head = load_draft_head(head_dir, self.model).to(device=self.device, dtype=self.model.dtype).eval()
-        runtimes = {name: Runtime(self.model, head, shape, eos_token_ids=self.eos, seed=0)
-                    for name, shape in self.shapes.items()}
+        runtimes = {
+            name: Runtime(self.model, head, shape, eos_token_ids=self.eos, seed=0)
+            for name, shape in self.shapes.items()
+        }
         if self.device.type == "cuda":  # graph capture stays out of the timings
             for runtime in runtimes.values():
                 runtime.generate(chat_ids(self.tokenizer, [{"role": "user", "content": "Hi"}]), 8)
@@ -201,11 +241,20 @@ class Evaluator:
                     plain = reference.generate_plain(ids, self.max_new_tokens)
                     for name, runtime in runtimes.items():
                         spec = runtime.generate(ids, self.max_new_tokens)
-                        turns[name].append({"spec": asdict(spec), "plain": asdict(plain),
-                                            "identical": spec.output_ids == plain.output_ids})
+                        turns[name].append(
+                            {
+                                "spec": asdict(spec),
+                                "plain": asdict(plain),
+                                "identical": spec.output_ids == plain.output_ids,
+                            }
+                        )
                     sequences[bench].append((ids, plain.output_ids))
-                    messages.append({"role": "assistant",
-                                     "content": self.tokenizer.decode(plain.output_ids, skip_special_tokens=True)})
+                    messages.append(
+                        {
+                            "role": "assistant",
+                            "content": self.tokenizer.decode(plain.output_ids, skip_special_tokens=True),
+                        }
+                    )
                 for name in runtimes:
                     results[name].append({"turns": turns[name]})
             for name, shape in self.shapes.items():
@@ -220,7 +269,7 @@ class Evaluator:
             s, n = 0.0, 0
             for ids, output in turns:
                 x = torch.tensor([ids + output], device=self.device)
-                logits = self.model(x).logits[0, len(ids) - 1:len(ids) + len(output) - 1].float()
+                logits = self.model(x).logits[0, len(ids) - 1 : len(ids) + len(output) - 1].float()
                 s += float(logits.softmax(-1).max(-1).values.sum())
                 n += len(output)
             out[bench] = s / n
@@ -243,8 +292,7 @@ def plot_curve(record: dict, path: Path) -> bool:
     import matplotlib.pyplot as plt
 
     points, names, benches = record["points"], list(record["eval"]["drafting"]), record["eval"]["benches"]
-    fig, axes = plt.subplots(2, len(names), figsize=(5.5 * len(names), 7), squeeze=False, sharex=True,
-                             sharey="row")
+    fig, axes = plt.subplots(2, len(names), figsize=(5.5 * len(names), 7), squeeze=False, sharex=True, sharey="row")
     x = [p["compute_minutes"] for p in points]
     for col, name in enumerate(names):
         al, speed = axes[0][col], axes[1][col]
@@ -257,13 +305,18 @@ def plot_curve(record: dict, path: Path) -> bool:
             ax.grid(alpha=0.3)
         speed.axhline(1.0, color="grey", lw=0.8)
         al.set(title=f"{name} (dashed: data ready)", ylabel="acceptance length", ylim=(1.0, None))
-        speed.set(xlabel="minutes of compute (data + training)", ylabel="speedup over plain decoding",
-                  xlim=(0, max([record["budget_minutes"], *x]) * 1.02))
+        speed.set(
+            xlabel="minutes of compute (data + training)",
+            ylabel="speedup over plain decoding",
+            xlim=(0, max([record["budget_minutes"], *x]) * 1.02),
+        )
     axes[0][0].legend(fontsize=8)
     top1 = record.get("target_top1_probability", {}).get("all")
-    fig.suptitle(f"{record['name']}: budget {record['budget_minutes']:g} min, data {record['data_minutes']:.1f} min, "
-                 f"evaluation {record['eval_minutes']:.1f} min (not on the x-axis)"
-                 + (f", target top-1 p {top1:.3f}" if top1 is not None else ""))
+    fig.suptitle(
+        f"{record['name']}: budget {record['budget_minutes']:g} min, data {record['data_minutes']:.1f} min, "
+        f"evaluation {record['eval_minutes']:.1f} min (not on the x-axis)"
+        + (f", target top-1 p {top1:.3f}" if top1 is not None else "")
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -298,16 +351,34 @@ def main(argv=None):
     if cfg.method != "eagle3":
         raise SystemExit(f"--train trains a {cfg.method} head: this harness runs scripts/train_eagle3.py")
     data_path = data_dir / ("tokenized" if cfg.mode == "online" else "store")
-    train_command = [sys.executable, str(TRAIN_SCRIPT), "--config", *args.train, f"data_path={data_path}",
-                     f"output_dir={train_dir}", f"save_every={args.save_every}"]
+    train_command = [
+        sys.executable,
+        str(TRAIN_SCRIPT),
+        "--config",
+        *args.train,
+        f"data_path={data_path}",
+        f"output_dir={train_dir}",
+        f"save_every={args.save_every}",
+    ]
     out.mkdir(parents=True, exist_ok=True)
 
     record = {
-        "name": args.name or out.name, "budget_minutes": args.budget, "eval_every_minutes": eval_every,
-        "prep": args.prep, "train": args.train, "train_command": train_command[1:],
-        "eval": {"benches": args.bench, "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens,
-                 "drafting": {name: asdict(shape) for name, shape in shapes.items()}, "temperature": 0.0},
-        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "points": [], "eval_minutes": 0.0,
+        "name": args.name or out.name,
+        "budget_minutes": args.budget,
+        "eval_every_minutes": eval_every,
+        "prep": args.prep,
+        "train": args.train,
+        "train_command": train_command[1:],
+        "eval": {
+            "benches": args.bench,
+            "num_prompts": args.num_prompts,
+            "max_new_tokens": args.max_new_tokens,
+            "drafting": {name: asdict(shape) for name, shape in shapes.items()},
+            "temperature": 0.0,
+        },
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "points": [],
+        "eval_minutes": 0.0,
     }
     wall = time.time()
     record["data_minutes"] = data_minutes = prepare_data(args.prep, data_dir)
@@ -334,23 +405,40 @@ def main(argv=None):
         if "target_top1_probability" not in record:
             record["target_top1_probability"] = evaluator.target_top1_probability(sequences)
         point = {
-            "checkpoint": checkpoint.name, "step": state["step"], "total_steps": state["total_steps"],
-            "tokens_seen": state["tokens_consumed"], "samples_seen": state["samples_consumed"],
-            "data_minutes": data_minutes, "train_minutes": trainer.running_seconds(written) / 60,
-            "compute_minutes": compute_minutes(written), "eval_minutes": (time.time() - start) / 60,
-            "mean_acceptance_length": {name: sum(s["acceptance_length"] for s in per.values()) / len(per)
-                                       for name, per in summaries.items()},
-            "results": {name: {bench: {k: v for k, v in s.items() if k != "tokens_per_forward_histogram"}
-                               for bench, s in per.items()} for name, per in summaries.items()},
+            "checkpoint": checkpoint.name,
+            "step": state["step"],
+            "total_steps": state["total_steps"],
+            "tokens_seen": state["tokens_consumed"],
+            "samples_seen": state["samples_consumed"],
+            "data_minutes": data_minutes,
+            "train_minutes": trainer.running_seconds(written) / 60,
+            "compute_minutes": compute_minutes(written),
+            "eval_minutes": (time.time() - start) / 60,
+            "mean_acceptance_length": {
+                name: sum(s["acceptance_length"] for s in per.values()) / len(per) for name, per in summaries.items()
+            },
+            "results": {
+                name: {
+                    bench: {k: v for k, v in s.items() if k != "tokens_per_forward_histogram"}
+                    for bench, s in per.items()
+                }
+                for name, per in summaries.items()
+            },
         }
         record["points"].append(point)
         record["eval_minutes"] += point["eval_minutes"]
         save(record, out)
         speedups = {name: [s["speedup"] for s in per.values()] for name, per in summaries.items()}
-        als = "; ".join(f"{name} " + " ".join(f"{b} {s['acceptance_length']:.3f}" for b, s in per.items())
-                        + f" ({min(speedups[name]):.2f}-{max(speedups[name]):.2f}x)" for name, per in summaries.items())
-        print(f"[quality] step {state['step']}, {point['compute_minutes']:.2f} min compute, "
-              f"{state['tokens_consumed']} tokens: {als} [eval {point['eval_minutes']:.2f} min]")
+        als = "; ".join(
+            f"{name} "
+            + " ".join(f"{b} {s['acceptance_length']:.3f}" for b, s in per.items())
+            + f" ({min(speedups[name]):.2f}-{max(speedups[name]):.2f}x)"
+            for name, per in summaries.items()
+        )
+        print(
+            f"[quality] step {state['step']}, {point['compute_minutes']:.2f} min compute, "
+            f"{state['tokens_consumed']} tokens: {als} [eval {point['eval_minutes']:.2f} min]"
+        )
 
     evaluated, next_point = 0, eval_every
     try:
@@ -382,7 +470,8 @@ def main(argv=None):
 
     last = record["points"][-1] if record["points"] else None
     record["training"] = {
-        "ended": ended, "minutes": train_seconds / 60,
+        "ended": ended,
+        "minutes": train_seconds / 60,
         "minutes_after_last_point": train_seconds / 60 - last["train_minutes"] if last else None,
         "steps_per_minute": last["step"] / last["train_minutes"] if last else None,
         "tokens_per_second": last["tokens_seen"] / (60 * last["train_minutes"]) if last else None,
@@ -391,8 +480,10 @@ def main(argv=None):
     save(record, out)
     if ended.startswith("trainer exited"):
         print("".join((train_dir / "train.log").read_text().splitlines(True)[-15:]))
-    print(f"[quality] training {ended} after {train_seconds / 60:.2f} min; {len(record['points'])} points; "
-          f"wall {record['wall_minutes']:.2f} min (evaluation {record['eval_minutes']:.2f}) -> {out / 'quality.json'}")
+    print(
+        f"[quality] training {ended} after {train_seconds / 60:.2f} min; {len(record['points'])} points; "
+        f"wall {record['wall_minutes']:.2f} min (evaluation {record['eval_minutes']:.2f}) -> {out / 'quality.json'}"
+    )
 
 
 if __name__ == "__main__":

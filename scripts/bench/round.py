@@ -78,8 +78,10 @@ def main():
     model, tokenizer = load_target(args.target, dtype=dtype, device=device)
     head = load_draft_head(args.draft, model).to(device=device, dtype=dtype).eval()
     shape = TreeShape.parse(args.tree) if args.tree else TreeShape.chain(args.chain)
-    prompts = [chat_ids(tokenizer, [{"role": "user", "content": q["turns"][0]}])
-               for q in load_bench(args.bench, args.num_prompts)]
+    prompts = [
+        chat_ids(tokenizer, [{"role": "user", "content": q["turns"][0]}])
+        for q in load_bench(args.bench, args.num_prompts)
+    ]
 
     runtime = Runtime(model, head, shape, eos_token_ids=[tokenizer.eos_token_id], cuda_graphs=False)
     context = max(map(len, prompts)) + args.max_new_tokens // 2
@@ -107,15 +109,19 @@ def main():
     drafting = f"tree {shape.depth},{shape.topk},{shape.total}" if args.tree else f"chain K={shape.depth}"
     spec_ms, al, parts, n = rounds["speculative"]
     plain_ms, _, plain_parts, steps = rounds["plain"]
-    print(f"\n{args.bench}: {len(prompts)} prompts x {args.max_new_tokens} new tokens, {drafting}: "
-          f"{n} rounds, AL {al:.3f}; {steps} plain steps")
+    print(
+        f"\n{args.bench}: {len(prompts)} prompts x {args.max_new_tokens} new tokens, {drafting}: "
+        f"{n} rounds, AL {al:.3f}; {steps} plain steps"
+    )
     print(f"{'ms per round / step':24s} {'speculative':>12s} {'plain':>8s}")
     for label in ("target forward", "target logits", "drafting", "head catch-up", "accept decision"):
         plain = f"{plain_parts[label] / steps * 1000:8.2f}" if label in plain_parts else f"{'-':>8s}"
         print(f"{label:24s} {parts.get(label, 0.0) / n * 1000:12.2f} {plain}")
     print(f"{'whole (timed by generate)':24s} {spec_ms:12.2f} {plain_ms:8.2f}")
-    print(f"a round costs {spec_ms / plain_ms:.2f}x a plain step; at AL {al:.3f} the speedup is "
-          f"{al * plain_ms / spec_ms:.2f}x")
+    print(
+        f"a round costs {spec_ms / plain_ms:.2f}x a plain step; at AL {al:.3f} the speedup is "
+        f"{al * plain_ms / spec_ms:.2f}x"
+    )
 
 
 if __name__ == "__main__":

@@ -79,8 +79,9 @@ def main():
         sync()
         t1 = time.perf_counter()
         with autocast:
-            loss, _ = ttt_loss(head, aux, ids, mask, probs, in_draft, args.ttt_length,
-                               checkpoint_logits=args.gradient_checkpointing)
+            loss, _ = ttt_loss(
+                head, aux, ids, mask, probs, in_draft, args.ttt_length, checkpoint_logits=args.gradient_checkpointing
+            )
         loss.backward()
         sync()
         t2 = time.perf_counter()
@@ -95,19 +96,28 @@ def main():
     tokens = batch * args.seq_len
     step_s = sorted(step_times)[len(step_times) // 2]
     fb_s = sorted(fwd_bwd_times)[len(fwd_bwd_times) // 2]
-    print(f"device {torch.cuda.get_device_name() if cuda else f'cpu ({torch.get_num_threads()} threads)'}, "
-          f"{'bf16 autocast' if cuda else 'fp32'}; head H={cfg.hidden_size} Vd={cfg.draft_vocab_size}, "
-          f"ttt_length {args.ttt_length}, batch {batch} x {args.seq_len} tokens"
-          f"{', logit checkpointing' if args.gradient_checkpointing else ''}")
-    print(f"training step: {tokens / step_s:,.0f} tokens/s ({step_s * 1e3:.1f} ms/step, median of {args.steps}); "
-          f"head fwd+bwd alone {tokens / fb_s:,.0f} tokens/s")
+    print(
+        f"device {torch.cuda.get_device_name() if cuda else f'cpu ({torch.get_num_threads()} threads)'}, "
+        f"{'bf16 autocast' if cuda else 'fp32'}; head H={cfg.hidden_size} Vd={cfg.draft_vocab_size}, "
+        f"ttt_length {args.ttt_length}, batch {batch} x {args.seq_len} tokens"
+        f"{', logit checkpointing' if args.gradient_checkpointing else ''}"
+    )
+    print(
+        f"training step: {tokens / step_s:,.0f} tokens/s ({step_s * 1e3:.1f} ms/step, median of {args.steps}); "
+        f"head fwd+bwd alone {tokens / fb_s:,.0f} tokens/s"
+    )
     if cuda:
         flops = 3 * head_forward_flops(cfg, batch, args.seq_len, args.ttt_length)
-        print(f"peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB; head fwd+bwd "
-              f"{flops / fb_s / 1e12:.1f} TFLOP/s = {100 * flops / fb_s / 1e12 / args.peak_tflops:.1f}% MFU "
-              f"of {args.peak_tflops:g} TFLOP/s")
+        print(
+            f"peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB; head fwd+bwd "
+            f"{flops / fb_s / 1e12:.1f} TFLOP/s = {100 * flops / fb_s / 1e12 / args.peak_tflops:.1f}% MFU "
+            f"of {args.peak_tflops:g} TFLOP/s"
+        )
     else:
-        print(f"peak process memory (RSS, incl. the target) {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
+        print(
+            f"peak process memory (RSS, incl. the target) "
+            f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB"
+        )
 
 
 if __name__ == "__main__":
