@@ -96,6 +96,64 @@ def _read_header(out: Path) -> dict | None:
     return json.loads(file.read_text()) if file.is_file() else None
 
 
+def start_store(
+    out: Path, header: dict, config, target_name: str, aux_layer_ids, dtype: str, world_size=1, rank=0, barrier=None
+) -> dict:
+    """Check `out` against the store this run would write and write its unfinished manifest; return the header.
+
+    `header` holds what the writer knows (tokenizer, template, max_length, source, plan); the
+    target, aux layers and dtype are added here. An existing store of another target, aux layer
+    set, dtype, source or plan is refused, so a resume can only continue the same store.
+    """
+    barrier = barrier or (lambda: None)
+    header = {
+        "format": HIDDEN_FORMAT,
+        "target": {**target_identity(config), "given": target_name},
+        "aux_layer_ids": list(aux_layer_ids),
+        "dtype": dtype,
+        **header,
+        "num_processes": world_size,
+        "complete": False,
+    }
+    existing = _read_header(out)
+    if existing is not None:
+        check_store_matches(existing, config, aux_layer_ids)
+        for key in ("dtype", "plan", "source"):
+            if existing.get(key) != header[key]:
+                raise ValueError(
+                    f"{out} was captured with {key}={existing.get(key)!r}, not {header[key]!r}: "
+                    "resume with the same settings or capture into a new directory"
+                )
+    barrier()  # every process has checked before rank 0 writes anything
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        if existing is None:
+            write_json_atomic(out / MANIFEST, header)
+    barrier()
+    return header
+
+
+def pending_shards(out: Path, planned: dict[int, list[int]]) -> list[int]:
+    """The planned shards (index -> sample ids) not yet in `out`, in order; a shard already there
+    must hold exactly its planned samples."""
+    done = {k for k, _ in list_shards(out)}
+    for k in sorted(done & planned.keys()):
+        if shard_sample_ids(out / shard_name(k)) != planned[k]:
+            raise ValueError(f"{out / shard_name(k)} holds other samples than this plan; write into a new directory")
+    return [k for k in sorted(planned) if k not in done]
+
+
+def finish_store(out: Path, header: dict, num_shards: int) -> dict:
+    """Check that shards 0..num_shards-1 (and only they) exist and write the finished manifest."""
+    have = {k for k, _ in list_shards(out)}
+    if have != set(range(num_shards)):
+        raise RuntimeError(
+            f"{out}: shards {sorted(set(range(num_shards)) - have)} are missing, "
+            f"unexpected {sorted(have - set(range(num_shards)))}"
+        )
+    return finalize_manifest(out, {k: v for k, v in header.items() if k != "complete"})
+
+
 def capture(
     model,
     data: str | Path,
@@ -128,13 +186,9 @@ def capture(
     out = Path(out)
     plan = plan_shards(source.lengths(), token_budget, shard_tokens)
     header = {
-        "format": HIDDEN_FORMAT,
-        "target": {**target_identity(model.config), "given": target_name},
-        "aux_layer_ids": list(ids),
-        "dtype": dtype,
-        "max_length": source.manifest["max_length"],
         "tokenizer": source.manifest["tokenizer"],
         "chat_template_fingerprint": source.manifest["chat_template_fingerprint"],
+        "max_length": source.manifest["max_length"],
         "source": str(data),
         "plan": {
             "token_budget": token_budget,
@@ -143,37 +197,10 @@ def capture(
             "source_samples": len(source),
             "source_tokens": source.manifest["num_tokens"],
         },
-        "num_processes": world_size,
-        "complete": False,
     }
-    existing = _read_header(out)
-    if existing is not None:
-        check_store_matches(existing, model.config, ids)
-        for key in ("dtype", "plan", "source"):
-            if existing.get(key) != header[key]:
-                raise ValueError(
-                    f"{out} was captured with {key}={existing.get(key)!r}, not {header[key]!r}: "
-                    "resume with the same settings or capture into a new directory"
-                )
-    barrier()  # every process has checked before rank 0 writes anything
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        if existing is None:
-            write_json_atomic(out / MANIFEST, header)
-    barrier()
+    header = start_store(out, header, model.config, target_name, ids, dtype, world_size, rank, barrier)
 
-    mine = [k for k in range(len(plan)) if k % world_size == rank]
-    done = {k for k, _ in list_shards(out)}
-    todo = []
-    for k in mine:
-        expected = [i for batch in plan[k] for i in batch]
-        if k in done:
-            if shard_sample_ids(out / shard_name(k)) != expected:
-                raise ValueError(
-                    f"{out / shard_name(k)} holds other samples than this plan; capture into a new directory"
-                )
-        else:
-            todo.append(k)
+    todo = pending_shards(out, {k: [i for b in plan[k] for i in b] for k in range(rank, len(plan), world_size)})
     lengths = source.lengths()
     total = sum(lengths[i] for k in todo for batch in plan[k] for i in batch)
     bar = tqdm(
@@ -196,12 +223,7 @@ def capture(
     barrier()
     if rank != 0:
         return None, stats
-    have = {k for k, _ in list_shards(out)}
-    if have != set(range(len(plan))):
-        raise RuntimeError(
-            f"{out}: shards {sorted(set(range(len(plan))) - have)} are missing, "
-            f"unexpected {sorted(have - set(range(len(plan))))}"
-        )
+    manifest = finish_store(out, header, len(plan))
     if (Path(data) / VOCAB_MAP).is_file():
         shutil.copyfile(Path(data) / VOCAB_MAP, out / VOCAB_MAP)
-    return finalize_manifest(out, {k: v for k, v in header.items() if k != "complete"}), stats
+    return manifest, stats

@@ -5,6 +5,7 @@
     eagle-prep regenerate --target smollm2-135m --data sharegpt --limit 64 --out runs/x/regenerated.jsonl
     eagle-prep vocab      --data runs/x/tokenized --draft-vocab-size 32000
     eagle-prep capture    --target smollm2-135m --data runs/x/tokenized --out runs/x/store
+    eagle-prep distil     --target smollm2-135m --data sharegpt --limit 500 --out runs/x/store
     eagle-prep run        --config configs/smollm2_sharegpt.yaml [prep.num_conversations=200 ...]
 
 Each subcommand is a function of keyword arguments: a library call and the summary it prints;
@@ -27,6 +28,7 @@ from tqdm import tqdm
 from data_prep.capture import capture
 from data_prep.chat import MAX_LENGTH, SkipSample, show_mask, tokenize_conversation
 from data_prep.dataset import tokenize_dataset
+from data_prep.distil import distil
 from data_prep.readers import SHAREGPT, ReadReport, read_conversations
 from data_prep.regenerate import regenerate, regenerate_batch
 from data_prep.vocab import coverage_line, make_vocab_map
@@ -103,6 +105,21 @@ def regenerate_answers(target, data, out, *, limit, split, seed, device=None, **
     return counts
 
 
+def distil_store(target, data, out, *, limit, split, device=None, **options) -> dict:
+    """`distil(**options)`: the target answers up to `limit` first turns of `data`, captured into the store `out`."""
+    model, tokenizer = _open_target(target, device)
+    manifest, stats = distil(model, tokenizer, data, out, target_name=target, limit=limit, split=split, **options)
+    seconds = max(stats["seconds"], 1e-9)
+    print(coverage_line(stats["vocab_map"]))
+    print(
+        f"distilled {stats['prompts']} first turns this run: {stats['answer_tokens']} answer tokens "
+        f"({stats['tokens']} with prompts) in {stats['seconds']:.1f}s ({stats['prompts'] / seconds:.2f} prompts/s, "
+        f"{stats['answer_tokens'] / seconds:.0f} answer tok/s)"
+    )
+    print_store_line(out, manifest)
+    return manifest
+
+
 def rewrite_vocab_map(data, draft_vocab_size) -> dict:
     """Recount the loss-masked tokens of a tokenized dataset or store and rewrite its vocab map."""
     vocab_size = read_manifest(data)["target"]["vocab_size"]
@@ -140,14 +157,18 @@ def capture_store(target, data, out, **options) -> dict | None:
         f"in {stats['seconds']:.1f}s ({rate:.0f} tok/s)"
     )
     if manifest is not None:
-        size = sum((Path(out) / s["file"]).stat().st_size for s in manifest["shards"])
-        print(
-            f"store {out}: {manifest['num_samples']} samples, {manifest['num_tokens']} tokens, "
-            f"{len(manifest['shards'])} shards, {manifest['dtype']}, aux layers {manifest['aux_layer_ids']}, "
-            f"{size / 1e6:.1f} MB ({size / max(manifest['num_tokens'], 1):.0f} bytes/token)"
-        )
+        print_store_line(out, manifest)
     acc.end_training()
     return manifest
+
+
+def print_store_line(out, manifest: dict) -> None:
+    size = sum((Path(out) / s["file"]).stat().st_size for s in manifest["shards"])
+    print(
+        f"store {out}: {manifest['num_samples']} samples, {manifest['num_tokens']} tokens, "
+        f"{len(manifest['shards'])} shards, {manifest['dtype']}, aux layers {manifest['aux_layer_ids']}, "
+        f"{size / 1e6:.1f} MB ({size / max(manifest['num_tokens'], 1):.0f} bytes/token)"
+    )
 
 
 # Every key `eagle-prep run` reads (dotted paths into the YAML) and its default, which is the default
@@ -171,6 +192,9 @@ RUN_KEYS = {
     "prep.regenerate.top_p": default(regenerate_batch, "top_p"),
     "prep.regenerate.seed": SEED,
     "prep.regenerate.max_turns": default(regenerate_batch, "max_turns"),
+    "prep.distil.enabled": False,
+    "prep.distil.max_new_tokens": default(distil, "max_new_tokens"),
+    "prep.distil.batch_size": default(distil, "batch_size"),
     "prep.capture.enabled": True,
     "prep.capture.dtype": default(capture, "dtype"),
     "prep.capture.aux_layer_ids": default(capture, "aux_layer_ids"),
@@ -206,13 +230,28 @@ def load_run_config(path, overrides=()) -> dict:
 
 
 def run(config, overrides) -> None:
-    """The whole pipeline from a YAML config: [regenerate] -> tokenize -> [capture]."""
+    """The whole pipeline from a YAML config: distil, or [regenerate] -> tokenize -> [capture]."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         sys.exit("`eagle-prep run` is one process; for several, run `accelerate launch -m data_prep.cli capture ...`")
     c = load_run_config(config, overrides)
     out = Path(c["out_dir"])
     target, data, system_prompt = c["target"], c["data"], c["prep.system_prompt"]
     read = {"limit": c["prep.num_conversations"], "split": c["prep.split"]}
+    if c["prep.distil.enabled"]:
+        distil_store(
+            target,
+            data,
+            out / "store",
+            **read,
+            max_length=c["prep.max_length"],
+            max_new_tokens=c["prep.distil.max_new_tokens"],
+            batch_size=c["prep.distil.batch_size"],
+            system_prompt=system_prompt,
+            aux_layer_ids=c["prep.capture.aux_layer_ids"],
+            dtype=c["prep.capture.dtype"],
+            draft_vocab_size=c["prep.draft_vocab_size"],
+        )
+        return
     if c["prep.regenerate.enabled"]:
         regenerated = out / "regenerated.jsonl"
         regenerate_answers(
@@ -365,7 +404,36 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--no-progress", dest="progress", action="store_false")
 
-    s = add("run", run, "run the pipeline of a YAML config ([regenerate] -> tokenize -> capture)")
+    s = add(
+        "distil",
+        distil_store,
+        "the target answers the first user turn of each conversation (greedy, batched) and the hidden states of "
+        "those same forwards are stored: self-distilled offline data in one pass (resumable)",
+    )
+    source(s, "store directory")
+    s.add_argument("--limit", type=int, default=None, help="answer at most this many first turns")
+    s.add_argument(
+        "--max-new-tokens", type=int, default=default(distil, "max_new_tokens"), help="longest answer, in tokens"
+    )
+    s.add_argument(
+        "--batch-size",
+        type=int,
+        default=default(distil, "batch_size"),
+        help="prompts answered together (one shard; the unit of resume)",
+    )
+    s.add_argument(
+        "--aux-layers",
+        dest="aux_layer_ids",
+        type=_parse_layers,
+        default=default(distil, "aux_layer_ids"),
+        help="comma-separated hidden_states indices; default 2,N//2,N-3",
+    )
+    s.add_argument("--dtype", default=default(distil, "dtype"), choices=list(STORE_DTYPES))
+    s.add_argument("--draft-vocab-size", type=int, default=default(distil, "draft_vocab_size"))
+    s.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    s.add_argument("--no-progress", dest="progress", action="store_false")
+
+    s = add("run", run, "run the pipeline of a YAML config: distil, or [regenerate] -> tokenize -> capture")
     s.add_argument("--config", required=True)
     s.add_argument(
         "overrides",

@@ -1,0 +1,217 @@
+"""Self-distilled hidden-state store in one pass: the target answers, and the same forwards are the capture.
+
+Regenerating answers as text and then capturing them runs the target twice over every answer
+token, and re-tokenizing the decoded text can give other tokens than the ones the target chose.
+Here the target answers the first user turn of each conversation greedily, batched with a KV
+cache, and the hidden states the head reads are kept from those very forwards: the sample is the
+prompt's ids plus the generated ids (loss-masked, the end-of-turn token included), exactly the
+sequence greedy decoding produces.
+
+Prompts are planned up front (sorted by length so a batch pads little), one batch per shard, so a
+killed run resumes at the first missing shard and ends with the same store.
+"""
+
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+from transformers import StaticCache
+
+from data_prep.capture import finish_store, pending_shards, start_store
+from data_prep.chat import MAX_LENGTH, with_system_prompt
+from data_prep.readers import read_conversations
+from data_prep.vocab import make_vocab_map
+from eagle_train.hidden_states import default_aux_layer_ids
+from eagle_train.store import StoreWriter, chat_template_fingerprint, encode_hidden
+from eagle_train.vocab_map import DRAFT_VOCAB_SIZE
+
+
+def first_turn_prompt(messages: list[dict]) -> list[dict] | None:
+    """The messages before the first assistant turn, if they ask something (ShareGPT has turns that do not)."""
+    head = []
+    for m in messages:
+        if m["role"] == "assistant":
+            break
+        head.append(m)
+    return head if any(m["role"] == "user" and m["content"].strip() for m in head) else None
+
+
+def eos_token_ids(model, tokenizer) -> set[int]:
+    """Every id that ends the target's turn: the generation config's (may be a list) and the tokenizer's."""
+    ids = model.generation_config.eos_token_id if model.generation_config is not None else None
+    ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+@torch.no_grad()
+def generate_and_capture(model, prompts: list[list[int]], max_new_tokens: int, aux_layer_ids, eos_ids, pad_id: int):
+    """Greedy answers to a batch of prompts with the hidden states of every position.
+
+    Returns per prompt a dict of `input_ids` [T], `loss_mask` [T] (the answer), `aux_hidden`
+    [T, 3H] and `final_hidden` [T, H] in the model's dtype, T = prompt + answer (up to and with the
+    first end-of-turn id, at most `max_new_tokens`). Prompts are left-padded; every position's
+    hidden states come from the forward that ran it, so the last generated token gets one more
+    forward of its own.
+    """
+    device = next(model.parameters()).device
+    base, lm_head = model.model, model.get_output_embeddings()
+    b, longest = len(prompts), max(len(p) for p in prompts)
+    ids = torch.full((b, longest), pad_id, dtype=torch.int64)
+    mask = torch.zeros((b, longest), dtype=torch.int64)
+    for i, p in enumerate(prompts):
+        ids[i, longest - len(p) :] = torch.tensor(p)
+        mask[i, longest - len(p) :] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    # a static cache: a growing one copies every layer's keys and values at every step
+    cache = StaticCache(config=model.config, max_cache_len=longest + max_new_tokens + 1)
+    slots = torch.arange(longest, device=device)
+    captured: dict[int, list[torch.Tensor]] = {i: [] for i in set(aux_layer_ids)}
+
+    def keep(index):
+        def hook(module, args, kwargs):
+            captured[index].append(args[0] if args else kwargs["hidden_states"])
+
+        return hook
+
+    handles = [base.layers[i].register_forward_pre_hook(keep(i), with_kwargs=True) for i in captured]
+    finals, answers = [], []
+    eos = torch.tensor(sorted(eos_ids), device=device)
+    done = torch.zeros(b, dtype=torch.bool, device=device)
+    step_ids = ids
+    try:
+        while True:
+            out = base(
+                input_ids=step_ids,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=cache,
+                cache_position=slots,
+                use_cache=True,
+            )
+            finals.append(out.last_hidden_state)
+            if len(answers) == max_new_tokens or bool(done.all()):
+                break
+            token = lm_head(out.last_hidden_state[:, -1]).argmax(-1)
+            answers.append(token)
+            done |= torch.isin(token, eos)
+            step_ids = token[:, None]
+            positions = positions[:, -1:] + 1
+            slots = slots[-1:] + 1
+            mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=device)], dim=-1)
+    finally:
+        for h in handles:
+            h.remove()
+    aux = torch.cat([torch.cat(captured[i], dim=1) for i in aux_layer_ids], dim=-1)
+    final = torch.cat(finals, dim=1)
+    answer = torch.stack(answers, dim=1).cpu()
+    samples = []
+    for i, p in enumerate(prompts):
+        a = answer[i].tolist()
+        n = next((k + 1 for k, t in enumerate(a) if t in eos_ids), len(a))
+        start, end = longest - len(p), longest + n
+        samples.append(
+            {
+                "input_ids": torch.tensor(p + a[:n], dtype=torch.int64),
+                "loss_mask": torch.arange(len(p) + n) >= len(p),
+                "aux_hidden": aux[i, start:end],
+                "final_hidden": final[i, start:end],
+            }
+        )
+    return samples
+
+
+def plan_prompts(tokenizer, conversations, limit: int | None, max_length: int, max_new_tokens: int, system_prompt):
+    """(sample ids, prompt ids) of up to `limit` first turns that leave room for an answer, shortest first.
+
+    The sample id is the conversation's index among those read, so a store traces back to its source.
+    """
+    planned = []
+    for index, conv in enumerate(conversations):
+        if limit is not None and len(planned) >= limit:
+            break
+        head = first_turn_prompt(with_system_prompt(conv["messages"], system_prompt))
+        if head is None:
+            continue
+        text = tokenizer.apply_chat_template(head, tokenize=False, add_generation_prompt=True)
+        prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(prompt) + max_new_tokens <= max_length:
+            planned.append((index, prompt))
+    return sorted(planned, key=lambda x: (len(x[1]), x[0]))
+
+
+def distil(
+    model,
+    tokenizer,
+    data: str,
+    out: str | Path,
+    *,
+    target_name: str,
+    limit: int | None = None,
+    split: str = "train",
+    max_length: int = MAX_LENGTH,
+    max_new_tokens: int = 256,
+    batch_size: int = 64,
+    system_prompt: str | None = None,
+    aux_layer_ids=None,
+    dtype: str = "bfloat16",
+    draft_vocab_size: int = DRAFT_VOCAB_SIZE,
+    progress: bool = True,
+) -> tuple[dict, dict]:
+    """Answer up to `limit` first turns of `data` with the target and store the answers' hidden states in `out`.
+
+    Returns (the store's manifest, {"prompts", "answer_tokens", "tokens", "seconds"} of this run).
+    The store is the one `eagle-prep capture` writes (same format, vocab map included), so offline
+    training reads it as is. A rerun with the same settings resumes; other settings are refused.
+    """
+    ids = tuple(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(model.config.num_hidden_layers)
+    conversations = read_conversations(data, split=split)
+    planned = plan_prompts(tokenizer, conversations, limit, max_length, max_new_tokens, system_prompt)
+    if not planned:
+        raise ValueError(
+            f"no first turn of {data!r} leaves room for {max_new_tokens} new tokens within max_length={max_length}: "
+            "raise max_length or lower max_new_tokens"
+        )
+    batches = [planned[k : k + batch_size] for k in range(0, len(planned), batch_size)]
+    header = {
+        "tokenizer": target_name,
+        "chat_template_fingerprint": chat_template_fingerprint(tokenizer.chat_template),
+        "max_length": max_length,
+        "source": str(data),
+        "plan": {
+            "distil": "greedy first-turn answers, captured while generated",
+            "max_new_tokens": max_new_tokens,
+            "batch_size": batch_size,
+            "system_prompt": system_prompt,
+            "num_shards": len(batches),
+            "source_samples": len(planned),
+        },
+    }
+    out = Path(out)
+    header = start_store(out, header, model.config, target_name, ids, dtype)
+    todo = pending_shards(out, {k: [i for i, _ in batch] for k, batch in enumerate(batches)})
+    eos_ids = eos_token_ids(model, tokenizer)
+    stats = {"prompts": 0, "answer_tokens": 0, "tokens": 0, "seconds": 0.0}
+    start = time.perf_counter()
+    bar = tqdm(total=sum(len(batches[k]) for k in todo), unit="prompt", desc="distil", disable=not progress)
+    with StoreWriter(out, dtype) as writer:
+        for k in todo:
+            samples = generate_and_capture(
+                model, [p for _, p in batches[k]], max_new_tokens, ids, eos_ids, tokenizer.pad_token_id
+            )
+            for s in samples:
+                s.update(encode_hidden(s.pop("aux_hidden"), s.pop("final_hidden"), dtype))
+                stats["answer_tokens"] += int(s["loss_mask"].sum())
+                stats["tokens"] += len(s["input_ids"])
+            writer.add_shard(k, samples, [i for i, _ in batches[k]])
+            stats["prompts"] += len(samples)
+            bar.update(len(samples))
+            bar.set_postfix(answer_tok_s=f"{stats['answer_tokens'] / (time.perf_counter() - start):.0f}")
+    bar.close()
+    stats["seconds"] = time.perf_counter() - start
+    manifest = finish_store(out, header, len(batches))
+    vmap = make_vocab_map(out, model.config.vocab_size, draft_vocab_size)
+    return manifest, {**stats, "vocab_map": vmap}
