@@ -1,0 +1,76 @@
+"""Several time-to-quality runs on one chart: acceptance length against minutes of compute.
+
+    python scripts/bench/quality_compare.py runs/quality/today runs/quality/distil --out runs/quality/compare.png
+
+Each argument is a `scripts/bench/quality.py --out` directory. Prints every point of every run (compute minutes,
+training tokens, AL and speedup per bench and drafting) and draws, per drafting the runs share, each run's AL per
+bench against minutes (the dashed line: that run's data ready).
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+
+def load(run: str) -> dict:
+    path = Path(run) / "quality.json"
+    if not path.is_file():
+        raise SystemExit(f"{run} holds no quality.json: give directories that scripts/bench/quality.py wrote")
+    return json.loads(path.read_text())
+
+
+def print_points(record: dict) -> None:
+    print(
+        f"{record['name']}: data {record['data_minutes']:.2f} min, target top-1 p {record['target_top1_probability']}"
+    )
+    for p in record["points"]:
+        for name, results in p["results"].items():
+            cells = "  ".join(
+                f"{bench} {r['acceptance_length']:.3f} ({r['speedup']:.2f}x, "
+                f"{r['turns_identical_to_plain']}/{r['turns']} identical)"
+                for bench, r in results.items()
+            )
+            print(
+                f"  {p['compute_minutes']:6.2f} min  step {p['step']:5d}  {p['tokens_seen']:8d} tok  {name:12s} {cells}"
+            )
+
+
+def plot(records: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n in records[0]["eval"]["drafting"] if all(n in r["eval"]["drafting"] for r in records)]
+    benches = records[0]["eval"]["benches"]
+    fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 4.5), squeeze=False, sharey=True)
+    for ax, name in zip(axes[0], names):
+        for k, record in enumerate(records):
+            color = f"C{k}"
+            x = [p["compute_minutes"] for p in record["points"]]
+            for bench, style in zip(benches, ("o-", "s--", "^:")):
+                y = [p["results"][name][bench]["acceptance_length"] for p in record["points"]]
+                ax.plot(x, y, style, color=color, lw=1, label=f"{record['name']}: {bench}")
+            ax.axvline(record["data_minutes"], color=color, ls="--", lw=0.8)
+        ax.set(title=name, xlabel="minutes of compute (data + training)", ylabel="acceptance length")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    print(f"plot: {path}")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="+", help="scripts/bench/quality.py output directories")
+    p.add_argument("--out", default=None, help="PNG to draw (needs matplotlib); omit to print only")
+    args = p.parse_args(argv)
+    records = [load(r) for r in args.runs]
+    for record in records:
+        print_points(record)
+    if args.out:
+        plot(records, Path(args.out))
+
+
+if __name__ == "__main__":
+    main()
