@@ -1,8 +1,8 @@
 """Time to quality: a recipe's acceptance length against minutes of compute, as a curve.
 
-    python scripts/bench/quality.py --budget 60 --out runs/quality/today \\
+    python scripts/bench/quality.py --budget 15 --out runs/quality/main_job \\
         --prep configs/smollm2_sharegpt.yaml \\
-        --train configs/eagle3_smollm2.yaml max_steps=400 warmup_steps=5 learning_rate=6e-4
+        --train configs/eagle3_smollm2.yaml max_steps=140
 
 A recipe is a prep YAML and a train YAML, each followed by key=value overrides, exactly as
 `eagle-prep run --config FILE key=value ...` and `scripts/train_eagle3.py --config FILE key=value ...`
