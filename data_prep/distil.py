@@ -22,7 +22,7 @@ from data_prep.capture import finish_store, pending_shards, start_store
 from data_prep.chat import MAX_LENGTH, with_system_prompt
 from data_prep.readers import read_conversations
 from data_prep.vocab import make_vocab_map
-from eagle_train.hidden_states import default_aux_layer_ids
+from eagle_train.hidden_states import default_aux_layer_ids, layer_inputs
 from eagle_train.store import StoreWriter, chat_template_fingerprint, encode_hidden
 from eagle_train.vocab_map import DRAFT_VOCAB_SIZE
 
@@ -69,20 +69,11 @@ def generate_and_capture(model, prompts: list[list[int]], max_new_tokens: int, a
     # a static cache: a growing one copies every layer's keys and values at every step
     cache = StaticCache(config=model.config, max_cache_len=longest + max_new_tokens + 1)
     slots = torch.arange(longest, device=device)
-    captured: dict[int, list[torch.Tensor]] = {i: [] for i in set(aux_layer_ids)}
-
-    def keep(index):
-        def hook(module, args, kwargs):
-            captured[index].append(args[0] if args else kwargs["hidden_states"])
-
-        return hook
-
-    handles = [base.layers[i].register_forward_pre_hook(keep(i), with_kwargs=True) for i in captured]
     finals, answers = [], []
     eos = torch.tensor(sorted(eos_ids), device=device)
     done = torch.zeros(b, dtype=torch.bool, device=device)
     step_ids = ids
-    try:
+    with layer_inputs(model, aux_layer_ids) as captured:
         while True:
             out = base(
                 input_ids=step_ids,
@@ -102,9 +93,6 @@ def generate_and_capture(model, prompts: list[list[int]], max_new_tokens: int, a
             positions = positions[:, -1:] + 1
             slots = slots[-1:] + 1
             mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=device)], dim=-1)
-    finally:
-        for h in handles:
-            h.remove()
     aux = torch.cat([torch.cat(captured[i], dim=1) for i in aux_layer_ids], dim=-1)
     final = torch.cat(finals, dim=1)
     answer = torch.stack(answers, dim=1).cpu()

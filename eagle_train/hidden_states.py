@@ -7,12 +7,35 @@ and only the requested layers are kept (forward pre-hooks), instead of all N+1 s
 `output_hidden_states=True` holds on to.
 """
 
+from contextlib import contextmanager
+
 import torch
 
 
 def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
     """Low / mid / high as HF `output_hidden_states` indices (0 = embedding output)."""
     return (2, num_layers // 2, num_layers - 3)
+
+
+@contextmanager
+def layer_inputs(model, layer_ids):
+    """Inside the block, every forward appends the input of decoder layer i (i in `layer_ids`) to `captured[i]`;
+    yields `captured`. Pre-hooks keep just these layers, not every hidden state."""
+    captured = {i: [] for i in set(layer_ids)}
+
+    def keep(index):
+        def hook(module, args, kwargs):
+            captured[index].append(args[0] if args else kwargs["hidden_states"])
+
+        return hook
+
+    layers = model.model.layers
+    handles = [layers[i].register_forward_pre_hook(keep(i), with_kwargs=True) for i in captured]
+    try:
+        yield captured
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def target_hidden_states(model, input_ids, attention_mask=None, aux_layer_ids=None):
@@ -28,22 +51,9 @@ def target_hidden_states(model, input_ids, attention_mask=None, aux_layer_ids=No
     ids = tuple(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(num_layers)
     if any(not 0 <= i < num_layers for i in ids):
         raise ValueError(f"aux layer ids {ids} must lie in [0, {num_layers - 1}] for a {num_layers}-layer target")
-    captured = {}
-
-    def keep(index):
-        def hook(module, args, kwargs):
-            captured[index] = args[0] if args else kwargs["hidden_states"]
-
-        return hook
-
-    handles = [base.layers[i].register_forward_pre_hook(keep(i), with_kwargs=True) for i in set(ids)]
-    try:
-        with torch.no_grad():
-            out = base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
-    aux = torch.cat([captured[i] for i in ids], dim=-1)
+    with layer_inputs(model, ids) as captured, torch.no_grad():
+        out = base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    aux = torch.cat([captured[i][0] for i in ids], dim=-1)
     return aux, out.last_hidden_state
 
 
