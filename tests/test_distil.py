@@ -5,11 +5,11 @@ import json
 
 import pytest
 import torch
+from conftest import CONVERSATIONS
 
 from data_prep.distil import distil, eos_token_ids, first_turn_prompt, generate_and_capture
 from eagle_train.hidden_states import target_hidden_states
 from eagle_train.store import ShardedSamples, list_shards, read_vocab_map
-from conftest import CONVERSATIONS
 
 AUX = (2, 15, 27)
 
