@@ -80,16 +80,26 @@ def _convert_gguf(gguf: Path) -> str:
     return str(out)
 
 
+def target_gguf(name_or_path: str) -> Path | None:
+    """The GGUF file behind a target (a `.gguf` path or an alias's file), or None for other targets."""
+    name = str(name_or_path)
+    if name in ALIASES:
+        return _alias_path(name)
+    if not name.endswith(".gguf"):
+        return None
+    path = Path(name).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF target {name!r} does not exist")
+    return path
+
+
 def resolve_target(name_or_path: str) -> str:
     """Return something `from_pretrained` accepts: a local directory or a hub id."""
     name = str(name_or_path)
-    if name in ALIASES:
-        return _convert_gguf(_alias_path(name))
+    gguf = target_gguf(name)
+    if gguf is not None:
+        return _convert_gguf(gguf)
     path = Path(name).expanduser()
-    if name.endswith(".gguf"):
-        if not path.is_file():
-            raise FileNotFoundError(f"GGUF target {name!r} does not exist")
-        return _convert_gguf(path)
     if path.exists():
         if not path.is_dir():
             raise ValueError(f"target {name!r} is a file but not a .gguf; give a model directory or a .gguf file")
