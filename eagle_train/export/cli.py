@@ -1,5 +1,5 @@
-"""eagle-export: write a trained head in an engine's layout, check a directory against the engines'
-loaders, or import an engine-layout directory as a training checkpoint."""
+"""eagle-export: write a trained head in an engine's layout (or as a llama.cpp GGUF), check a
+directory against the engines' loaders, or import an engine-layout directory as a training checkpoint."""
 
 import argparse
 import json
@@ -9,17 +9,21 @@ from pathlib import Path
 
 from eagle_train.checkpoint import load_draft_head
 from eagle_train.export import ENGINE_NAMES, LAYOUTS, check_directory, export_head, import_checkpoint
+from eagle_train.export.gguf import OUTTYPES, export_gguf
 from eagle_train.target import load_target_config
 
 EPILOG = """examples:
   eagle-export runs/eagle3/checkpoint-2000 --format eagle3 --out smollm2-eagle3 --target smollm2-135m
   eagle-export runs/eagle3/checkpoint-2000 --format speculators --out smollm2-spec --eval-results eval.json
+  eagle-export runs/eagle3/checkpoint-2000 --format gguf --out smollm2-eagle3.gguf --target smollm2-135m
   eagle-export --check smollm2-eagle3 --engine all --target smollm2-135m
   eagle-export --import yuhuili/EAGLE3-LLaMA3.1-Instruct-8B-local --out ckpt --target meta-llama/Llama-3.1-8B-Instruct
 
 formats: eagle3 = the EAGLE reference layout SGLang, TensorRT-LLM, vLLM and SafeAILab EAGLE load;
 speculators = vLLM's own format (`vllm serve DIR` needs no other flag; P-EAGLE heads too); peagle =
-a P-EAGLE head for vLLM's parallel drafting. --check exits 1 when an engine would fail to load the
+a P-EAGLE head for vLLM's parallel drafting; gguf = one file for llama.cpp (`llama-server -m
+TARGET.gguf -md HEAD.gguf --spec-type draft-eagle3`), which needs --target as the target's GGUF (or
+an alias shipping one) for its tokenizer. --check exits 1 when an engine would fail to load the
 directory or would load it and silently draft worse (missing d2t, short context, wrong aux layers,
 RoPE or sizes that disagree with the weights or the target, ...)."""
 
@@ -33,8 +37,10 @@ def parse_args(argv=None):
         nargs="?",
         help="training checkpoint (checkpoint-N/ with head/), head dir, or an engine-layout dir to convert",
     )
-    p.add_argument("--format", choices=sorted(LAYOUTS), help="layout to write")
-    p.add_argument("--out", help="output directory (export: the layout dir; --import: the checkpoint dir)")
+    p.add_argument("--format", choices=[*sorted(LAYOUTS), "gguf"], help="layout to write")
+    p.add_argument(
+        "--out", help="output (export: the layout dir, or the .gguf file for gguf; --import: the checkpoint dir)"
+    )
     p.add_argument(
         "--dtype",
         choices=["bf16", "fp16", "fp32"],
@@ -42,9 +48,15 @@ def parse_args(argv=None):
         help="weights dtype (default bf16; d2t stays int64, t2d bool)",
     )
     p.add_argument(
+        "--outtype",
+        choices=list(OUTTYPES),
+        help="gguf only: type of the matmul weights (default f32; norms stay f32, d2t int64)",
+    )
+    p.add_argument(
         "--target",
-        help="the target (alias, HF dir or hub id): compare context, RoPE and sizes, "
-        "and resolve default aux layers of directories that do not state them",
+        help="the target (alias, HF dir, hub id or .gguf): compare context, RoPE and sizes, "
+        "and resolve default aux layers of directories that do not state them; "
+        "for --format gguf the target's .gguf (or an alias), whose tokenizer the head copies",
     )
     p.add_argument("--eval-results", help="eagle-eval JSON to put the measured acceptance length in the model card")
     p.add_argument("--data", help="training data to name in the model card (default: from the checkpoint)")
@@ -78,6 +90,10 @@ def parse_args(argv=None):
         p.error("give exactly one of CHECKPOINT (export), --check DIR or --import DIR")
     if args.checkpoint and not (args.format and args.out):
         p.error("export needs --format and --out")
+    if args.format == "gguf" and not args.target:
+        p.error("--format gguf needs --target TARGET.gguf (the target's GGUF, whose tokenizer the head copies)")
+    if args.outtype and args.format != "gguf":
+        p.error("--outtype is for --format gguf (other formats take --dtype)")
     if args.import_dir and not args.out:
         p.error("--import needs --out CHECKPOINT")
     return args
@@ -114,7 +130,16 @@ def print_reports(reports) -> int:
     return 1 if bad else 0
 
 
+def run_gguf(args) -> int:
+    outtype = args.outtype or "f32"
+    out = export_gguf(load_draft_head(Path(args.checkpoint)), args.out, args.target, outtype)
+    print(f"wrote {out} (gguf, {outtype}); serve with: llama-server -m TARGET.gguf -md {out} --spec-type draft-eagle3")
+    return 0
+
+
 def run(args) -> int:
+    if args.checkpoint and args.format == "gguf":  # reads the target GGUF itself: no HF conversion
+        return run_gguf(args)
     tcfg = target_config(args.target)
     if args.check:
         engines = list(ENGINE_NAMES) if args.engine == "all" else [args.engine] if args.engine else None

@@ -1,0 +1,207 @@
+"""The llama.cpp draft-head GGUF: the one place that knows that format.
+
+llama.cpp (`--spec-type draft-eagle3`) loads an EAGLE-3 head as a model of its own, architecture
+"eagle3": Llama keys under `eagle3.*`, the head's tensors under llama.cpp names, the target's
+tokenizer copied in, and d2t as absolute target ids (docs/design.md section 6). PyPI gguf does not
+know the architecture yet, so its own keys are spelled out here. llama.cpp checks every key's type
+exactly and refuses a file holding a tensor it did not ask for, so nothing else is written.
+
+    export_gguf(head, "head.gguf", "target.gguf", outtype="q8_0")
+"""
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import (
+    GGML_QUANT_SIZES,
+    GGMLQuantizationType,
+    GGUFReader,
+    GGUFValueType,
+    GGUFWriter,
+    LlamaFileType,
+    RopeScalingType,
+)
+from gguf.quants import quantize
+
+from eagle_train.export import check_vocab_map
+from eagle_train.layers import rope_inv_freq
+from eagle_train.target import target_gguf
+
+ARCH = "eagle3"
+# The head's matmul weights under llama.cpp's names; they take the export type.
+MATMUL_TENSORS = {
+    "fc.weight": "fc.weight",
+    "midlayer.self_attn.q_proj.weight": "blk.0.attn_q.weight",
+    "midlayer.self_attn.k_proj.weight": "blk.0.attn_k.weight",
+    "midlayer.self_attn.v_proj.weight": "blk.0.attn_v.weight",
+    "midlayer.self_attn.o_proj.weight": "blk.0.attn_output.weight",
+    "midlayer.mlp.gate_proj.weight": "blk.0.ffn_gate.weight",
+    "midlayer.mlp.up_proj.weight": "blk.0.ffn_up.weight",
+    "midlayer.mlp.down_proj.weight": "blk.0.ffn_down.weight",
+    "lm_head.weight": "output.weight",  # over the draft vocabulary
+}
+# The norms, always f32 (as llama.cpp's converter writes them).
+NORM_TENSORS = {
+    "midlayer.input_layernorm.weight": "blk.0.attn_norm.weight",  # applied to the token embedding
+    "midlayer.hidden_norm.weight": "blk.0.attn_norm_2.weight",  # applied to fc's output
+    "midlayer.post_attention_layernorm.weight": "blk.0.ffn_norm.weight",
+    "norm.weight": "output_norm.weight",
+}
+# d2t is written as absolute ids (I64); t2d follows from it and llama.cpp has no slot for it.
+HEAD_TENSORS = {*MATMUL_TENSORS, *NORM_TENSORS, "d2t", "t2d"}
+OUTTYPES = {
+    "f32": (GGMLQuantizationType.F32, LlamaFileType.ALL_F32),
+    "f16": (GGMLQuantizationType.F16, LlamaFileType.MOSTLY_F16),
+    "q8_0": (GGMLQuantizationType.Q8_0, LlamaFileType.MOSTLY_Q8_0),
+}
+# Array item types GGUFWriter infers from Python values (gguf 0.13 cannot be told one).
+COPYABLE_ITEM_TYPES = (GGUFValueType.STRING, GGUFValueType.FLOAT32, GGUFValueType.INT32, GGUFValueType.BOOL)
+
+
+def field_value(field):
+    """A GGUFReader field's value as Python: strings as their bytes (copied unchanged), numbers as
+    int/float/bool, arrays as lists. (gguf 0.13's reader has no ReaderField.contents.)"""
+    string = field.types[-1] == GGUFValueType.STRING
+    values = [bytes(field.parts[i]) if string else field.parts[i].tolist()[0] for i in field.data]
+    return values if field.types[0] == GGUFValueType.ARRAY else values[0]
+
+
+def read_target(target) -> GGUFReader:
+    """The target's GGUF: it lends the head its tokenizer (llama.cpp requires one)."""
+    path = target_gguf(target)
+    if path is None:
+        raise ValueError(
+            f"the gguf export needs the target as a GGUF file (--target TARGET.gguf), not {target!r}: "
+            "llama.cpp serves the target from one and the head copies its tokenizer"
+        )
+    return GGUFReader(path)
+
+
+def check_head(head, target: GGUFReader) -> None:
+    """Refuse heads llama.cpp's eagle3 model cannot hold, or that were trained for another target."""
+    cfg = head.config
+    if cfg.method != "eagle3":
+        raise ValueError(
+            f"a {cfg.method} head cannot be written as a llama.cpp GGUF: llama.cpp drafts with "
+            "EAGLE-3 heads only (serve P-EAGLE heads with vLLM: --format peagle or speculators)"
+        )
+    names = set(head.saved_state_dict())
+    if names != HEAD_TENSORS:
+        raise ValueError(
+            f"llama.cpp's eagle3 model has no place for the head's tensors {sorted(names - HEAD_TENSORS)} "
+            f"and needs {sorted(HEAD_TENSORS - names)}"
+        )
+    arch = field_value(target.fields["general.architecture"]).decode()
+    width = field_value(target.fields[f"{arch}.embedding_length"])
+    for what, size in (("target_hidden_size", cfg.target_hidden_size), ("hidden_size", cfg.hidden_size)):
+        if size != width:
+            raise ValueError(
+                f"the head's {what} is {size} but the target GGUF's embedding_length is {width}: "
+                "the head was trained for another target"
+            )
+    if "tokenizer.ggml.tokens" not in target.fields:
+        raise ValueError("the target GGUF has no tokenizer (tokenizer.ggml.tokens) to copy")
+    n_vocab = len(target.fields["tokenizer.ggml.tokens"].data)
+    if n_vocab != cfg.vocab_size:
+        raise ValueError(
+            f"the head's vocab_size is {cfg.vocab_size} but the target GGUF's tokenizer has {n_vocab} tokens: "
+            "the head was trained for another target"
+        )
+    check_vocab_map(head)
+
+
+def rope_pairs_adjacent(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """A q/k projection with its output rows reordered from Hugging Face's RoPE pairing (dims i and
+    i + d/2 of a head rotate together) to llama.cpp's (dims 2i and 2i + 1), as its converter does."""
+    rows, cols = w.shape
+    return w.reshape(n_heads, 2, rows // n_heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def add_keys(writer: GGUFWriter, cfg, file_type: LlamaFileType, name: str) -> None:
+    writer.add_name(name)
+    writer.add_file_type(file_type)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(1)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    if cfg.head_dim != cfg.hidden_size // cfg.num_attention_heads:
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(cfg.rope_theta)
+    writer.add_rope_dimension_count(cfg.head_dim)
+    if (cfg.rope_scaling or {}).get("rope_type") == "linear":
+        writer.add_rope_scaling_type(RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(cfg.rope_scaling["factor"])
+    # Our aux ids index target layer inputs (HF hidden_states), as llama.cpp reads them; fc's input order.
+    writer.add_key_value(f"{ARCH}.target_layers", [int(i) for i in cfg.aux_layer_ids], GGUFValueType.ARRAY)
+    writer.add_uint32(f"{ARCH}.target_hidden_size", cfg.target_hidden_size)
+    # Our layer keeps the un-normed residual and has no norm before fc.
+    writer.add_bool(f"{ARCH}.norm_before_residual", False)
+    writer.add_bool(f"{ARCH}.norm_before_fc", False)
+
+
+def copy_tokenizer(target: GGUFReader, writer: GGUFWriter) -> None:
+    """Every `tokenizer.*` key of the target, with its value type."""
+    for key, field in target.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        vtype = field.types[0]
+        if vtype == GGUFValueType.ARRAY and (len(field.types) != 2 or field.types[1] not in COPYABLE_ITEM_TYPES):
+            items = "/".join(t.name for t in field.types[1:])
+            raise ValueError(f"the target GGUF's {key} is an array of {items}, which cannot be copied with its type")
+        writer.add_key_value(key, field_value(field), vtype)
+
+
+def add_tensors(writer: GGUFWriter, head, qtype: GGMLQuantizationType) -> None:
+    cfg = head.config
+    state = {k: v.detach().cpu() for k, v in head.saved_state_dict().items()}
+    rope_heads = {
+        "midlayer.self_attn.q_proj.weight": cfg.num_attention_heads,
+        "midlayer.self_attn.k_proj.weight": cfg.num_key_value_heads,
+    }
+    for name, gguf_name in MATMUL_TENSORS.items():
+        w = state[name].float().numpy()
+        if name in rope_heads:
+            w = rope_pairs_adjacent(w, rope_heads[name])
+        block = GGML_QUANT_SIZES[qtype][0]
+        if w.shape[1] % block:
+            raise ValueError(f"{name} has {w.shape[1]} columns, not a multiple of {block}: export it as f16 or f32")
+        writer.add_tensor(gguf_name, quantize(np.ascontiguousarray(w), qtype), raw_dtype=qtype)
+    for name, gguf_name in NORM_TENSORS.items():
+        writer.add_tensor(gguf_name, state[name].float().numpy())
+    writer.add_tensor("d2t", (torch.arange(cfg.draft_vocab_size) + state["d2t"]).numpy().astype(np.int64))
+    if (cfg.rope_scaling or {}).get("rope_type") == "llama3":
+        # llama.cpp divides each RoPE frequency by its factor
+        factors = rope_inv_freq(cfg.head_dim, cfg.rope_theta, None) / rope_inv_freq(
+            cfg.head_dim, cfg.rope_theta, cfg.rope_scaling
+        )
+        writer.add_tensor("rope_freqs.weight", factors.numpy().astype(np.float32))
+
+
+def export_gguf(head, out_path, target, outtype: str = "f32") -> Path:
+    """Write `head` as one llama.cpp GGUF at `out_path`.
+
+    `target` is the target's `.gguf` file (or an alias shipping one): its tokenizer is copied in and
+    its sizes are checked against the head's. `outtype` (f32, f16, q8_0) applies to the matmul
+    weights; norms stay f32 and d2t int64.
+    """
+    if outtype not in OUTTYPES:
+        raise ValueError(f"unknown gguf outtype {outtype!r}; choose one of {', '.join(OUTTYPES)}")
+    qtype, file_type = OUTTYPES[outtype]
+    reader = read_target(target)
+    check_head(head, reader)
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    writer = GGUFWriter(out, arch=ARCH)
+    add_keys(writer, head.config, file_type, f"{head.config.target or Path(str(target)).stem} EAGLE-3 draft")
+    copy_tokenizer(reader, writer)
+    add_tensors(writer, head, qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
