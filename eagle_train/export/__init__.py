@@ -5,6 +5,8 @@ checking a directory against each engine's loader.
     head = import_head("out/", target_model)          # any eagle3 / speculators directory
     import_checkpoint("released-head/", "ckpt/")      # -> ckpt/head/, loadable by the trainer
     reports = check_directory("out/", ["vllm", "sglang", "trtllm"], target_config)
+
+llama.cpp's single-file GGUF is written by `eagle_train.export.gguf.export_gguf`.
 """
 
 import json
