@@ -4,7 +4,9 @@
 # masks and draft vocab (configs/smollm2_sharegpt.yaml) -> EAGLE-3 head with training-time test
 # (configs/eagle3_smollm2.yaml, cut to $STEPS steps) -> engine-exact export, checked -> acceptance-length
 # table on MT-Bench, speculative against plain decoding, at chain K=$K (default 1: the K at which a head
-# this small pays off on a CPU, where each draft step costs about a fifth of a target step).
+# this small pays off on a CPU, where each draft step costs about a fifth of a target step). The head is
+# trained for that K (ttt_length=K): training-time-test steps beyond K are never drafted, and each costs
+# about as much as the first.
 #
 # SCALE=smoke runs every step at toy size (a few conversations, steps and tokens) into runs/smoke:
 # what CI runs to prove the job finishes, not a head worth measuring.
@@ -18,14 +20,14 @@ if [ "${SCALE:-full}" = smoke ]; then
 else
   RUN=runs/smollm2_sharegpt; HEAD=runs/eagle3_smollm2   # the configs' out_dir and output_dir
   PREP=()
-  TRAIN=(max_steps="${STEPS:-140}" save_every=20)
-  EVAL=(--num-prompts 4 --max-new-tokens 64)
+  TRAIN=(max_steps="${STEPS:-240}" save_every=40)
+  EVAL=(--num-prompts 5 --max-new-tokens 64)
 fi
 
 eagle-prep run --config configs/smollm2_sharegpt.yaml "${PREP[@]}"   # resumes a killed run; a finished one is kept
 accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no \
     scripts/train_eagle3.py --config configs/eagle3_smollm2.yaml data_path="$RUN/store" output_dir="$HEAD" \
-    resume=auto "${TRAIN[@]}"
+    resume=auto ttt_length="${K:-1}" "${TRAIN[@]}"
 eagle-export "$HEAD/final" --format eagle3 --out "$HEAD/export" --target smollm2-135m
 eagle-eval --target smollm2-135m --draft "$HEAD/export" --bench mt_bench --chain "${K:-1}" \
     --out "$HEAD/eval_mt_bench.json" "${EVAL[@]}"
