@@ -2,12 +2,15 @@
 
     eagle-eval --target smollm2-135m --draft runs/eagle3/final --bench mt_bench \
         --num-prompts 20 --max-new-tokens 128 --chain 5 --out results.json
+    eagle-eval --engine llamacpp --target smollm2-135m --draft head.gguf --chain 5 ...   # llama.cpp in the loop
 """
 
 import argparse
 import json
 import sys
+import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -36,8 +39,19 @@ def check_head_fits_target(head_cfg, target_cfg) -> None:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="eagle-eval", description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--engine",
+        choices=("builtin", "llamacpp"),
+        default="builtin",
+        help="builtin: this project's runtime; llamacpp: llama.cpp's tools (eagle-llamacpp build), "
+        "the head against plain and n-gram drafting",
+    )
     p.add_argument("--target", required=True, help="hub id, model directory, .gguf file or alias (smollm2-135m)")
-    p.add_argument("--draft", required=True, help="training checkpoint, head directory or exported directory")
+    p.add_argument(
+        "--draft",
+        required=True,
+        help="training checkpoint, head directory or exported directory (llamacpp: also a head .gguf)",
+    )
     p.add_argument("--bench", default="mt_bench", help="mt_bench | humaneval | gsm8k | FILE.jsonl")
     p.add_argument("--num-prompts", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -58,15 +72,18 @@ def parse_args(argv=None):
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--threads", type=int, default=None, help="llamacpp: CPU threads (default: llama.cpp's choice)")
     p.add_argument("--out", default="results.json", help="JSON results; the plot goes next to it (.png)")
     return p.parse_args(argv)
 
 
 def main(argv=None):
+    from inference.llamacpp import LlamaCppError
+
     args = parse_args(argv)
     try:
-        evaluate(args)
-    except (ValueError, FileNotFoundError) as e:
+        evaluate_llamacpp(args) if args.engine == "llamacpp" else evaluate(args)
+    except (ValueError, FileNotFoundError, LlamaCppError) as e:
         raise SystemExit(f"eagle-eval: error: {e}") from e
 
 
@@ -89,6 +106,8 @@ def evaluate(args):
     from inference.sampling import Sampler
 
     # everything a user can get wrong is checked before the target's weights are loaded
+    if args.threads is not None:
+        raise ValueError("--threads is for --engine llamacpp (the built-in runtime uses torch's threads)")
     shape = (
         TreeShape.parse(args.tree)
         if args.tree
@@ -160,6 +179,138 @@ def evaluate(args):
     plot_path = out.with_suffix(".png")
     print(f"results: {out}" + (f"   plot: {plot_path}" if plot(summary, plot_path, title) else ""))
     return record
+
+
+DRAFTERS = {"plain": "plain", "head": "EAGLE-3 head", "ngram": "n-gram (ngram-simple)"}
+
+
+def evaluate_llamacpp(args):
+    """The bench through llama.cpp: plain, head and n-gram drafting on the same templated prompts.
+    Turn 2 of a multi-turn prompt follows plain decoding's answer, so every drafter sees one prompt."""
+    from eagle_train.target import load_tokenizer, target_gguf
+    from inference import llamacpp
+    from inference.evaluate import chat_ids, load_bench
+
+    builtin_only = {
+        "--tree": args.tree,
+        "--parallel": args.parallel,
+        "--device": args.device,
+        "--dtype": args.dtype,
+        "--no-cuda-graphs": args.no_cuda_graphs,
+    }
+    given = [flag for flag, value in builtin_only.items() if value]
+    if given:
+        raise ValueError(f"{', '.join(given)}: the built-in runtime's; --engine llamacpp drafts chains (--chain K)")
+    if (args.temperature, args.top_p, args.top_k) != (0.0, 1.0, 0):
+        raise ValueError("--engine llamacpp decodes greedily: leave out --temperature, --top-p and --top-k")
+    k = 5 if args.chain is None else args.chain
+    if k < 1 or args.max_new_tokens < 1:
+        raise ValueError(f"--chain and --max-new-tokens must be >= 1, got {k} and {args.max_new_tokens}")
+    gguf = target_gguf(args.target)
+    if gguf is None:
+        raise ValueError(
+            f"--engine llamacpp needs --target as a .gguf file or an alias shipping one, not {args.target!r}"
+        )
+    prompts = load_bench(args.bench, args.num_prompts)
+    bin_dir = llamacpp.require_tools()
+    tokenizer = load_tokenizer(args.target)
+
+    from tqdm import tqdm
+
+    results, t0 = [], time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        head = draft_gguf(args.draft, gguf, Path(tmp) / "head.gguf")
+        for prompt in tqdm(prompts, desc=f"eagle-eval llama.cpp {args.bench}", unit="prompt"):
+            messages, turns = [], []
+            for text in prompt["turns"]:
+                messages.append({"role": "user", "content": text})
+                ids = chat_ids(tokenizer, messages)
+                templated, n = tokenizer.decode(ids, clean_up_tokenization_spaces=False), args.max_new_tokens
+                runs = {
+                    "plain": llamacpp.run_plain(gguf, templated, n, args.threads),
+                    "head": llamacpp.run_head(gguf, head, templated, n, k, args.threads),
+                    "ngram": llamacpp.run_ngram(gguf, templated, n, k, args.threads),
+                }
+                messages.append({"role": "assistant", "content": runs["plain"].text})
+                turns.append(
+                    {
+                        "prompt_tokens": len(ids),
+                        **{name: asdict(run) for name, run in runs.items()},
+                        "identical": {
+                            name: llamacpp.same_text(runs["plain"], runs[name]) for name in ("head", "ngram")
+                        },
+                    }
+                )
+            results.append({"question_id": prompt["question_id"], "category": prompt["category"], "turns": turns})
+    summary = summarise_llamacpp(results)
+    record = {
+        "engine": "llamacpp",
+        "llamacpp_bin": str(bin_dir),
+        "target": args.target,
+        "target_gguf": str(gguf),
+        "draft": str(args.draft),
+        "bench": args.bench,
+        "k": k,
+        "threads": args.threads,
+        "max_new_tokens": args.max_new_tokens,
+        "wall_seconds": time.time() - t0,
+        "summary": summary,
+        "prompts": results,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1))
+    title = (
+        f"{args.bench}: {len(prompts)} prompts, {summary['turns']} turns, llama.cpp greedy, chain K={k}, "
+        f"{args.threads or 'default'} threads"
+    )
+    print(format_llamacpp_table(summary, title))
+    print(f"results: {out}")
+    return record
+
+
+def draft_gguf(draft, target_gguf, path: Path):
+    """The head as a llama.cpp GGUF: `draft` itself, or a checkpoint / export dir exported to `path`."""
+    from eagle_train.checkpoint import load_draft_head
+    from eagle_train.export.gguf import export_gguf
+
+    if str(draft).endswith(".gguf"):
+        if not Path(draft).is_file():
+            raise FileNotFoundError(f"draft {draft!r} does not exist")
+        return Path(draft)
+    return export_gguf(load_draft_head(Path(draft)), path, target_gguf)
+
+
+def summarise_llamacpp(results: list[dict]) -> dict:
+    """Per drafter, pooled over every turn: tokens per target forward, decode tokens/s, speedup over
+    plain, turns whose text is plain decoding's."""
+    turns = [t for r in results for t in r["turns"]]
+    summary = {"turns": len(turns)}
+    for name in DRAFTERS:
+        total = {key: sum(t[name][key] for t in turns) for key in ("tokens", "forwards", "drafted", "accepted")}
+        decoded, seconds = sum(t[name]["decoded"] for t in turns), sum(t[name]["seconds"] for t in turns)
+        summary[name] = {
+            **total,
+            "tokens_per_forward": total["tokens"] / total["forwards"] if total["forwards"] else 0.0,
+            "tokens_per_s": decoded / seconds if seconds else 0.0,
+        }
+        if name != "plain":
+            summary[name]["identical_to_plain"] = sum(t["identical"][name] for t in turns)
+    plain_tps = summary["plain"]["tokens_per_s"]
+    for name in DRAFTERS:
+        summary[name]["speedup"] = summary[name]["tokens_per_s"] / plain_tps if plain_tps else 0.0
+    return summary
+
+
+def format_llamacpp_table(summary: dict, title: str) -> str:
+    lines = [title, f"  {'drafter':<24}{'tokens/forward':>15}{'tokens/s':>10}{'speedup':>9}   identical to plain"]
+    for name, label in DRAFTERS.items():
+        s = summary[name]
+        same = "-" if name == "plain" else f"{s['identical_to_plain']}/{summary['turns']}"
+        lines.append(
+            f"  {label:<24}{s['tokens_per_forward']:>15.3f}{s['tokens_per_s']:>10.1f}{s['speedup']:>8.2f}x   {same}"
+        )
+    return "\n".join(lines)
 
 
 def _as_list(x):

@@ -1,0 +1,309 @@
+"""llama.cpp in the loop: its output parsed from captured samples and fake tools, `build()` with faked
+steps; with a real build (EAGLE_LLAMACPP_BIN or `eagle-llamacpp build`), an exported SmolLM2 head decodes
+exactly as llama.cpp's plain decoding at the built-in runtime's tokens per forward."""
+
+import json
+import stat
+import tarfile
+
+import pytest
+import torch
+
+from inference import llamacpp
+from inference.cli import main
+
+# ---- parsing captured output (no llama.cpp needed) ----------------------------------------------
+
+PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+SPECULATIVE_STDERR = """Read 100 bytes from binary file /tmp/prompt.txt
+0.00.312.135 E llama_init_from_model: failed to initialize the context: eagle3 requires ctx_other to be set
+0.00.527.824 I common_speculative_init_result: loading draft model 'head.gguf'
+0.01.824.229 I encoded   21 tokens in    0.295 seconds, speed:  179.386 t/s
+0.01.824.252 I decoded    8 tokens in    0.200 seconds, speed:   40.000 t/s
+0.01.824.265 I
+0.01.824.279 I n_draft   = 3
+0.01.824.292 I n_predict = 8
+0.01.824.306 I n_drafted = 15
+0.01.824.319 I n_accept  = 3
+0.01.824.333 I accept    = 20.000%
+0.01.824.510 I common_perf_print: prompt eval time =     150.45 ms /    42 tokens (...)
+0.01.824.524 I common_perf_print:        eval time =       0.00 ms /     1 runs (...)
+"""
+COMPLETION_STDERR = """Read 100 bytes from binary file /tmp/prompt.txt
+0.00.664.915 I common_perf_print: prompt eval time =      99.54 ms /    21 tokens (...)
+0.00.664.915 I common_perf_print:        eval time =      62.27 ms /     7 runs (...)
+0.00.664.916 I common_perf_print:       total time =     350.81 ms /    68 tokens
+"""
+
+
+def test_speculative_output_parsed_into_forwards():
+    run = llamacpp.parse_speculative(f"\n\n{PROMPT}The capital of France is Paris.\n\n\n\n", SPECULATIVE_STDERR, PROMPT)
+    assert run.text == "The capital of France is Paris."
+    assert (run.prompt_tokens, run.tokens, run.drafted, run.accepted) == (21, 8, 15, 3)
+    assert run.forwards == 5  # each round keeps its accepted drafts + one target token: 8 - 3
+    assert run.tokens_per_forward == pytest.approx(8 / 5) and run.tokens_per_s == pytest.approx(40.0)
+
+
+def test_completion_output_parsed_with_and_without_end_of_text():
+    stopped = llamacpp.parse_completion("The capital of France is Paris. [end of text]\n\n\n", COMPLETION_STDERR)
+    assert (stopped.text, stopped.eos, stopped.prompt_tokens) == ("The capital of France is Paris.", True, 21)
+    assert (stopped.tokens, stopped.forwards, stopped.decoded) == (8, 8, 7)  # the first token is the prompt's
+    assert stopped.tokens_per_s == pytest.approx(7 / 0.06227)
+    cut = llamacpp.parse_completion("The capital of\n\n", COMPLETION_STDERR)
+    assert (cut.text, cut.eos) == ("The capital of", False)
+
+
+def test_output_without_counters_or_echo_is_an_error_quoting_stderr():
+    with pytest.raises(llamacpp.LlamaCppError, match=r"no .*n_accept.*\n.*Read 100 bytes"):
+        llamacpp.parse_speculative(f"\n\n{PROMPT}x\n\n\n\n", SPECULATIVE_STDERR.replace("n_accept", "n_acc"), PROMPT)
+    with pytest.raises(llamacpp.LlamaCppError, match="did not echo the prompt"):
+        llamacpp.parse_speculative("\n\nsomething else\n\n\n\n", SPECULATIVE_STDERR, PROMPT)
+
+
+def test_identity_allows_the_speculative_overshoot_but_not_a_different_stop():
+    plain = llamacpp.parse_completion("Paris is\n\n", COMPLETION_STDERR)
+    stopped = llamacpp.parse_completion("Paris. [end of text]\n\n\n", COMPLETION_STDERR)
+    spec = llamacpp.parse_speculative(f"\n\n{PROMPT}Paris is the\n\n\n\n", SPECULATIVE_STDERR, PROMPT)
+    assert llamacpp.same_text(plain, spec)  # its last round drafted past n
+    assert not llamacpp.same_text(stopped, spec)
+
+
+# ---- the tools' command lines, with fake tools ----------------------------------------------------
+
+
+def fake_tools(tmp_path, monkeypatch, exit_code=0):
+    """A bin dir whose tools log their arguments, echo the prompt file like llama.cpp and print `stderr`."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (tmp_path / "speculative.err").write_text(SPECULATIVE_STDERR)
+    (tmp_path / "completion.err").write_text(COMPLETION_STDERR)
+    prompt_file = 'f=$(for a; do [ "$prev" = -bf ] && echo "$a"; prev=$a; done)'
+    scripts = {
+        "llama-speculative-simple": f"{prompt_file}\nprintf '\\n\\n'; cat \"$f\"; printf 'Paris.\\n\\n\\n\\n'\n"
+        f"cat {tmp_path}/speculative.err >&2",
+        "llama-completion": f"printf 'Paris. [end of text]\\n\\n\\n'; cat {tmp_path}/completion.err >&2",
+    }
+    for name, body in scripts.items():
+        path = bin_dir / name
+        path.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/{name}.args\n{body}\nexit {exit_code}\n')
+        path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("EAGLE_LLAMACPP_BIN", str(bin_dir))
+    return lambda name: (tmp_path / f"{name}.args").read_text().split()
+
+
+def test_runs_pass_n_k_and_threads_the_way_the_tools_count(tmp_path, monkeypatch):
+    args = fake_tools(tmp_path, monkeypatch)
+    head = llamacpp.run_head("t.gguf", "h.gguf", PROMPT, 16, 3, threads=1)
+    assert head.text == "Paris." and head.forwards == 5
+    spec = args("llama-speculative-simple")
+    assert spec[spec.index("-n") + 1] == "15"  # the loop stops past -n: n - 1 asks for n
+    assert spec[spec.index("--spec-draft-n-max") + 1] == "3" and spec[spec.index("-t") + 1] == "1"
+    assert {"--no-escape", "-bf"} <= set(spec) and spec[spec.index("--temp") + 1] == "0"
+    llamacpp.run_ngram("t.gguf", PROMPT, 16, 3)
+    ngram = args("llama-speculative-simple")[len(spec) :]
+    assert "-md" not in ngram and "-t" not in ngram
+    assert ngram[ngram.index("--spec-ngram-simple-size-n") + 1] == ngram[ngram.index("--spec-ngram-simple-size-m") + 1]
+    plain = llamacpp.run_plain("t.gguf", PROMPT, 16)
+    completion = args("llama-completion")
+    assert (plain.text, plain.eos) == ("Paris.", True) and completion[completion.index("-n") + 1] == "16"
+    [measured] = llamacpp.measure("t.gguf", "h.gguf", [PROMPT], 3, 16)
+    assert measured["identical"] and measured["tokens_per_forward"] == pytest.approx(8 / 5)
+
+
+def test_failed_run_quotes_the_end_of_stderr(tmp_path, monkeypatch):
+    fake_tools(tmp_path, monkeypatch, exit_code=1)
+    with pytest.raises(llamacpp.LlamaCppError, match=r"(?s)llama-speculative-simple failed \(exit 1\).*n_accept  = 3"):
+        llamacpp.run_head("t.gguf", "h.gguf", PROMPT, 8, 3)
+
+
+def test_no_build_says_how_to_build(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("EAGLE_LLAMACPP_BIN", raising=False)
+    monkeypatch.setenv("EAGLE_TRAIN_CACHE", str(tmp_path))
+    with pytest.raises(llamacpp.LlamaCppError, match="eagle-llamacpp build"):
+        llamacpp.require_tools()
+    with pytest.raises(SystemExit, match="build one with: eagle-llamacpp build"):
+        llamacpp.main(["where"])
+    monkeypatch.setenv("EAGLE_LLAMACPP_BIN", str(tmp_path))
+    with pytest.raises(llamacpp.LlamaCppError, match="does not hold llama-completion"):
+        llamacpp.tools_dir()
+
+
+# ---- build(), its steps faked ---------------------------------------------------------------------
+
+
+def fake_build(tmp_path, monkeypatch, fail_at=None):
+    """Steps that write what pip and cmake would (an sdist, then the tools), or fail at `fail_at`."""
+    monkeypatch.setenv("EAGLE_TRAIN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(llamacpp.shutil, "which", lambda name: f"/usr/bin/{name}")
+    calls = []
+
+    def step(cmd, log):
+        cmd = [str(c) for c in cmd]
+        calls.append(cmd)
+        if fail_at and fail_at in cmd:
+            log.write("error: something broke\n")
+            log.flush()
+            raise llamacpp.LlamaCppError("step failed")
+        if "download" in cmd:
+            source = tmp_path / "llama_cpp_python-9.9/vendor/llama.cpp"
+            source.mkdir(parents=True, exist_ok=True)
+            (source / "CMakeLists.txt").write_text("project(llama)\n")
+            with tarfile.open(f"{cmd[cmd.index('-d') + 1]}/llama_cpp_python-9.9.tar.gz", "w:gz") as tar:
+                tar.add(tmp_path / "llama_cpp_python-9.9", "llama_cpp_python-9.9")
+        elif "-S" in cmd:
+            assert cmd[cmd.index("-S") + 1].endswith("llama_cpp_python-9.9/vendor/llama.cpp")
+            assert "-DCMAKE_BUILD_RPATH_USE_ORIGIN=ON" in cmd
+        elif "--build" in cmd:
+            out = tmp_path / "fake-bin"
+            out.mkdir(exist_ok=True)
+            bin_dir = f"{cmd[cmd.index('--build') + 1]}/bin"
+            for tool in llamacpp.TOOLS:
+                (out / tool).write_text("")
+            llamacpp.shutil.copytree(out, bin_dir)
+
+    monkeypatch.setattr(llamacpp, "step", step)
+    return calls
+
+
+def test_build_once_per_version_into_the_cache(tmp_path, monkeypatch):
+    calls = fake_build(tmp_path, monkeypatch)
+    bin_dir = llamacpp.build("9.9", jobs=2)
+    assert bin_dir == tmp_path / "cache/llamacpp/9.9/bin" and llamacpp.has_tools(bin_dir)
+    assert "llama-cpp-python==9.9" in calls[0] and calls[2][-2:] == ["-j", "2"]
+    assert {p.name for p in bin_dir.parent.iterdir()} == {"bin", "build.log"}  # the work dir is gone
+    assert llamacpp.build("9.9") == bin_dir and len(calls) == 3  # reused, nothing rerun
+
+
+def test_failed_build_leaves_nothing_that_looks_built(tmp_path, monkeypatch):
+    fake_build(tmp_path, monkeypatch, fail_at="--build")
+    with pytest.raises(llamacpp.LlamaCppError, match="step failed"):
+        llamacpp.build("9.9")
+    home = tmp_path / "cache/llamacpp/9.9"
+    assert {p.name for p in home.iterdir()} == {"build.log"}
+    calls = fake_build(tmp_path, monkeypatch)
+    assert llamacpp.has_tools(llamacpp.build("9.9")) and len(calls) == 3  # the next build starts over
+
+
+def test_missing_toolchain_names_the_fix(tmp_path, monkeypatch):
+    monkeypatch.setenv("EAGLE_TRAIN_CACHE", str(tmp_path))
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setattr(llamacpp.shutil, "which", lambda name: None)
+    with pytest.raises(llamacpp.LlamaCppError, match="needs cmake: pip install cmake"):
+        llamacpp.build("9.9")
+    monkeypatch.setattr(llamacpp.shutil, "which", lambda name: "/usr/bin/cmake" if name == "cmake" else None)
+    with pytest.raises(llamacpp.LlamaCppError, match="needs a C\\+\\+ compiler: apt-get install g\\+\\+"):
+        llamacpp.build("9.9")
+
+
+# ---- eagle-eval --engine llamacpp: what is refused before llama.cpp runs ------------------------------
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--target", "HuggingFaceTB/SmolLM2-135M-Instruct"], "needs --target as a .gguf file or an alias"),
+        (["--tree", "3,2,4"], "--tree: the built-in runtime's"),
+        (["--temperature", "0.7"], "decodes greedily"),
+        (["--chain", "0"], "must be >= 1"),
+    ],
+)
+def test_eval_llamacpp_refuses_what_it_cannot_do(extra, message, tmp_path):
+    args = ["--engine", "llamacpp", "--target", "smollm2-135m", "--draft", str(tmp_path / "h.gguf"), *extra]
+    with pytest.raises(SystemExit, match=message):
+        main([*args, "--out", str(tmp_path / "r.json")])
+
+
+# ---- a real llama.cpp build ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def target_gguf():
+    if llamacpp.tools_dir() is None:
+        pytest.skip(
+            "no llama.cpp build (EAGLE_LLAMACPP_BIN unset, none in the cache): `eagle-llamacpp build` builds one"
+        )
+    from eagle_train.target import SMOLLM2
+    from eagle_train.target import target_gguf as gguf_of
+
+    return gguf_of(SMOLLM2)
+
+
+@pytest.fixture(scope="module")
+def random_head(smollm2, tmp_path_factory):
+    """An untrained SmolLM2 head saved as a checkpoint and exported to GGUF: (directory, gguf)."""
+    from eagle_train.eagle3 import Eagle3Head
+    from eagle_train.export.gguf import export_gguf
+    from eagle_train.target import SMOLLM2
+
+    torch.manual_seed(0)
+    head = Eagle3Head.from_target(smollm2[0], draft_vocab_size=8192)
+    path = tmp_path_factory.mktemp("head")
+    head.save_pretrained(path / "checkpoint")
+    return path / "checkpoint", export_gguf(head, path / "head.gguf", SMOLLM2)
+
+
+def templated(tokenizer, question):
+    from inference.evaluate import chat_ids
+
+    ids = chat_ids(tokenizer, [{"role": "user", "content": question}])
+    return ids, tokenizer.decode(ids, clean_up_tokenization_spaces=False)
+
+
+def test_exported_head_decodes_as_plain_at_the_builtin_runtimes_tokens_per_forward(smollm2, random_head, target_gguf):
+    from eagle_train.checkpoint import load_draft_head
+    from inference.drafting import TreeShape
+    from inference.generate import Runtime
+    from inference.sampling import Sampler
+
+    model, tokenizer = smollm2
+    ids, prompt = templated(tokenizer, "What is the capital of France? Answer in one word.")
+    plain = llamacpp.run_plain(target_gguf, prompt, 16, threads=1)
+    head = llamacpp.run_head(target_gguf, random_head[1], prompt, 16, 3, threads=1)
+    assert head.prompt_tokens == plain.prompt_tokens == len(ids)  # llama.cpp read the prompt as templated
+    assert head.drafted > 0 and llamacpp.same_text(plain, head)
+    builtin_head = load_draft_head(random_head[0], model).eval()
+    eos = {tokenizer.eos_token_id}
+    runtime = Runtime(model, builtin_head, TreeShape.chain(3), Sampler(0.0, 0, 1.0), eos_token_ids=eos)
+    builtin = runtime.generate(ids, 16)
+    assert tokenizer.decode(builtin.output_ids, skip_special_tokens=True) == plain.text
+    # Same head, same text: the counts differ at the ends (llama.cpp's first round drafts, the built-in
+    # prefill does not; its last round may overshoot by K tokens) and where the numerics flip a draft. A trained
+    # head on 12 MT-Bench turns x 32 tokens, K=3, f32 GGUF: within 0.056 per turn (pooled 1.307 vs 1.296);
+    # this untrained one gives 1.0 in both.
+    assert head.tokens_per_forward == pytest.approx(builtin.acceptance_length, abs=0.1)
+
+
+def test_ngram_drafting_runs_without_a_head(smollm2, target_gguf):
+    sentence = "The quick brown fox jumps over the lazy dog while the cat sleeps on the warm windowsill."
+    _, prompt = templated(smollm2[1], f'Repeat the following text exactly: "{sentence}"')
+    plain = llamacpp.run_plain(target_gguf, prompt, 24, threads=1)
+    ngram = llamacpp.run_ngram(target_gguf, prompt, 24, 3, threads=1)
+    assert llamacpp.same_text(plain, ngram)
+    assert ngram.accepted > 0 and ngram.tokens_per_forward > 1.5  # the copy is drafted from the prompt
+
+
+def test_broken_head_fails_with_llama_cpps_reason(random_head, target_gguf, tmp_path):
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(random_head[1].read_bytes()[:100_000])
+    with pytest.raises(llamacpp.LlamaCppError, match="(?s)exit 1.*failed to load draft model"):
+        llamacpp.run_head(target_gguf, broken, PROMPT, 4, 2, threads=1)
+
+
+def test_eval_llamacpp_exports_the_checkpoint_and_writes_one_record(random_head, target_gguf, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    main(
+        [
+            *("--engine", "llamacpp", "--target", "smollm2-135m", "--draft", str(random_head[0])),
+            *("--bench", "gsm8k", "--num-prompts", "1", "--max-new-tokens", "8", "--chain", "2", "--threads", "1"),
+            *("--out", str(out)),
+        ]
+    )
+    record = json.loads(out.read_text())
+    assert record["engine"] == "llamacpp" and record["k"] == 2
+    turn = record["prompts"][0]["turns"][0]
+    assert turn["identical"] == {"head": True, "ngram": True}
+    assert turn["head"]["tokens"] >= 8 and turn["plain"]["tokens"] == 8
+    summary = record["summary"]
+    assert summary["plain"]["speedup"] == 1.0 and summary["head"]["identical_to_plain"] == 1
+    printed = capsys.readouterr().out
+    assert "EAGLE-3 head" in printed and "n-gram (ngram-simple)" in printed
