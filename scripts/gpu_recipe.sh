@@ -3,9 +3,10 @@
 # device call (docs/performance.md has the figures and the reasons for the choices):
 #
 #   kernels: environment, HBM bandwidth, matmul peak, the TTT loss kernels (needs neither model nor data).
-#   stage1: unpack the carried GGUF + ShareGPT, dequantise the GGUF, tokenize all 17.6k
-#           conversations (max length 2048) with their vocab map, then train EAGLE-3 and P-EAGLE
-#           online for one epoch each, side by side on the one GPU (neither saturates an H100 alone).
+#   stage1: unpack the carried GGUF + ShareGPT, dequantise the GGUF, let SmolLM2 answer NUM_CONV
+#           ShareGPT first turns itself (batched greedy, the same forwards captured into an fp8 store:
+#           self-distilled data), tokenize a few conversations for the benchmark, then train EAGLE-3
+#           and P-EAGLE offline on the store, side by side on the one GPU (neither saturates an H100 alone).
 #   stage2: export both heads (+ the engines' checks), scripts/bench/gpu.py (decoding on the three
 #           benches for every drafting shape, capture, training MFU), eagle-eval on mt_bench /
 #           humaneval / gsm8k for as many shapes as the stage's time allows.
@@ -20,7 +21,8 @@
 #
 # Knobs (environment): SCALE=tiny runs every command line at toy size on a CPU (a dry run);
 # STAGE_SECONDS (default 540) is the wall-clock budget of a stage: training stops in time for what
-# follows it (the newest checkpoint is then used); EVAL_PROMPTS, EVAL_TOKENS, NUM_CONV override sizes.
+# follows it (the newest checkpoint is then used); DISTIL_SECONDS (default 240) bounds the data step;
+# EVAL_PROMPTS, EVAL_TOKENS, NUM_CONV override sizes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STAGE=${1:?usage: gpu_recipe.sh kernels|stage1|stage2|all}
@@ -34,7 +36,7 @@ TARGET="$EG/SmolLM2-135M-Instruct.Q4_1.gguf"
 DATA="$EG/sharegpt.jsonl"
 if [ "$SCALE" = tiny ]; then
   RUNS=${RUNS:-$EG/runs-tiny}
-  NUM_CONV=${NUM_CONV:-40}; MAX_LEN=256; WORKERS=2; AMP=no
+  NUM_CONV=${NUM_CONV:-40}; MAX_LEN=256; NEW_TOKENS=32; DISTIL_BATCH=16; WORKERS=2; AMP=no
   TRAIN_ARGS=(max_length=256 tokens_per_batch=1024 max_steps=3 save_every=2 log_every=1 num_workers=0
               eval_fraction=0.1 mixed_precision=auto warmup_steps=1)
   EVAL_PROMPTS=${EVAL_PROMPTS:-2}; EVAL_TOKENS=${EVAL_TOKENS:-16}; TREE=3,2,4
@@ -43,7 +45,7 @@ if [ "$SCALE" = tiny ]; then
   STAGE_SECONDS=${STAGE_SECONDS:-3000}
 else
   RUNS=${RUNS:-$EG/runs}
-  NUM_CONV=${NUM_CONV:-null}; MAX_LEN=2048; WORKERS=$(nproc); AMP=bf16
+  NUM_CONV=${NUM_CONV:-6144}; MAX_LEN=1024; NEW_TOKENS=512; DISTIL_BATCH=256; WORKERS=$(nproc); AMP=bf16
   TRAIN_ARGS=()
   EVAL_PROMPTS=${EVAL_PROMPTS:-80}; EVAL_TOKENS=${EVAL_TOKENS:-128}; TREE=6,8,60
   BENCH_ARGS=(--tree "$TREE")
@@ -92,7 +94,7 @@ train() {
   local rc=0
   step "train_$name" timeout -k 20 "$budget" "$PY" -m accelerate.commands.launch --num_processes 1 \
       --num_machines 1 --dynamo_backend no --mixed_precision "$AMP" "$script" --config "$config" \
-      target="$TARGET" data_path="$RUNS/prep/tokenized" output_dir="$RUNS/$name" resume=auto "${TRAIN_ARGS[@]}" "$@" \
+      target="$TARGET" data_path="$RUNS/prep/store" output_dir="$RUNS/$name" resume=auto "${TRAIN_ARGS[@]}" "$@" \
     || rc=$?
   cp "$RUNS/$name/metrics.jsonl" "$OUT/${name}_metrics.jsonl" 2>/dev/null || true
   if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
@@ -136,11 +138,18 @@ stage1() {
   fi
   step env bash -c "nvidia-smi || true; $PY -c 'import torch, transformers, sys; print(sys.version); print(torch.__version__, transformers.__version__, torch.cuda.is_available())'; nproc; df -h /tmp | tail -1"
   step convert "$PY" -c "from eagle_train.target import resolve_target; print(resolve_target('$TARGET'))"
-  if [ ! -f "$RUNS/prep/tokenized/manifest.json" ]; then
-    step tokenize "$PY" -m data_prep.cli run --config configs/gpu_smollm2.yaml target="$TARGET" data="$DATA" \
-      out_dir="$RUNS/prep" prep.num_conversations="$NUM_CONV" prep.max_length="$MAX_LEN" prep.workers="$WORKERS"
+  if [ ! -f "$RUNS/prep/store/manifest.json" ]; then  # a rerun resumes at the first missing batch
+    step distil timeout -k 20 "${DISTIL_SECONDS:-240}" "$PY" -m data_prep.cli run --config configs/gpu_smollm2.yaml \
+      target="$TARGET" data="$DATA" out_dir="$RUNS/prep" prep.num_conversations="$NUM_CONV" \
+      prep.max_length="$MAX_LEN" prep.distil.max_new_tokens="$NEW_TOKENS" prep.distil.batch_size="$DISTIL_BATCH" \
+      || { say "distil did not finish in ${DISTIL_SECONDS:-240}s: rerun stage1 (it resumes) or lower NUM_CONV"; return 1; }
   fi
-  cp "$RUNS/prep/tokenized/manifest.json" "$OUT/tokenized_manifest.json"
+  cp "$RUNS/prep/store/manifest.json" "$OUT/store_manifest.json"
+  if [ ! -f "$RUNS/bench_data/tokenized/manifest.json" ]; then  # scripts/bench/gpu.py's capture and training sections
+    step tokenize "$PY" -m data_prep.cli run --config configs/gpu_smollm2.yaml target="$TARGET" data="$DATA" \
+      out_dir="$RUNS/bench_data" prep.num_conversations=2000 prep.max_length="$MAX_LEN" prep.workers="$WORKERS" \
+      prep.distil.enabled=false prep.capture.enabled=false
+  fi
   local rc_e3=0 rc_pe=0 fused
   fused=$(fused_loss_choice 2>/dev/null || true); [ "$fused" = true ] || fused=false
   say "EAGLE-3 fused_loss=$fused (FUSED_LOSS=${FUSED_LOSS:-auto}; see bench_kernels.json)"
@@ -157,7 +166,7 @@ stage1() {
 }
 
 stage2() {
-  [ -f "$RUNS/prep/tokenized/manifest.json" ] || { say "no tokenized data in $RUNS/prep: run stage1 first"; exit 2; }
+  [ -f "$RUNS/bench_data/tokenized/manifest.json" ] || { say "no tokenized data in $RUNS/bench_data: run stage1 first"; exit 2; }
   local e3 pe rc=0
   e3=$(head_of "$RUNS/eagle3") || { say "no EAGLE-3 head: run stage1 first"; exit 2; }
   if ! head_of "$RUNS/peagle" > /dev/null 2>&1; then  # stage1's P-EAGLE run failed: half the stage for it
@@ -173,7 +182,7 @@ stage2() {
   # the benchmark covers every figure the issue asks for; it saves after each section and drafting
   # shape, and leaves EVAL_RESERVE seconds of the stage to eagle-eval
   step bench timeout -k 10 $(( $(left) - ${EVAL_RESERVE:-90} )) "$PY" scripts/bench/gpu.py --target "$TARGET" \
-      --eagle3 "$e3" ${pe:+--peagle "$pe"} --data "$RUNS/prep/tokenized" --out "$OUT/bench.json" \
+      --eagle3 "$e3" ${pe:+--peagle "$pe"} --data "$RUNS/bench_data/tokenized" --out "$OUT/bench.json" \
       --prompts "$EVAL_PROMPTS" --max-new-tokens "$EVAL_TOKENS" "${BENCH_ARGS[@]}" || rc=$?
   cp "$RUNS/logs/bench.log" "$OUT/bench_table.txt" 2>/dev/null || true
   # eagle-eval, most wanted shape first, while the stage has time (each run: load, warm-up, every
