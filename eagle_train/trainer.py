@@ -582,6 +582,18 @@ def write_final_head(run: Run, checkpoint: Path) -> None:
     run.accelerator.wait_for_everyone()
 
 
+def warn_idle_cores(accelerator, world: int) -> None:
+    """On a CPU, `accelerate launch` without --cpu sets OMP_NUM_THREADS=1: say so when cores sit idle."""
+    if accelerator.device.type != "cpu":
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if torch.get_num_threads() * world < cores:
+        accelerator.print(
+            f"warning: {torch.get_num_threads()} CPU thread(s) per process, {cores} cores: `accelerate launch` "
+            "sets OMP_NUM_THREADS=1 unless given --num_cpu_threads_per_process N (or OMP_NUM_THREADS=N)"
+        )
+
+
 def train(cfg: TrainConfig, build_head, objective, *, stop_at_step: int | None = None) -> dict:
     """Run (or resume) training; returns {"history", "eval_before", "eval_after", "checkpoint", "world_size"}.
 
@@ -601,6 +613,7 @@ def train(cfg: TrainConfig, build_head, objective, *, stop_at_step: int | None =
         f"{len(run.eval_ids)} eval samples, {run.total_steps} steps of {run.per_step} micro-batches "
         f"(<= {cfg.tokens_per_batch} tokens each), {world} process(es) on {run.accelerator.device}"
     )
+    warn_idle_cores(run.accelerator, world)
     if state["step"] == 0:
         result["eval_before"] = evaluate(run, objective, reporter, "before training")
 

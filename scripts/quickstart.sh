@@ -25,9 +25,9 @@ else
 fi
 
 eagle-prep run --config configs/smollm2_sharegpt.yaml "${PREP[@]}"   # resumes a killed run; a finished one is kept
-accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no \
-    scripts/train_eagle3.py --config configs/eagle3_smollm2.yaml data_path="$RUN/store" output_dir="$HEAD" \
-    resume=auto ttt_length="${K:-1}" "${TRAIN[@]}"
+accelerate launch --num_processes 1 --num_cpu_threads_per_process "$(nproc)" --num_machines 1 --mixed_precision no \
+    --dynamo_backend no scripts/train_eagle3.py --config configs/eagle3_smollm2.yaml \
+    data_path="$RUN/store" output_dir="$HEAD" resume=auto ttt_length="${K:-1}" "${TRAIN[@]}"
 eagle-export "$HEAD/final" --format eagle3 --out "$HEAD/export" --target smollm2-135m
 eagle-eval --target smollm2-135m --draft "$HEAD/export" --bench mt_bench --chain "${K:-1}" \
     --out "$HEAD/eval_mt_bench.json" "${EVAL[@]}"
