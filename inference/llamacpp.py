@@ -105,11 +105,12 @@ def step(cmd: list, log) -> None:
 def extract_llamacpp(sdist: Path, dest: Path) -> Path:
     """vendor/llama.cpp out of the sdist; returns its directory."""
     with tarfile.open(sdist) as tar:
-        members = [m for m in tar.getmembers() if "/vendor/llama.cpp/" in f"{m.name}/"]
+        # <top>/vendor/llama.cpp/..., not the git metadata the sdist also carries under .git/modules/vendor/
+        members = [m for m in tar.getmembers() if m.name.split("/")[1:3] == ["vendor", "llama.cpp"]]
         if not members:
             raise LlamaCppError(f"{sdist.name} holds no vendor/llama.cpp")
         tar.extractall(dest, members=members, filter="data")
-    return dest / members[0].name.split("/vendor/llama.cpp")[0] / "vendor" / "llama.cpp"
+    return dest / members[0].name.split("/")[0] / "vendor" / "llama.cpp"
 
 
 def build(version: str = VERSION, jobs: int | None = None) -> Path:

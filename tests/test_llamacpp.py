@@ -148,6 +148,9 @@ def fake_build(tmp_path, monkeypatch, fail_at=None):
             source = tmp_path / "llama_cpp_python-9.9/vendor/llama.cpp"
             source.mkdir(parents=True, exist_ok=True)
             (source / "CMakeLists.txt").write_text("project(llama)\n")
+            git = tmp_path / "llama_cpp_python-9.9/.git/modules/vendor/llama.cpp"  # the real sdist carries one
+            git.mkdir(parents=True, exist_ok=True)
+            (git / "config").write_text("")
             with tarfile.open(f"{cmd[cmd.index('-d') + 1]}/llama_cpp_python-9.9.tar.gz", "w:gz") as tar:
                 tar.add(tmp_path / "llama_cpp_python-9.9", "llama_cpp_python-9.9")
         elif "-S" in cmd:
