@@ -32,6 +32,7 @@ from eagle_train.target import cache_dir
 
 VERSION = "0.3.36"  # llama-cpp-python's sdist; its vendor/llama.cpp speaks draft-eagle3
 TOOLS = ("llama-completion", "llama-speculative-simple")
+CONVERTER = ("convert_hf_to_gguf.py", "conversion", "gguf-py")  # llama.cpp's own HF -> GGUF converter, kept beside bin/
 CMAKE_FLAGS = (
     "-DGGML_NATIVE=ON",
     "-DLLAMA_CURL=OFF",
@@ -68,6 +69,14 @@ def tools_dir(version: str = VERSION) -> Path | None:
         return path
     built = home(version) / "bin"
     return built if has_tools(built) else None
+
+
+def converter_script(version: str = VERSION) -> Path | None:
+    """llama.cpp's `convert_hf_to_gguf.py` kept by the build beside the tools' bin directory, or None.
+    Run it with its `gguf-py` directory first on PYTHONPATH (it needs a newer gguf than PyPI's)."""
+    found = tools_dir(version)
+    script = found.parent / "convert" / CONVERTER[0] if found is not None else None
+    return script if script is not None and script.is_file() else None
 
 
 def require_tools() -> Path:
@@ -139,6 +148,11 @@ def build(version: str = VERSION, jobs: int | None = None) -> Path:
         built = work / "build" / "bin"
         if not has_tools(built):
             raise LlamaCppError(f"the build finished without {' and '.join(TOOLS)} in {built}")
+        shutil.rmtree(out / "convert", ignore_errors=True)
+        (work / "convert").mkdir()
+        for name in CONVERTER:
+            (source / name).rename(work / "convert" / name)
+        (work / "convert").rename(out / "convert")  # before bin/: a finished build always has its converter
         shutil.rmtree(bin_dir, ignore_errors=True)  # a bin/ without both tools is someone's leftover
         try:
             built.rename(bin_dir)

@@ -5,6 +5,10 @@ cannot use are refused before anything is written."""
 
 import dataclasses
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,8 +18,10 @@ from gguf.quants import dequantize
 from test_export import NH, NKV, VD, D, H, I, N, V, cli_exit, set_random_vocab_map, tiny_head, tiny_peagle_head
 
 from eagle_train.eagle3 import Eagle3Head
+from eagle_train.export import export_head
 from eagle_train.export.gguf import export_gguf
-from eagle_train.target import SMOLLM2
+from eagle_train.target import SMOLLM2, resolve_target
+from inference.llamacpp import converter_script
 
 T = GGUFValueType
 TOKENS = ["<s>", "</s>", "héllo", "Ġworld", *(f"t{i}" for i in range(V - 4))]
@@ -320,3 +326,82 @@ def test_cli_exports_a_smollm2_head_against_the_alias(tmp_path, capsys):
     assert "--target TARGET.gguf" in capsys.readouterr().err
     assert cli_exit([*argv[:2], "eagle3", *argv[3:], "--outtype", "f16"]) == 2
     assert "--outtype is for --format gguf" in capsys.readouterr().err
+
+
+def smollm2_sized(**changes) -> Eagle3Head:
+    """A random head with SmolLM2's sizes (llama.cpp's converter reads the real target's config)."""
+    sizes = dict(
+        hidden_size=576,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        intermediate_size=128,
+        vocab_size=49152,
+        draft_vocab_size=49152,
+        target_hidden_size=576,
+        target_num_layers=30,
+        aux_layer_ids=(2, 15, 27),
+        rope_theta=100000.0,
+        target=SMOLLM2,
+    )
+    cfg = dataclasses.replace(tiny_head().config, **{**sizes, **changes})
+    torch.manual_seed(5)
+    head = Eagle3Head(cfg)
+    for p in head.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    if cfg.draft_vocab_size < cfg.vocab_size:
+        set_random_vocab_map(head)
+    return head
+
+
+CONVERTER_ONLY_KEYS = {  # optional keys llama.cpp's converter adds, none of which its eagle3 loader needs
+    "general.quantization_version",
+    "general.size_label",
+    "general.type",
+    "eagle3.vocab_size",
+    "eagle3.attention.key_length",
+    "eagle3.attention.value_length",
+}
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [{}, {"aux_layer_ids": (1, 11, 26), "draft_vocab_size": 512}],
+    ids=["default", "non-default aux ids and draft vocab 512"],
+)
+def test_equals_what_llama_cpps_own_converter_writes(tmp_path, changes):
+    """The same head through `--format eagle3` and llama.cpp's convert_hf_to_gguf.py gives the same
+    keys (but for optional ones) and byte-identical tensors as `--format gguf`."""
+    script = converter_script()
+    if script is None:
+        pytest.skip("no llama.cpp build with its converter: `eagle-llamacpp build` keeps one")
+    head = smollm2_sized(**changes)
+    ours = export_gguf(head, tmp_path / "ours.gguf", SMOLLM2)
+    export_head(head, tmp_path / "eagle3", "eagle3", dtype="fp32")
+    # the converter reads the target's config and tokenizer.json (a tokenizer.model would send it down sentencepiece)
+    hf_target = tmp_path / "target"
+    hf_target.mkdir()
+    for f in Path(resolve_target(SMOLLM2)).iterdir():
+        if f.suffix in (".json", ".jinja"):
+            (hf_target / f.name).symlink_to(f)
+    theirs = tmp_path / "theirs.gguf"
+    env = {**os.environ, "PYTHONPATH": str(script.parent / "gguf-py"), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(script), str(tmp_path / "eagle3"), "--target-model-dir", str(hf_target)]
+    done = subprocess.run([*cmd, "--outtype", "f32", "--outfile", str(theirs)], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    a, b = GGUFReader(ours), GGUFReader(theirs)
+
+    def head_keys(reader):  # ours copies the tokenizer from the target's GGUF, theirs from tokenizer.json
+        return {k for k in reader.fields if not k.startswith(("GGUF.", "general.name", "tokenizer."))}
+
+    keys = head_keys(a)
+    assert keys == head_keys(b) - CONVERTER_ONLY_KEYS
+    for k in keys | {"tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.merges"}:
+        assert a.fields[k].types == b.fields[k].types, k
+        assert value(a.fields[k]) == value(b.fields[k]), k
+    ta, tb = {t.name: t for t in a.tensors}, {t.name: t for t in b.tensors}
+    assert set(ta) == set(tb)
+    for name in ta:
+        assert ta[name].tensor_type == tb[name].tensor_type, name
+        assert np.array_equal(np.array(ta[name].data), np.array(tb[name].data)), name

@@ -148,6 +148,9 @@ def fake_build(tmp_path, monkeypatch, fail_at=None):
             source = tmp_path / "llama_cpp_python-9.9/vendor/llama.cpp"
             source.mkdir(parents=True, exist_ok=True)
             (source / "CMakeLists.txt").write_text("project(llama)\n")
+            (source / "convert_hf_to_gguf.py").write_text("")
+            (source / "conversion").mkdir(exist_ok=True)
+            (source / "gguf-py").mkdir(exist_ok=True)
             git = tmp_path / "llama_cpp_python-9.9/.git/modules/vendor/llama.cpp"  # the real sdist carries one
             git.mkdir(parents=True, exist_ok=True)
             (git / "config").write_text("")
@@ -173,7 +176,8 @@ def test_build_once_per_version_into_the_cache(tmp_path, monkeypatch):
     bin_dir = llamacpp.build("9.9", jobs=2)
     assert bin_dir == tmp_path / "cache/llamacpp/9.9/bin" and llamacpp.has_tools(bin_dir)
     assert "llama-cpp-python==9.9" in calls[0] and calls[2][-2:] == ["-j", "2"]
-    assert {p.name for p in bin_dir.parent.iterdir()} == {"bin", "build.log"}  # the work dir is gone
+    assert {p.name for p in bin_dir.parent.iterdir()} == {"bin", "convert", "build.log"}  # the work dir is gone
+    assert llamacpp.converter_script("9.9") == bin_dir.parent / "convert" / "convert_hf_to_gguf.py"
     assert llamacpp.build("9.9") == bin_dir and len(calls) == 3  # reused, nothing rerun
 
 
