@@ -2,6 +2,7 @@
 
     eagle-eval --target smollm2-135m --draft runs/eagle3/final --bench mt_bench \
         --num-prompts 20 --max-new-tokens 128 --chain 5 --out results.json
+    eagle-eval --target smollm2-135m --draft ngram --chain 3 ...   # prompt lookup alone (no head)
     eagle-eval --engine llamacpp --target smollm2-135m --draft head.gguf --chain 5 ...   # llama.cpp in the loop
 """
 
@@ -50,7 +51,8 @@ def parse_args(argv=None):
     p.add_argument(
         "--draft",
         required=True,
-        help="training checkpoint, head directory or exported directory (llamacpp: also a head .gguf)",
+        help="training checkpoint, head directory or exported directory (llamacpp: also a head .gguf); "
+        "builtin: 'ngram' evaluates prompt lookup alone",
     )
     p.add_argument("--bench", default="mt_bench", help="mt_bench | humaneval | gsm8k | FILE.jsonl")
     p.add_argument("--num-prompts", type=int, default=None)
@@ -68,6 +70,11 @@ def parse_args(argv=None):
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
+    p.add_argument(
+        "--no-ngram",
+        action="store_true",
+        help="builtin: skip the n-gram row (prompt lookup at the head's K, one more decode per turn)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
@@ -101,13 +108,16 @@ def evaluate(args):
     from eagle_train.checkpoint import load_draft_head
     from eagle_train.target import load_target, load_target_config
     from inference.drafting import TreeShape
-    from inference.evaluate import format_table, load_bench, plot, run_prompt, summarise
+    from inference.evaluate import format_table, head_beats_ngram, load_bench, plot, run_prompt, summarise
     from inference.generate import Runtime
     from inference.sampling import Sampler
 
     # everything a user can get wrong is checked before the target's weights are loaded
     if args.threads is not None:
         raise ValueError("--threads is for --engine llamacpp (the built-in runtime uses torch's threads)")
+    lookup_only = args.draft == "ngram"
+    if lookup_only and (args.tree or args.parallel or args.no_ngram):
+        raise ValueError("--draft ngram evaluates prompt lookup alone, which drafts a chain: give --chain K only")
     shape = (
         TreeShape.parse(args.tree)
         if args.tree
@@ -120,17 +130,21 @@ def evaluate(args):
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("eagle-eval: --device cuda but CUDA is not available")
-    precheck_head(args.draft, load_target_config(args.target))
+    if not lookup_only:
+        precheck_head(args.draft, load_target_config(args.target))
 
     model, tokenizer = load_target(args.target, dtype=args.dtype, device=device)
-    head = load_draft_head(args.draft, model)
-    check_head_fits_target(head.config, model.config)
-    if args.parallel and head.config.method != "peagle":
-        raise ValueError(
-            f"--parallel drafts with a P-EAGLE head; {args.draft} holds a {head.config.method} head "
-            "(use --chain K or --tree)"
-        )
-    head.to(device=device, dtype=model.dtype).eval()
+    head = None if lookup_only else load_draft_head(args.draft, model)
+    if head is not None:
+        check_head_fits_target(head.config, model.config)
+        if args.parallel and head.config.method != "peagle":
+            raise ValueError(
+                f"--parallel drafts with a P-EAGLE head; {args.draft} holds a {head.config.method} head "
+                "(use --chain K or --tree)"
+            )
+        head.to(device=device, dtype=model.dtype).eval()
+    parallel = head is not None and head.config.method == "peagle"
+    ngram = None if args.no_ngram else shape.depth  # prompt lookup's K: the chain's, the tree's depth
     eos = {tokenizer.eos_token_id} | set(_as_list(getattr(model.generation_config, "eos_token_id", None)))
     runtime = Runtime(
         model, head, shape, sampler, eos_token_ids=eos - {None}, cuda_graphs=not args.no_cuda_graphs, seed=args.seed
@@ -140,14 +154,19 @@ def evaluate(args):
 
     if device.type == "cuda":  # kernel selection and graph capture stay out of the timings
         warmup = {"question_id": "warmup", "category": "", "turns": prompts[0]["turns"][:1]}
-        run_prompt(runtime, tokenizer, warmup, min(8, args.max_new_tokens))
+        run_prompt(runtime, tokenizer, warmup, min(8, args.max_new_tokens), ngram)
     results, t0 = [], time.time()
     for prompt in tqdm(prompts, desc=f"eagle-eval {args.bench}", unit="prompt"):
-        results.append(run_prompt(runtime, tokenizer, prompt, args.max_new_tokens))
+        results.append(run_prompt(runtime, tokenizer, prompt, args.max_new_tokens, ngram))
     summary = summarise(results, shape.depth)
+    if head is not None and ngram:
+        summary["ngram"] = summarise(results, ngram, "ngram")
+        summary["head_beats_ngram"] = head_beats_ngram(summary)
     drafting = f"tree {shape.depth},{shape.topk},{shape.total}" if args.tree else f"chain K={shape.depth}"
-    if head.config.method == "peagle":
+    if parallel:
         drafting = f"parallel (P-EAGLE) K={shape.depth}"
+    if lookup_only:
+        drafting = f"prompt lookup (no head) K={shape.depth}"
     title = (
         f"{args.bench}: {len(prompts)} prompts, {drafting}, temperature {args.temperature}, "
         f"{device.type} {str(model.dtype).replace('torch.', '')}"
@@ -163,7 +182,8 @@ def evaluate(args):
             "topk": shape.topk,
             "total": shape.total,
             "chain": not args.tree,
-            "parallel": head.config.method == "peagle",
+            "parallel": parallel,
+            "ngram": ngram,  # K of prompt lookup ("spec" with --draft ngram, else the "ngram" row); None: skipped
         },
         "sampling": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed},
         "device": str(device),

@@ -1,8 +1,9 @@
 """Evaluation on the bench prompt sets: acceptance length, per-position acceptance, speed.
 
-Each prompt runs twice on the same runtime and the same prompt tokens: speculative decoding, then
-plain decoding (the speedup's reference). Multi-turn prompts (MT-Bench) ask turn 2 after the
-model's own (speculative) answer to turn 1. AL follows docs/design.md section 3: tokens emitted by
+Each prompt runs on the same runtime and the same prompt tokens: speculative decoding with the head,
+prompt lookup (the free n-gram baseline the head has to beat, same K), then plain decoding (the
+speedup's reference). Multi-turn prompts (MT-Bench) ask turn 2 after the model's own (speculative)
+answer to turn 1. AL follows docs/design.md section 3: tokens emitted by
 verification forwards / verification forwards, pooled over every turn of every prompt, prefill
 and its token left out, so it can be recounted from the JSON as
 sum(len(output_ids) - 1) / sum(forwards).
@@ -53,46 +54,57 @@ def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
     return tokenizer("\n\n".join(m["content"] for m in messages)).input_ids  # base models
 
 
-def run_prompt(runtime, tokenizer, prompt: dict, max_new_tokens: int) -> dict:
-    """Speculative then plain decoding of every turn of one prompt."""
-    messages, turns = [], []
+def speculative_record(result) -> dict:
+    """What a speculative decode leaves in the JSON: enough to recount AL and acceptance."""
+    return {
+        "output_ids": result.output_ids,
+        "forwards": result.forwards,
+        "emitted": result.emitted,
+        "accepted": result.accepted,
+        "seconds": result.seconds,
+    }
+
+
+def run_prompt(runtime, tokenizer, prompt: dict, max_new_tokens: int, ngram: int | None = None) -> dict:
+    """Every turn of one prompt: speculative decoding ("spec"), prompt lookup with up to `ngram`
+    drafts ("ngram"; None: skipped), then plain decoding. A runtime without a head speculates by
+    prompt lookup itself ("spec"), which then needs `ngram`. The next turn follows spec's answer."""
+    messages, turns, head = [], [], runtime.drafter is not None
     for text in prompt["turns"]:
         messages.append({"role": "user", "content": text})
         ids = chat_ids(tokenizer, messages)
-        spec = runtime.generate(ids, max_new_tokens)
+        spec = runtime.generate(ids, max_new_tokens) if head else runtime.generate_lookup(ids, max_new_tokens, ngram)
+        lookup = runtime.generate_lookup(ids, max_new_tokens, ngram) if head and ngram else None
         plain = runtime.generate_plain(ids, max_new_tokens)
         answer = tokenizer.decode(spec.output_ids, skip_special_tokens=True)
         messages.append({"role": "assistant", "content": answer})
-        turns.append(
-            {
-                "prompt_tokens": len(ids),
-                "spec": {
-                    "output_ids": spec.output_ids,
-                    "forwards": spec.forwards,
-                    "emitted": spec.emitted,
-                    "accepted": spec.accepted,
-                    "seconds": spec.seconds,
-                },
-                "plain": {"output_ids": plain.output_ids, "forwards": plain.forwards, "seconds": plain.seconds},
-                "identical": spec.output_ids == plain.output_ids,
-                "answer": answer,
-            }
-        )
+        turn = {
+            "prompt_tokens": len(ids),
+            "spec": speculative_record(spec),
+            "plain": {"output_ids": plain.output_ids, "forwards": plain.forwards, "seconds": plain.seconds},
+            "identical": spec.output_ids == plain.output_ids,
+            "answer": answer,
+        }
+        if lookup is not None:
+            turn["ngram"] = {**speculative_record(lookup), "identical": lookup.output_ids == plain.output_ids}
+        turns.append(turn)
     return {"question_id": prompt["question_id"], "category": prompt["category"], "turns": turns}
 
 
-def summarise(results: list[dict], depth: int) -> dict:
-    """Pooled figures over every turn of every prompt."""
+def summarise(results: list[dict], depth: int, drafter: str = "spec") -> dict:
+    """Pooled figures over every turn of every prompt, of the head ("spec") or of prompt lookup
+    ("ngram")."""
     turns = [t for r in results for t in r["turns"]]
-    forwards = sum(t["spec"]["forwards"] for t in turns)
-    emitted = sum(sum(t["spec"]["emitted"]) for t in turns)
-    accepted = [a for t in turns for a in t["spec"]["accepted"]]
+    runs = [t[drafter] for t in turns]
+    forwards = sum(r["forwards"] for r in runs)
+    emitted = sum(sum(r["emitted"]) for r in runs)
+    accepted = [a for r in runs for a in r["accepted"]]
     reached = [sum(a >= i for a in accepted) for i in range(depth + 1)]  # reached[i]: rounds with >= i accepted
-    spec_tokens = sum(len(t["spec"]["output_ids"]) for t in turns)
+    spec_tokens = sum(len(r["output_ids"]) for r in runs)
     plain_tokens = sum(len(t["plain"]["output_ids"]) for t in turns)
-    spec_s = sum(t["spec"]["seconds"] for t in turns)
+    spec_s = sum(r["seconds"] for r in runs)
     plain_s = sum(t["plain"]["seconds"] for t in turns)
-    per_forward = [e for t in turns for e in t["spec"]["emitted"]]
+    per_forward = [e for r in runs for e in r["emitted"]]
     histogram = {str(k): per_forward.count(k) for k in range(1, max(per_forward, default=0) + 1)}
     spec_tps = spec_tokens / spec_s if spec_s else 0.0
     plain_tps = plain_tokens / plain_s if plain_s else 0.0
@@ -111,7 +123,7 @@ def summarise(results: list[dict], depth: int) -> dict:
         "plain_tokens_per_s": plain_tps,
         "speedup": spec_tps / plain_tps if plain_tps else 0.0,
         "turns": len(turns),
-        "turns_identical_to_plain": sum(t["identical"] for t in turns),
+        "turns_identical_to_plain": sum(r["output_ids"] == t["plain"]["output_ids"] for r, t in zip(runs, turns)),
         "new_tokens_spec": spec_tokens,
         "new_tokens_plain": plain_tokens,
     }
@@ -130,7 +142,34 @@ def format_table(summary: dict, title: str) -> str:
         f"  speedup                     {s['speedup']:.2f}x",
         f"  turns identical to plain    {s['turns_identical_to_plain']}/{s['turns']}",
     ]
+    if "ngram" in s:
+        lines.append(f"  {'drafter':<16}{'AL':>7}{'tokens/s':>10}{'speedup':>9}   identical to plain")
+        for label, row in (("head", s), ("n-gram (free)", s["ngram"])):
+            lines.append(
+                f"  {label:<16}{row['acceptance_length']:>7.3f}{row['spec_tokens_per_s']:>10.1f}"
+                f"{row['speedup']:>8.2f}x   {row['turns_identical_to_plain']}/{row['turns']}"
+            )
+        lines.append("  " + head_vs_ngram(s))
     return "\n".join(lines)
+
+
+def head_beats_ngram(summary: dict) -> bool:
+    """Speed decides, not AL: a head's draft steps cost forwards that prompt lookup does not pay."""
+    return summary["speedup"] > summary["ngram"]["speedup"]
+
+
+def head_vs_ngram(summary: dict) -> str:
+    """The one line that says whether training paid: the head against free drafting on the same prompts."""
+    head, ngram = summary, summary["ngram"]
+    line = (
+        f"head vs n-gram (free): head AL {head['acceptance_length']:.2f} vs {ngram['acceptance_length']:.2f}, "
+        f"speed {head['speedup']:.2f}x vs {ngram['speedup']:.2f}x: "
+    )
+    if head_beats_ngram(summary):
+        return line + "the head pays"
+    if head["acceptance_length"] > ngram["acceptance_length"]:
+        return line + "the head does not beat free drafting (more tokens per forward, but drafting costs more)"
+    return line + "the head does not beat free drafting"
 
 
 def plot(summary: dict, path, title: str) -> bool:

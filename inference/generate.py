@@ -6,6 +6,9 @@ through the target. A round verifies [x_L, tree nodes] in one target forward (tr
 slots L..L+total), accepts a path, emits it plus one bonus/correction token, moves the path's
 cache entries to consecutive slots, and lets the drafter catch up on the accepted positions.
 
+Prompt lookup (`PromptLookup`, no head) goes through the same rounds: its drafts are a chain of
+up to K looked-up tokens, one-hot as draft distributions, and its catch-up only records tokens.
+
 Counters follow docs/design.md section 3: the prefill forward and the token it emits are not counted;
 each verification forward counts the tokens it emitted (after eos / max-token truncation).
 """
@@ -19,6 +22,7 @@ from inference.drafting import Drafter, TreeShape
 from inference.graphs import GraphedStep
 from inference.llama import TargetModel, use_few_row_linears
 from inference.parallel_drafting import ParallelDrafter
+from inference.prompt_lookup import PromptLookup
 from inference.sampling import Sampler, accept_greedy, accept_sampling
 
 
@@ -72,8 +76,9 @@ class Runtime:
         """Attention width: the whole cache under CUDA graphs (fixed shapes), else what is needed."""
         return self.target.max_len if self.use_graphs else needed
 
-    def setup(self, prompt_len: int, max_new_tokens: int):
-        extra = self.drafter.shape.total + 1 if self.drafter else 1
+    def setup(self, prompt_len: int, max_new_tokens: int, drafter=None):
+        # room for the head's trees and `drafter`'s, whichever decodes: one cache size serves both
+        extra = max((d.shape.total for d in (self.drafter, drafter) if d), default=0) + 1
         max_len = prompt_len + max_new_tokens + extra + 1
         if self.use_graphs:  # round up so graphs captured for one prompt serve the next ones
             max_len = -(-max_len // 256) * 256
@@ -145,15 +150,20 @@ class Runtime:
         result.seconds = time.perf_counter() - t0
         return result
 
+    def generate_lookup(self, prompt_ids, max_new_tokens: int, k: int) -> GenerationResult:
+        """Speculative decoding with prompt lookup (no head), up to k drafts a round."""
+        return self.generate(prompt_ids, max_new_tokens, PromptLookup(prompt_ids, k))
+
     @torch.inference_mode()
-    def generate(self, prompt_ids, max_new_tokens: int) -> GenerationResult:
-        """Speculative decoding with the draft head."""
-        if self.drafter is None:
-            raise ValueError("this runtime has no draft head; use generate_plain")
-        drafter, target, shape = self.drafter, self.target, self.drafter.shape
+    def generate(self, prompt_ids, max_new_tokens: int, drafter=None) -> GenerationResult:
+        """Speculative decoding with the draft head, or with `drafter` (a PromptLookup)."""
+        drafter = drafter or self.drafter
+        if drafter is None:
+            raise ValueError("this runtime has no draft head; use generate_plain or generate_lookup")
+        target = self.target
         prompt = self.check_prompt(prompt_ids)
         n = prompt.shape[1]
-        self.setup(n, max_new_tokens)
+        self.setup(n, max_new_tokens, drafter)
         self.sync()
         t0 = time.perf_counter()
         pending, aux = self.prefill(prompt)
@@ -163,15 +173,14 @@ class Runtime:
         h_root, logits_root = drafter.catch_up(aux, next_ids, 0)
         length = n  # committed tokens (in both caches); `pending` is x_length
         keys = torch.arange(target.max_len, device=self.device)
-        steps = torch.arange(shape.total + 1, device=self.device)
         catch_up = drafter.catch_up_padded if self.use_graphs else drafter.catch_up  # graphs: fixed rows
         while not stop:
             tree = drafter.draft(pending.reshape(()), h_root, logits_root, length)
-            # verify [x_L, nodes] at positions L + depth, slots L..L+total
-            slots = length + steps
-            width = self.width(length + shape.total + 1)
-            mask = (keys[:width] < length)[None].expand(shape.total + 1, -1).clone()
-            mask[:, length : length + shape.total + 1] = tree.ancestors
+            # verify [x_L, nodes] at positions L + depth, slots L..L+total (a lookup's chain: <= K nodes)
+            size = tree.tokens.shape[0]
+            slots = length + keys[:size]
+            mask = (keys[: self.width(length + size)] < length)[None].expand(size, -1).clone()
+            mask[:, length : length + size] = tree.ancestors
             final, aux = self.target_step(tree.tokens[None], (length + tree.depths)[None], slots, mask[None, None])
             logits = target.logits(final[0])
             path, bonus, tokens_of = self.accept(tree, logits)
@@ -205,8 +214,14 @@ class Runtime:
             children[p].append(i)
         if greedy:
             return *accept_greedy(tokens, children, argmax[0]), tokens
-        head = self.drafter.head
         p = self.sampler.probs(logits)
+        if tree.dists is None:  # deterministic drafts (prompt lookup): q is one-hot on the node's one child
+
+            def draft_q(node):
+                return torch.nn.functional.one_hot(torch.tensor(tokens[children[node][0]]), p.shape[-1]).to(p)
+
+            return *accept_sampling(tokens, children, p, draft_q), tokens
+        head = self.drafter.head
 
         def draft_q(node):
             q = torch.zeros(p.shape[-1], device=p.device)
