@@ -17,6 +17,7 @@ EPILOG = """examples:
   eagle-export runs/eagle3/checkpoint-2000 --format speculators --out smollm2-spec --eval-results eval.json
   eagle-export runs/eagle3/checkpoint-2000 --format gguf --out smollm2-eagle3.gguf --target smollm2-135m
   eagle-export --check smollm2-eagle3 --engine all --target smollm2-135m
+  eagle-export --check smollm2-eagle3.gguf --engine llamacpp --target smollm2-135m --source runs/eagle3/final
   eagle-export --import yuhuili/EAGLE3-LLaMA3.1-Instruct-8B-local --out ckpt --target meta-llama/Llama-3.1-8B-Instruct
 
 formats: eagle3 = the EAGLE reference layout SGLang, TensorRT-LLM, vLLM and SafeAILab EAGLE load;
@@ -25,7 +26,10 @@ a P-EAGLE head for vLLM's parallel drafting; gguf = one file for llama.cpp (`lla
 TARGET.gguf -md HEAD.gguf --spec-type draft-eagle3`), which needs --target as the target's GGUF (or
 an alias shipping one) for its tokenizer. --check exits 1 when an engine would fail to load the
 directory or would load it and silently draft worse (missing d2t, short context, wrong aux layers,
-RoPE or sizes that disagree with the weights or the target, ...)."""
+RoPE or sizes that disagree with the weights or the target, ...). --engine llamacpp checks a head
+(exported first) or a .gguf live: the file against the target's GGUF and --source, then 4 MT-Bench
+first turns decoded in llama.cpp and in the built-in runtime; it exits 1 when llama.cpp accepts far
+fewer drafts, and 3 (SKIPPED, never a pass) without a llama.cpp build (`eagle-llamacpp build`)."""
 
 
 def parse_args(argv=None):
@@ -72,12 +76,19 @@ def parse_args(argv=None):
         help="the target as vLLM should load it, for a speculators export (default: "
         "the head's target; embedded aliases map to their hub id)",
     )
-    p.add_argument("--check", metavar="DIR", help="report what each engine would do with DIR")
+    p.add_argument(
+        "--check",
+        metavar="PATH",
+        help="report what each engine would do with PATH (a directory; llamacpp: a head or a .gguf)",
+    )
     p.add_argument(
         "--engine",
-        choices=[*ENGINE_NAMES, "all"],
-        help="engine for --check (default: the engines the directory's layout is meant for)",
+        choices=[*ENGINE_NAMES, "all", "llamacpp"],
+        help="engine for --check (default: the engines the directory's layout is meant for; "
+        "all = the three that read directories; llamacpp = the live llama.cpp check)",
     )
+    p.add_argument("--source", help="--engine llamacpp on a .gguf: the head it should have been exported from")
+    p.add_argument("--threads", type=int, help="--engine llamacpp: llama.cpp's CPU threads (default: its choice)")
     p.add_argument(
         "--import",
         dest="import_dir",
@@ -96,6 +107,10 @@ def parse_args(argv=None):
         p.error("--outtype is for --format gguf (other formats take --dtype)")
     if args.import_dir and not args.out:
         p.error("--import needs --out CHECKPOINT")
+    if args.engine == "llamacpp" and not (args.check and args.target):
+        p.error("--engine llamacpp checks --check PATH against --target TARGET.gguf (or an alias shipping one)")
+    if (args.source or args.threads) and args.engine != "llamacpp":
+        p.error("--source and --threads are for --check PATH --engine llamacpp")
     return args
 
 
@@ -137,9 +152,19 @@ def run_gguf(args) -> int:
     return 0
 
 
+def run_live_check(args) -> int:
+    from inference.live_check import check
+
+    report = check("llamacpp", args.check, args.target, args.source, args.threads)
+    print(report.render())
+    return report.exit_code
+
+
 def run(args) -> int:
     if args.checkpoint and args.format == "gguf":  # reads the target GGUF itself: no HF conversion
         return run_gguf(args)
+    if args.engine == "llamacpp":
+        return run_live_check(args)
     tcfg = target_config(args.target)
     if args.check:
         engines = list(ENGINE_NAMES) if args.engine == "all" else [args.engine] if args.engine else None

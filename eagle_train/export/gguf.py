@@ -7,8 +7,10 @@ does not know the architecture yet, so its own keys are spelled out here. llama.
 key's type exactly and refuses a file holding a tensor it did not ask for, so nothing else is written.
 
     export_gguf(head, "head.gguf", "target.gguf", outtype="q8_0")
+    head = import_gguf("head.gguf", target_model)   # the inverse, for running a file with no source head
 """
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -22,11 +24,14 @@ from gguf import (
     LlamaFileType,
     RopeScalingType,
 )
-from gguf.quants import quantize
+from gguf.quants import dequantize, quantize
 
+from eagle_train.draft_config import DraftConfig
+from eagle_train.eagle3 import Eagle3Head
 from eagle_train.export import check_vocab_map
 from eagle_train.layers import rope_inv_freq
 from eagle_train.target import target_gguf
+from eagle_train.vocab_map import t2d_from_d2t
 
 ARCH = "eagle3"
 # The head's matmul weights under llama.cpp's names; they take the export type.
@@ -118,6 +123,12 @@ def rope_pairs_adjacent(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, rows // n_heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
+def rope_pairs_halves(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """The inverse of `rope_pairs_adjacent`: llama.cpp's row order back to Hugging Face's."""
+    rows, cols = w.shape
+    return w.reshape(n_heads, rows // n_heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
 def add_keys(writer: GGUFWriter, cfg, file_type: LlamaFileType, name: str) -> None:
     writer.add_name(name)
     writer.add_file_type(file_type)
@@ -205,3 +216,96 @@ def export_gguf(head, out_path, target, outtype: str = "f32") -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+# ---- reading a head GGUF back --------------------------------------------------------------------
+
+GGUF_NAMES = {gguf_name: name for name, gguf_name in {**MATMUL_TENSORS, **NORM_TENSORS}.items()}
+GGUF_NAMES["rope_freqs.weight"] = "rope_freqs.weight"  # llama3 RoPE: no head tensor, kept under its own name
+
+
+@dataclass
+class HeadFile:
+    """A head GGUF as llama.cpp reads it: its `eagle3.*` keys (prefix dropped, llama.cpp's defaults
+    filled in), the tokenizer's size, and its tensors under the head's names in fp32 and Hugging
+    Face's RoPE row order, d2t as the absolute ids the file holds."""
+
+    keys: dict
+    n_vocab: int
+    tensors: dict[str, torch.Tensor]
+    types: dict[str, GGMLQuantizationType]
+    foreign: list[str]  # tensors export_gguf never writes (token_embd, enc.output_norm, ...)
+
+
+def read_gguf(path) -> HeadFile:
+    reader = GGUFReader(path)
+    arch = field_value(reader.fields["general.architecture"]).decode()
+    if arch != ARCH:
+        raise ValueError(f"{path} is a {arch!r} GGUF, not an {ARCH!r} draft head")
+    keys = {k.removeprefix(f"{ARCH}."): field_value(f) for k, f in reader.fields.items() if k.startswith(f"{ARCH}.")}
+    keys.setdefault("attention.head_count_kv", keys.get("attention.head_count"))
+    keys.setdefault("rope.freq_base", 10000.0)  # llama.cpp's default when the key is absent
+    tensors, types, foreign = {}, {}, []
+    for t in reader.tensors:
+        if t.name == "d2t":
+            tensors["d2t"] = torch.from_numpy(np.array(t.data, dtype=np.int64))
+        elif t.name in GGUF_NAMES:
+            tensors[GGUF_NAMES[t.name]] = torch.from_numpy(dequantize(t.data, t.tensor_type).astype(np.float32))
+        else:
+            foreign.append(t.name)
+            continue
+        types[GGUF_NAMES.get(t.name, t.name)] = t.tensor_type
+    for name, heads in (("q_proj", "attention.head_count"), ("k_proj", "attention.head_count_kv")):
+        name = f"midlayer.self_attn.{name}.weight"
+        if name in tensors and keys.get(heads):
+            tensors[name] = torch.from_numpy(rope_pairs_halves(tensors[name].numpy(), keys[heads]))
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    return HeadFile(keys, len(tokens.data) if tokens else 0, tensors, types, foreign)
+
+
+def import_gguf(path, target_model) -> Eagle3Head:
+    """The head a GGUF written by `export_gguf` holds, in fp32, sharing `target_model`'s embedding:
+    what llama.cpp runs, for the built-in runtime to run too when the head it came from is not at hand."""
+    file = read_gguf(path)
+    keys = file.keys
+    scaling = keys.get("rope.scaling.type")
+    unreadable = [
+        *file.foreign,
+        *(["rope_freqs.weight (llama3 RoPE)"] if "rope_freqs.weight" in file.tensors else []),
+        *([f"rope.scaling.type {scaling.decode()}"] if scaling not in (None, b"linear") else []),
+        *[f"{key} true" for key in ("norm_before_fc", "norm_before_residual") if keys.get(key)],
+    ]
+    if unreadable:
+        raise ValueError(f"{path} holds what the head cannot be rebuilt from: {', '.join(unreadable)}")
+    missing = sorted(HEAD_TENSORS - {"t2d"} - set(file.tensors))
+    if missing:
+        raise ValueError(f"{path} lacks the tensors {missing}")
+    target_cfg = target_model.config
+    head_dim = keys.get("attention.key_length", keys["embedding_length"] // keys["attention.head_count"])
+    cfg = DraftConfig(
+        hidden_size=keys["embedding_length"],
+        num_attention_heads=keys["attention.head_count"],
+        num_key_value_heads=keys["attention.head_count_kv"],
+        head_dim=head_dim,
+        intermediate_size=keys["feed_forward_length"],
+        vocab_size=file.n_vocab,
+        draft_vocab_size=len(file.tensors["d2t"]),
+        rms_norm_eps=keys["attention.layer_norm_rms_epsilon"],
+        rope_theta=keys["rope.freq_base"],
+        rope_scaling={"rope_type": "linear", "factor": keys["rope.scaling.factor"]} if scaling == b"linear" else None,
+        max_position_embeddings=keys["context_length"],
+        target_hidden_size=keys["target_hidden_size"],
+        target_num_layers=target_cfg.num_hidden_layers,
+        aux_layer_ids=tuple(keys["target_layers"]),
+        target=str(getattr(target_cfg, "name_or_path", "")),
+    )
+    ids = file.tensors["d2t"]
+    if ids.min() < 0 or ids.max() >= cfg.vocab_size:
+        raise ValueError(f"{path}: d2t holds ids outside the target vocabulary [0, {cfg.vocab_size})")
+    head = Eagle3Head(cfg)
+    d2t = ids - torch.arange(cfg.draft_vocab_size)
+    state = {**{k: v for k, v in file.tensors.items() if k != "d2t"}, "d2t": d2t}
+    state["t2d"] = t2d_from_d2t(d2t, cfg.vocab_size)
+    head.load_state_dict(state, strict=False)
+    head.use_target_embedding(target_model)
+    return head
