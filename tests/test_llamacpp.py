@@ -134,6 +134,7 @@ def test_no_build_says_how_to_build(tmp_path, monkeypatch, capsys):
 def fake_build(tmp_path, monkeypatch, fail_at=None):
     """Steps that write what pip and cmake would (an sdist, then the tools), or fail at `fail_at`."""
     monkeypatch.setenv("EAGLE_TRAIN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("EAGLE_LLAMACPP_BIN", raising=False)  # CI points it at its real build
     monkeypatch.setattr(llamacpp.shutil, "which", lambda name: f"/usr/bin/{name}")
     calls = []
 
