@@ -134,3 +134,16 @@ def small_store(tmp_path_factory, small_tokenized, smollm2):
         progress=False,
     )
     return path
+
+
+class EagerStep:
+    """Stands in for the runtime's GraphedStep: same calls, no capture."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, *args):
+        return self.fn(*args)
+
+    def reset(self):
+        pass

@@ -290,22 +290,7 @@ def test_refusals_write_nothing(tmp_path, target):
 
 def test_cli_exports_a_smollm2_head_against_the_alias(tmp_path, capsys):
     """The real path: a checkpoint sized for SmolLM2, the alias resolving to its GGUF, q8_0."""
-    cfg = dataclasses.replace(
-        tiny_head().config,
-        hidden_size=576,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        head_dim=64,
-        intermediate_size=1536,
-        vocab_size=49152,
-        draft_vocab_size=256,
-        target_hidden_size=576,
-        target_num_layers=30,
-        aux_layer_ids=(2, 15, 27),
-        target=SMOLLM2,
-    )
-    head = Eagle3Head(cfg)
-    set_random_vocab_map(head)
+    head = smollm2_sized(intermediate_size=1536, draft_vocab_size=256)
     head.save_pretrained(tmp_path / "checkpoint-7" / "head")
     out = tmp_path / "smollm2-eagle3.gguf"
     argv = [str(tmp_path / "checkpoint-7"), "--format", "gguf", "--out", str(out), "--target", SMOLLM2]

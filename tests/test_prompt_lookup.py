@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+from conftest import EagerStep
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagle_train.eagle3 import Eagle3Head
@@ -79,19 +80,6 @@ def tiny_target(seed=0):
         max_position_embeddings=256,
     )
     return LlamaForCausalLM(cfg).eval()
-
-
-class EagerStep:
-    """Stands in for GraphedStep: same calls, no capture."""
-
-    def __init__(self, fn):
-        self.fn = fn
-
-    def __call__(self, *args):
-        return self.fn(*args)
-
-    def reset(self):
-        pass
 
 
 def counted_per_round(result):

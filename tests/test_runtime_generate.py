@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from conftest import EagerStep
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagle_train.draft_config import DraftConfig
@@ -240,19 +241,9 @@ def test_fixed_shape_path_of_cuda_graphs_is_lossless_on_cpu():
     runtime = Runtime(model, head, TreeShape(3, 3, 8))
     runtime.use_graphs = True  # the steps stay eager: only the fixed shapes are exercised
 
-    class Eager:  # stands in for GraphedStep: same calls, no capture
-        def __init__(self, fn):
-            self.fn = fn
-
-        def __call__(self, *args):
-            return self.fn(*args)
-
-        def reset(self):
-            pass
-
     drafter = runtime.drafter
     runtime.target_step, drafter.step_fn, drafter.layer_fn = (
-        Eager(f) for f in (runtime.target_step, drafter.step_fn, drafter.layer_fn)
+        EagerStep(f) for f in (runtime.target_step, drafter.step_fn, drafter.layer_fn)
     )
     noisy_oracle(runtime, prompt + reference)
     spec = runtime.generate(prompt, 30)
