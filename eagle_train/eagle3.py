@@ -95,7 +95,8 @@ def ttt_attention(attn: Attention, q, past: list[tuple[torch.Tensor, torch.Tenso
 class DraftHead(nn.Module):
     """What every draft head shares: EAGLE-3's fused first layer (`fc`, `midlayer`), the final norm,
     the draft lm_head, the `d2t`/`t2d` vocab map and checkpoint I/O. A head that `owns_embedding`
-    trains and saves `embed_tokens`; otherwise it is the target's, frozen and left out of saves."""
+    saves `embed_tokens` (P-EAGLE trains it; an EAGLE-3 head imported from another trainer may carry
+    its own, frozen); otherwise it is the target's, frozen and left out of saves."""
 
     owns_embedding = False
 
@@ -124,6 +125,17 @@ class DraftHead(nn.Module):
             )
         self.embed_tokens.weight.data = weight.detach().to(self.fc.weight.device)
 
+    def use_own_embedding(self, weight: torch.Tensor):
+        """Keep `weight` as this head's embedding, saved and exported with it: a head trained elsewhere
+        with an embedding of its own must not be run or shipped with the target's instead."""
+        if tuple(weight.shape) != (self.config.vocab_size, self.config.hidden_size):
+            raise ValueError(
+                f"embedding {tuple(weight.shape)} does not match the head "
+                f"(vocab {self.config.vocab_size}, hidden {self.config.hidden_size})"
+            )
+        self.owns_embedding = True
+        self.embed_tokens.weight.data = weight.detach().float().to(self.fc.weight.device)
+
     def set_vocab_map(self, d2t: torch.Tensor, t2d: torch.Tensor):
         if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
             raise ValueError(
@@ -148,12 +160,15 @@ class DraftHead(nn.Module):
     def from_pretrained(cls, directory, target_model=None):
         """The head saved in `directory`; `target_model` lends its embedding to a head without one."""
         head = cls(DraftConfig.load(directory))
-        missing, unexpected = head.load_state_dict(load_file(Path(directory) / "model.safetensors"), strict=False)
-        if not cls.owns_embedding:
+        state = load_file(Path(directory) / "model.safetensors")
+        if not cls.owns_embedding and "embed_tokens.weight" in state:
+            head.use_own_embedding(state["embed_tokens.weight"])
+        missing, unexpected = head.load_state_dict(state, strict=False)
+        if not head.owns_embedding:
             missing = [k for k in missing if not k.startswith("embed_tokens.")]
         if missing or unexpected:
             raise ValueError(f"{directory}: missing tensors {missing}, unexpected tensors {unexpected}")
-        if target_model is not None and not cls.owns_embedding:
+        if target_model is not None and not head.owns_embedding:
             head.use_target_embedding(target_model)
         return head
 

@@ -2,6 +2,7 @@
 --check flags what would break or silently degrade, imports of the documented layout are exact."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -422,6 +423,28 @@ def test_import_of_the_reference_layout_then_export_gives_identical_tensors(tmp_
     reloaded = load_draft_head(ckpt)
     assert all(torch.equal(reloaded.state_dict()[k], v) for k, v in head.saved_state_dict().items())
     assert isinstance(load_draft_head(tmp_path / "again"), Eagle3Head)  # engine dirs load directly too
+
+
+def test_a_head_with_its_own_embedding_keeps_it_through_import_checkpoint_and_export(tmp_path):
+    """Another trainer's EAGLE-3 head may carry an embedding of its own: it must never be swapped
+    for the target's on the way through."""
+    from eagle_train.checkpoint import load_draft_head
+
+    tensors, config = reference_layout_dir(tmp_path / "ref")
+    own = torch.randn(V, H)
+    save_file({**tensors, "embed_tokens.weight": own}, tmp_path / "ref" / "model.safetensors")
+    target_embedding = torch.nn.Embedding(V, H)
+    target_model = SimpleNamespace(config=tiny_target_config(), get_input_embeddings=lambda: target_embedding)
+    head = import_head(tmp_path / "ref", target_model)
+    assert torch.equal(head.embed_tokens.weight, own)
+    ckpt = import_checkpoint(tmp_path / "ref", tmp_path / "ckpt", target_config=tiny_target_config())
+    for loaded in (load_draft_head(ckpt, target_model), head):
+        assert torch.equal(loaded.embed_tokens.weight, own)
+        out = load_file(export_head(loaded, tmp_path / "again", "eagle3", dtype="fp32") / "model.safetensors")
+        assert torch.equal(out["embed_tokens.weight"], own)
+    shared = import_head(export_head(tiny_head(), tmp_path / "shared", "eagle3", dtype="fp32"), target_model)
+    assert torch.equal(shared.embed_tokens.weight, target_embedding.weight)
+    assert "embed_tokens.weight" not in shared.saved_state_dict()
 
 
 def test_import_without_d2t_is_identity_for_a_full_vocabulary_and_refused_for_a_reduced_one(tmp_path):

@@ -156,14 +156,18 @@ def test_the_targets_tokenizer_is_copied_byte_for_byte(tmp_path, target):
         assert raw == [bytes(p) for p in source.fields[key].parts[2:]], key
 
 
-@pytest.mark.parametrize("head_dim", [D, 2 * D])
-def test_tensors_are_the_heads_in_llama_cpp_names_and_shapes(tmp_path, target, head_dim):
+@pytest.mark.parametrize("head_dim, own_embedding", [(D, False), (2 * D, False), (D, True)])
+def test_tensors_are_the_heads_in_llama_cpp_names_and_shapes(tmp_path, target, head_dim, own_embedding):
     head = head_with(head_dim=head_dim)
+    embedding = {}
+    if own_embedding:
+        head.use_own_embedding(torch.randn(V, H))
+        embedding = {"token_embd.weight": "embed_tokens.weight"}
     reader = GGUFReader(export_gguf(head, tmp_path / "head.gguf", target))
     tensors = weights(reader)
-    assert set(tensors) == {*MATMULS, *NORMS, "d2t"}  # no token_embd, no t2d: llama.cpp rejects extras
+    assert set(tensors) == {*MATMULS, *NORMS, *embedding, "d2t"}  # no t2d: llama.cpp rejects extras
     state = head.saved_state_dict()
-    for name, source in {**MATMULS, **NORMS}.items():
+    for name, source in {**MATMULS, **NORMS, **embedding}.items():
         kind, shape, data = tensors[name]
         want = state[source].numpy()
         assert (kind, shape) == (GGMLQuantizationType.F32, list(reversed(want.shape))), name
@@ -350,17 +354,19 @@ CONVERTER_ONLY_KEYS = {  # optional keys llama.cpp's converter adds, none of whi
 
 
 @pytest.mark.parametrize(
-    "changes",
-    [{}, {"aux_layer_ids": (1, 11, 26), "draft_vocab_size": 512}],
-    ids=["default", "non-default aux ids and draft vocab 512"],
+    "changes, own_embedding",
+    [({}, False), ({"aux_layer_ids": (1, 11, 26), "draft_vocab_size": 512}, False), ({}, True)],
+    ids=["default", "non-default aux ids and draft vocab 512", "own embedding"],
 )
-def test_equals_what_llama_cpps_own_converter_writes(tmp_path, changes):
+def test_equals_what_llama_cpps_own_converter_writes(tmp_path, changes, own_embedding):
     """The same head through `--format eagle3` and llama.cpp's convert_hf_to_gguf.py gives the same
     keys (but for optional ones) and byte-identical tensors as `--format gguf`."""
     script = converter_script()
     if script is None:
         pytest.skip("no llama.cpp build with its converter: `eagle-llamacpp build` keeps one")
     head = smollm2_sized(**changes)
+    if own_embedding:
+        head.use_own_embedding(torch.randn(head.config.vocab_size, head.config.hidden_size) * 0.05)
     ours = export_gguf(head, tmp_path / "ours.gguf", SMOLLM2)
     export_head(head, tmp_path / "eagle3", "eagle3", dtype="fp32")
     # the converter reads the target's config and tokenizer.json (a tokenizer.model would send it down sentencepiece)
@@ -389,6 +395,7 @@ def test_equals_what_llama_cpps_own_converter_writes(tmp_path, changes):
         assert value(a.fields[k]) == value(b.fields[k]), k
     ta, tb = {t.name: t for t in a.tensors}, {t.name: t for t in b.tensors}
     assert set(ta) == set(tb)
+    assert ("token_embd.weight" in ta) == own_embedding
     for name in ta:
         assert ta[name].tensor_type == tb[name].tensor_type, name
         assert np.array_equal(np.array(ta[name].data), np.array(tb[name].data)), name

@@ -119,7 +119,7 @@ def import_head(directory, target_model=None, target_config=None):
         {k: v.long() if k == "d2t" else v.bool() if k == "t2d" else v.float() for k, v in state.items()}, strict=False
     )
     if own_embedding is not None:
-        head.embed_tokens.weight.data = own_embedding.float()
+        head.use_own_embedding(own_embedding)
     elif target_model is not None and "embed_tokens.weight" not in expected:
         head.use_target_embedding(target_model)
     return head

@@ -55,6 +55,8 @@ NORM_TENSORS = {
 }
 # d2t is written as absolute ids (I64); t2d follows from it and llama.cpp has no slot for it.
 HEAD_TENSORS = {*MATMUL_TENSORS, *NORM_TENSORS, "d2t", "t2d"}
+# A head with an embedding of its own writes it; without one llama.cpp uses the target's.
+EMBEDDING = ("embed_tokens.weight", "token_embd.weight")
 OUTTYPES = {
     "f32": (GGMLQuantizationType.F32, LlamaFileType.ALL_F32),
     "f16": (GGMLQuantizationType.F16, LlamaFileType.MOSTLY_F16),
@@ -91,7 +93,7 @@ def check_head(head, target: GGUFReader) -> None:
             f"a {cfg.method} head cannot be written as a llama.cpp GGUF: llama.cpp drafts with "
             "EAGLE-3 heads only (serve P-EAGLE heads with vLLM: --format peagle or speculators)"
         )
-    names = set(head.saved_state_dict())
+    names = set(head.saved_state_dict()) - {EMBEDDING[0]}
     if names != HEAD_TENSORS:
         raise ValueError(
             f"llama.cpp's eagle3 model has no place for the head's tensors {sorted(names - HEAD_TENSORS)} "
@@ -174,7 +176,8 @@ def add_tensors(writer: GGUFWriter, head, qtype: GGMLQuantizationType) -> None:
         "midlayer.self_attn.q_proj.weight": cfg.num_attention_heads,
         "midlayer.self_attn.k_proj.weight": cfg.num_key_value_heads,
     }
-    for name, gguf_name in MATMUL_TENSORS.items():
+    matmuls = {**MATMUL_TENSORS, **({EMBEDDING[0]: EMBEDDING[1]} if EMBEDDING[0] in state else {})}
+    for name, gguf_name in matmuls.items():
         w = state[name].float().numpy()
         if name in rope_heads:
             w = rope_pairs_adjacent(w, rope_heads[name])
@@ -198,7 +201,7 @@ def export_gguf(head, out_path, target, outtype: str = "f32") -> Path:
 
     `target` is the target's `.gguf` file (or an alias shipping one): its tokenizer is copied in and
     its sizes are checked against the head's. `outtype` (f32, f16, q8_0) applies to the matmul
-    weights; norms stay f32 and d2t int64.
+    weights and an own embedding; norms stay f32 and d2t int64.
     """
     if outtype not in OUTTYPES:
         raise ValueError(f"unknown gguf outtype {outtype!r}; choose one of {', '.join(OUTTYPES)}")
@@ -220,7 +223,9 @@ def export_gguf(head, out_path, target, outtype: str = "f32") -> Path:
 
 # ---- reading a head GGUF back --------------------------------------------------------------------
 
-GGUF_NAMES = {gguf_name: name for name, gguf_name in {**MATMUL_TENSORS, **NORM_TENSORS}.items()}
+GGUF_NAMES = {
+    gguf_name: name for name, gguf_name in {**MATMUL_TENSORS, **NORM_TENSORS, EMBEDDING[0]: EMBEDDING[1]}.items()
+}
 GGUF_NAMES["rope_freqs.weight"] = "rope_freqs.weight"  # llama3 RoPE: no head tensor, kept under its own name
 
 
@@ -234,7 +239,7 @@ class HeadFile:
     n_vocab: int
     tensors: dict[str, torch.Tensor]
     types: dict[str, GGMLQuantizationType]
-    foreign: list[str]  # tensors export_gguf never writes (token_embd, enc.output_norm, ...)
+    foreign: list[str]  # tensors export_gguf never writes (enc.output_norm, ...)
 
 
 def read_gguf(path) -> HeadFile:
@@ -264,7 +269,7 @@ def read_gguf(path) -> HeadFile:
 
 
 def import_gguf(path, target_model) -> Eagle3Head:
-    """The head a GGUF written by `export_gguf` holds, in fp32, sharing `target_model`'s embedding:
+    """The head a GGUF written by `export_gguf` holds, in fp32, with the file's embedding or else `target_model`'s:
     what llama.cpp runs, for the built-in runtime to run too when the head it came from is not at hand."""
     file = read_gguf(path)
     keys = file.keys
@@ -304,8 +309,11 @@ def import_gguf(path, target_model) -> Eagle3Head:
         raise ValueError(f"{path}: d2t holds ids outside the target vocabulary [0, {cfg.vocab_size})")
     head = Eagle3Head(cfg)
     d2t = ids - torch.arange(cfg.draft_vocab_size)
-    state = {**{k: v for k, v in file.tensors.items() if k != "d2t"}, "d2t": d2t}
+    state = {**{k: v for k, v in file.tensors.items() if k not in ("d2t", EMBEDDING[0])}, "d2t": d2t}
     state["t2d"] = t2d_from_d2t(d2t, cfg.vocab_size)
     head.load_state_dict(state, strict=False)
-    head.use_target_embedding(target_model)
+    if EMBEDDING[0] in file.tensors:
+        head.use_own_embedding(file.tensors[EMBEDDING[0]])
+    else:
+        head.use_target_embedding(target_model)
     return head
