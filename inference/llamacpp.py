@@ -79,6 +79,26 @@ def converter_script(version: str = VERSION) -> Path | None:
     return script if script is not None and script.is_file() else None
 
 
+def convert_target(hf_dir, out_gguf, outtype: str = "f32") -> Path:
+    """A Hugging Face model directory as a target GGUF, written by llama.cpp's own converter (a
+    target is llama.cpp's format to know, not ours); kept, and reused, at `out_gguf`."""
+    out = Path(out_gguf)
+    if out.is_file():
+        return out
+    script = converter_script()
+    if script is None:
+        raise LlamaCppError(f"converting a target needs llama.cpp's converter: run `{BUILD_HINT}` first")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(out.name + ".partial")
+    env = {**os.environ, "PYTHONPATH": str(script.parent / "gguf-py")}
+    cmd = [sys.executable, script, hf_dir, "--outtype", outtype, "--outfile", partial]
+    done = subprocess.run([str(c) for c in cmd], env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise LlamaCppError(f"llama.cpp's converter failed on {hf_dir} (exit {done.returncode}):\n{tail(done.stderr)}")
+    partial.rename(out)
+    return out
+
+
 def require_tools() -> Path:
     found = tools_dir()
     if found is None:
@@ -180,6 +200,7 @@ class Run:
     accepted: int
     decoded: int  # tokens generated inside llama.cpp's timed decode span ...
     seconds: float  # ... and its length (plain: eval time, the prompt's forward out; speculative: the whole loop)
+    target_seconds: float  # all the target's forwards by its perf counters, the prompt's included
 
     @property
     def tokens_per_forward(self) -> float:
@@ -208,6 +229,9 @@ def parse_speculative(stdout: str, stderr: str, prompt: str) -> Run:
     n_predict, seconds = counter(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", stderr, tool)
     (drafted,) = counter(r"n_drafted\s*=\s*(\d+)", stderr, tool)
     (accepted,) = counter(r"n_accept\s*=\s*(\d+)", stderr, tool)
+    # the target context's perf lines (the draft's print empty): the prompt, then every verification
+    batched_ms, _ = counter(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens", stderr, tool)
+    single_ms, _ = counter(r"common_perf_print:\s+eval time =\s*([\d.]+) ms /\s*(\d+) runs", stderr, tool)
     if not stdout.endswith("\n\n\n\n"):
         raise LlamaCppError(f"{tool}'s stdout was cut short: {stdout[-200:]!r}")
     start = stdout.find(prompt)  # after "\n\n" and, for a target that adds one, the BOS token's text
@@ -224,6 +248,7 @@ def parse_speculative(stdout: str, stderr: str, prompt: str) -> Run:
         accepted=int(accepted),
         decoded=tokens,
         seconds=float(seconds),
+        target_seconds=(float(batched_ms) + float(single_ms)) / 1000,
     )
 
 
@@ -231,7 +256,7 @@ def parse_completion(stdout: str, stderr: str) -> Run:
     """llama-completion's output (--no-display-prompt): the new text [+ " [end of text]\\n"] + "\\n\\n",
     its perf counters on stderr. Every eval run but the prompt's generates one token."""
     tool = "llama-completion"
-    _, prompt_tokens = counter(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens", stderr, tool)
+    prompt_ms, prompt_tokens = counter(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens", stderr, tool)
     ms, runs = counter(r"common_perf_print:\s+eval time =\s*([\d.]+) ms /\s*(\d+) runs", stderr, tool)
     if not stdout.endswith("\n\n"):
         raise LlamaCppError(f"{tool}'s stdout was cut short: {stdout[-200:]!r}")
@@ -247,6 +272,7 @@ def parse_completion(stdout: str, stderr: str) -> Run:
         accepted=0,
         decoded=int(runs),
         seconds=float(ms) / 1000,
+        target_seconds=(float(prompt_ms) + float(ms)) / 1000,
     )
 
 

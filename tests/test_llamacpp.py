@@ -26,8 +26,8 @@ SPECULATIVE_STDERR = """Read 100 bytes from binary file /tmp/prompt.txt
 0.01.824.306 I n_drafted = 15
 0.01.824.319 I n_accept  = 3
 0.01.824.333 I accept    = 20.000%
-0.01.824.510 I common_perf_print: prompt eval time =     150.45 ms /    42 tokens (...)
-0.01.824.524 I common_perf_print:        eval time =       0.00 ms /     1 runs (...)
+0.01.824.510 I common_perf_print: prompt eval time =     395.45 ms /    42 tokens (...)
+0.01.824.524 I common_perf_print:        eval time =      12.00 ms /     1 runs (...)
 """
 COMPLETION_STDERR = """Read 100 bytes from binary file /tmp/prompt.txt
 0.00.664.915 I common_perf_print: prompt eval time =      99.54 ms /    21 tokens (...)
@@ -42,13 +42,14 @@ def test_speculative_output_parsed_into_forwards():
     assert (run.prompt_tokens, run.tokens, run.drafted, run.accepted) == (21, 8, 15, 3)
     assert run.forwards == 5  # each round keeps its accepted drafts + one target token: 8 - 3
     assert run.tokens_per_forward == pytest.approx(8 / 5) and run.tokens_per_s == pytest.approx(40.0)
+    assert run.target_seconds == pytest.approx(0.40745)  # the target's perf counters: batched + single forwards
 
 
 def test_completion_output_parsed_with_and_without_end_of_text():
     stopped = llamacpp.parse_completion("The capital of France is Paris. [end of text]\n\n\n", COMPLETION_STDERR)
     assert (stopped.text, stopped.eos, stopped.prompt_tokens) == ("The capital of France is Paris.", True, 21)
     assert (stopped.tokens, stopped.forwards, stopped.decoded) == (8, 8, 7)  # the first token is the prompt's
-    assert stopped.tokens_per_s == pytest.approx(7 / 0.06227)
+    assert stopped.tokens_per_s == pytest.approx(7 / 0.06227) and stopped.target_seconds == pytest.approx(0.16181)
     cut = llamacpp.parse_completion("The capital of\n\n", COMPLETION_STDERR)
     assert (cut.text, cut.eos) == ("The capital of", False)
 
