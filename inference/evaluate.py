@@ -172,6 +172,53 @@ def head_vs_ngram(summary: dict) -> str:
     return line + "the head does not beat free drafting"
 
 
+def format_engines(summaries: dict[str, dict], title: str) -> str:
+    """One row per engine and drafter: the same prompts, each engine against its own plain decoding."""
+    lines = [
+        title,
+        f"  {'engine':<9}{'drafter':<15}{'AL':>7}  {'acceptance per position':<25}{'tok/s plain':>12}"
+        f"{'tok/s spec':>11}{'speedup':>9}   identical",
+    ]
+    for engine, s in summaries.items():
+        for label, row in (("head", s), ("n-gram (free)", s.get("ngram"))):
+            if row is None:
+                continue
+            positions = " ".join(f"{a:.2f}" for a in row["acceptance_per_position"])
+            lines.append(
+                f"  {engine:<9}{label:<15}{row['acceptance_length']:>7.3f}  {positions:<25}"
+                f"{row['plain_tokens_per_s']:>12.1f}{row['spec_tokens_per_s']:>11.1f}{row['speedup']:>8.2f}x"
+                f"   {row['turns_identical_to_plain']}/{row['turns']}"
+            )
+    return "\n".join(lines)
+
+
+def plot_engines(summaries: dict[str, dict], path, title: str) -> bool:
+    """Acceptance per draft position of the head in each engine, side by side (one engine: `plot`)."""
+    if len(summaries) == 1:
+        return plot(next(iter(summaries.values())), path, title)
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"plot skipped: matplotlib is not installed (pip install 'eagle-train[plot]' to get {path})")
+        return False
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / len(summaries)
+    for i, (engine, s) in enumerate(summaries.items()):
+        acc = s["acceptance_per_position"]
+        xs = [p + 1 + (i - (len(summaries) - 1) / 2) * width for p in range(len(acc))]
+        ax.bar(xs, acc, width, label=f"{engine}: AL {s['acceptance_length']:.2f}, {s['speedup']:.2f}x")
+    ax.set(xlabel="draft position", ylabel="accepted (share of forwards)", ylim=(0, 1.05), title=title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
 def plot(summary: dict, path, title: str) -> bool:
     """Acceptance per draft position and the distribution of tokens per verification forward.
     matplotlib is optional: without it the finished evaluation says how to get the plot and goes on."""

