@@ -562,8 +562,9 @@ def vllm_run(directory: Path, target: str, questions: list[str], k: int, n: int,
     except vllm_engine.VllmError as e:
         raise EngineFailed(str(e)) from e
     turns = [(c[0], p[0]) for c, p in zip(spec.conversations, plain.conversations)]
-    drafts, accepted = sum(t.drafts for t, _ in turns), sum(t.accepted for t, _ in turns)
-    return Pooled(drafts + accepted, drafts), sum(t.output_ids == p.output_ids for t, p in turns)
+    forwards = sum(len(vllm_engine.rounds(t)) for t, _ in turns)
+    pooled = Pooled(forwards + sum(t.accepted for t, _ in turns), forwards)
+    return pooled, sum(t.output_ids == p.output_ids for t, p in turns)
 
 
 def vllm_is_parallel(directory: Path) -> bool:

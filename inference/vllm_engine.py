@@ -117,10 +117,14 @@ def decode(
 
 
 def rounds(turn: Turn) -> list[int]:
-    """Accepted drafts per verification round, rebuilt from vLLM's counters: a chain accepts a prefix,
-    so the rounds reaching position i are accepted_per_pos[i - 1] (their order is lost, not needed)."""
+    """Accepted drafts per target forward, rebuilt from vLLM's counters: a chain accepts a prefix, so
+    the rounds reaching position i are accepted_per_pos[i - 1] (their order is lost, not needed).
+    vLLM counts only rounds that drafted; the others (n-gram finding no match) are forwards that
+    accepted nothing: every forward emits one token plus its accepted drafts, the prefill the first."""
     reached = [turn.drafts, *turn.accepted_per_pos, 0]
-    return [j for j in range(len(reached) - 1) for _ in range(reached[j] - reached[j + 1])]
+    drafted = [j for j in range(len(reached) - 1) for _ in range(reached[j] - reached[j + 1])]
+    undrafted = len(turn.output_ids) - 1 - turn.accepted - turn.drafts
+    return drafted + [0] * max(undrafted, 0)
 
 
 def speculative_record(turn: Turn) -> dict:

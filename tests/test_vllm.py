@@ -29,11 +29,15 @@ QUESTIONS = ["What is the capital of France? Answer in one sentence.", "Write a 
 
 
 def test_rounds_are_rebuilt_from_the_per_position_counters():
-    # 5 verification rounds of K=3: accepted 0, 1, 3, 1, 2 -> position 1 reached 4 times, 2 twice, 3 once
-    turn = vllm_engine.Turn([1], [2], 0.1, drafts=5, accepted=7, accepted_per_pos=[4, 2, 1])
+    # 5 drafting rounds of K=3: accepted 0, 1, 3, 1, 2 -> position 1 reached 4 times, 2 twice, 3 once
+    output = list(range(1 + 5 + 7))  # the prefill's token, then one per forward plus the accepted drafts
+    turn = vllm_engine.Turn([1], output, 0.1, drafts=5, accepted=7, accepted_per_pos=[4, 2, 1])
     assert sorted(vllm_engine.rounds(turn)) == [0, 1, 1, 2, 3]
     record = vllm_engine.speculative_record(turn)
-    assert record["forwards"] == 5 and sum(record["emitted"]) == 5 + 7  # AL = 1 + accepted / drafts
+    assert record["forwards"] == 5 and sum(record["emitted"]) == len(output) - 1
+    # n-gram drafting finds no match in 3 more forwards: vLLM does not count them, AL does
+    undrafted = vllm_engine.Turn([1], output + [0, 0, 0], 0.1, drafts=5, accepted=7, accepted_per_pos=[4, 2, 1])
+    assert sorted(vllm_engine.rounds(undrafted)) == [0, 0, 0, 0, 1, 1, 2, 3]
 
 
 def test_speculative_configs_are_vllms():
@@ -169,6 +173,7 @@ def test_live_good_head_matches_the_builtin_runtime(trained):
 def test_live_broken_exports_fail_naming_the_cause(trained, what):
     source, files = trained
     report = live_check.check("vllm", files[what], SMOLLM2, source=source)
+    print(report.render())  # what vLLM did with the file (pytest -s shows it)
     assert report.exit_code == 1, report.render()
     causes = " ".join(f.cause for f in report.findings)
     assert {"aux": "wrong extract layers", "rope": "a wrong RoPE base", "d2t": "d2t off by +1"}[what] in causes

@@ -1,11 +1,14 @@
-"""Decoding speed at batch 1: HF `generate`, plain decoding and speculative decoding on our runtime.
+"""Decoding speed at batch 1: HF `generate`, plain and speculative decoding on our runtime, and vLLM.
 
     python scripts/bench/decode.py --target smollm2-135m --draft runs/eagle3/final --chain 5
+    python scripts/bench/decode.py --target smollm2-135m --draft runs/eagle3/final --chain 1 --tree 3,2,4 --vllm
     python scripts/bench/decode.py --random-llama 16,2048 --device cuda     # no model files needed
 
 Every method decodes the same prompts greedily; the table gives tokens/s, AL and whether the
-tokens equal plain decoding's. On CUDA the runtime runs with CUDA graphs on and off. Without
---draft a random head is used (AL about 1: it measures the drafting overhead).
+tokens equal plain decoding's. On CUDA the runtime runs with CUDA graphs on and off. --tree adds
+a tree row beside the chain's. --vllm adds vLLM plain, vLLM with the head (chain K) and vLLM's
+n-gram drafting (`inference.vllm_engine`; timed per generate call after a warm-up, as the runtime
+is). Without --draft a random head is used (AL about 1: it measures the drafting overhead).
 """
 
 import argparse
@@ -52,6 +55,33 @@ def hf_generate(model, prompt, max_new_tokens, eos):
     return out[0, len(prompt) :].tolist(), time.perf_counter() - t0
 
 
+def vllm_rows(args, questions):
+    """vLLM plain, with the head (chain K, exported to a temporary directory) and with n-gram drafting."""
+    import tempfile
+    from pathlib import Path
+
+    from inference import vllm_engine
+    from inference.cli import vllm_head_dir
+
+    if args.random_llama:
+        raise SystemExit("--vllm runs a real target: leave out --random-llama")
+    conversations = [[q] for q in questions]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        head_dir, method = vllm_head_dir(args.draft, Path(tmp)) if args.draft else (None, None)
+        configs = [("plain", None), ("n-gram", vllm_engine.speculative("ngram", None, args.chain))]
+        if head_dir is not None:
+            configs.insert(1, (f"head chain K={args.chain}", vllm_engine.speculative(method, head_dir, args.chain)))
+        for name, spec in configs:
+            run = vllm_engine.decode(args.target, conversations, args.max_new_tokens, spec)
+            turns = [c[0] for c in run.conversations]
+            tps = sum(len(t.output_ids) for t in turns) / sum(t.seconds for t in turns)
+            forwards = sum(len(vllm_engine.rounds(t)) for t in turns)
+            al = (forwards + sum(t.accepted for t in turns)) / forwards if spec else None
+            rows.append((f"vLLM {run.version} {name}", tps, al, [t.output_ids for t in turns]))
+    return rows
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--target", default="smollm2-135m")
@@ -65,12 +95,13 @@ def main():
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None)
     p.add_argument("--no-hf", action="store_true", help="skip HF generate")
+    p.add_argument("--vllm", action="store_true", help="add vLLM's rows (needs vLLM: scripts/install_vllm.sh)")
     args = p.parse_args()
 
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     if args.random_llama:
-        model, tokenizer = random_llama(args.random_llama, device, dtype), None
+        model, tokenizer, questions = random_llama(args.random_llama, device, dtype), None, None
         gen = torch.Generator().manual_seed(1)
         prompts = [torch.randint(0, 32000, (64 + 32 * i,), generator=gen).tolist() for i in range(args.num_prompts)]
         eos = None
@@ -79,10 +110,8 @@ def main():
         from inference.evaluate import chat_ids, load_bench
 
         model, tokenizer = load_target(args.target, dtype=dtype, device=device)
-        prompts = [
-            chat_ids(tokenizer, [{"role": "user", "content": q["turns"][0]}])
-            for q in load_bench(args.bench, args.num_prompts)
-        ]
+        questions = [q["turns"][0] for q in load_bench(args.bench, args.num_prompts)]
+        prompts = [chat_ids(tokenizer, [{"role": "user", "content": q}]) for q in questions]
         eos = tokenizer.eos_token_id
     if args.draft:
         from eagle_train.checkpoint import load_draft_head
@@ -92,7 +121,7 @@ def main():
         torch.manual_seed(0)
         head = Eagle3Head.from_target(model, draft_vocab_size=min(DRAFT_VOCAB_SIZE, model.config.vocab_size))
     head.to(device=device, dtype=dtype).eval()
-    shape = TreeShape.parse(args.tree) if args.tree else TreeShape.chain(args.chain)
+    shapes = [TreeShape.chain(args.chain)] + ([TreeShape.parse(args.tree)] if args.tree else [])
     eos_ids = [eos] if eos is not None else []
 
     rows, reference = [], None
@@ -101,20 +130,28 @@ def main():
         outs, secs = zip(*(hf_generate(model, q, args.max_new_tokens, eos) for q in prompts))
         rows.append(("HF generate", sum(map(len, outs)) / sum(secs), None, list(outs)))
     for graphs in [True, False] if device.type == "cuda" else [False]:
-        runtime = Runtime(model, head, shape, eos_token_ids=eos_ids, cuda_graphs=graphs)
         tag = "graphs" if graphs else ("eager" if device.type == "cuda" else "cpu")
-        for name, fn in (("plain", runtime.generate_plain), ("speculative", runtime.generate)):
-            fn(prompts[0], 8)  # warm-up (and graph capture)
-            results = [fn(q, args.max_new_tokens) for q in prompts]
-            outs = [r.output_ids for r in results]
-            tps = sum(map(len, outs)) / sum(r.seconds for r in results)
-            al = (sum(sum(r.emitted) for r in results) / sum(r.forwards for r in results)) if name != "plain" else None
-            rows.append((f"runtime {name} ({tag})", tps, al, outs))
-            reference = reference or outs
-    drafting = f"tree {shape.depth},{shape.topk},{shape.total}" if args.tree else f"chain K={shape.depth}"
+        for shape in shapes:
+            runtime = Runtime(model, head, shape, eos_token_ids=eos_ids, cuda_graphs=graphs)
+            drafting = f"tree {shape.depth},{shape.topk},{shape.total}" if shape.topk > 1 else f"chain K={shape.depth}"
+            methods = [("speculative " + drafting, runtime.generate)]
+            if shape is shapes[0]:
+                methods.insert(0, ("plain", runtime.generate_plain))
+            for name, fn in methods:
+                fn(prompts[0], 8)  # warm-up (and graph capture)
+                results = [fn(q, args.max_new_tokens) for q in prompts]
+                outs = [r.output_ids for r in results]
+                tps = sum(map(len, outs)) / sum(r.seconds for r in results)
+                al = (
+                    sum(sum(r.emitted) for r in results) / sum(r.forwards for r in results) if name != "plain" else None
+                )
+                rows.append((f"runtime {name} ({tag})", tps, al, outs))
+                reference = reference or outs
+    if args.vllm:
+        rows += vllm_rows(args, questions)
     print(
         f"{args.random_llama and f'random Llama {args.random_llama}' or args.target}, {len(prompts)} prompts x "
-        f"{args.max_new_tokens} new tokens, {drafting}, {device.type} {str(dtype).replace('torch.', '')}"
+        f"{args.max_new_tokens} new tokens, {device.type} {str(dtype).replace('torch.', '')}"
     )
     plain_tps = next(tps for name, tps, _, _ in rows if name.startswith("runtime plain"))
     print(f"{'method':34s} {'tokens/s':>9s} {'vs plain':>9s} {'AL':>6s}  same tokens as plain")
