@@ -211,6 +211,22 @@ def resolve_resume(cfg: TrainConfig) -> Path | None:
     return None
 
 
+def check_resumable(checkpoint: Path, world: int) -> None:
+    """Refuse, before any compute, a resume the checkpoint cannot give: an optimizer saved in shards
+    (FSDP, DeepSpeed ZeRO: one optimizer-rank<i>.pt per process) loads only into as many processes.
+    A whole optimizer (optimizer.pt: one process, DDP) resumes with any process count."""
+    shards = sorted(checkpoint.glob("optimizer-rank*.pt"))
+    if not shards or (checkpoint / "optimizer.pt").is_file():
+        return
+    saved = json.loads((checkpoint / "trainer_state.json").read_text())["num_processes"]
+    if saved != world or len(shards) != saved:
+        raise ValueError(
+            f"{checkpoint} holds its optimizer sharded over {saved} processes ({len(shards)} optimizer-rank files; "
+            f"FSDP or DeepSpeed ZeRO) and this run has {world}: resume it with {saved} processes and the same "
+            f"accelerate config, or start a new run from its weights with init_from={checkpoint / 'head'}"
+        )
+
+
 def rng_state() -> dict:
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -601,6 +617,8 @@ def train(cfg: TrainConfig, build_head, objective, *, stop_at_step: int | None =
     """
     validate(cfg, load_target_config(cfg.target))  # before any compute
     resume_from = resolve_resume(cfg)
+    if resume_from is not None:
+        check_resumable(resume_from, int(os.environ.get("WORLD_SIZE", "1")))  # accelerate launch sets it
     run = set_up(cfg, build_head, resume_from)
     if resume_from is not None:
         restore(run, resume_from)

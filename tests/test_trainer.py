@@ -210,6 +210,27 @@ def test_resume_after_a_stop_continues_the_identical_loss_curve(store, smollm2, 
     assert init["eval_before"] == straight["eval_after"]
 
 
+def test_a_sharded_optimizer_resumes_only_with_its_process_count(store, tmp_path, monkeypatch):
+    """FSDP / ZeRO save one optimizer shard per process: another process count is refused before any
+    compute, naming the two ways on; a whole optimizer (optimizer.pt) resumes with any count."""
+    out = tmp_path / "run"
+    ckpt = out / "checkpoint-4"
+    ckpt.mkdir(parents=True)
+    for rank in (0, 1):
+        torch.save({}, ckpt / f"optimizer-rank{rank}.pt")
+    (ckpt / "trainer_state.json").write_text(json.dumps({"num_processes": 2, "step": 4}))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(
+        ValueError, match=r"sharded over 2 processes.*this run has 1: resume it with 2 processes.*init_from="
+    ):
+        run(config(store, out, "resume=auto"))
+    from eagle_train.trainer import check_resumable
+
+    check_resumable(ckpt, 2)  # the same count: fine
+    torch.save({}, ckpt / "optimizer.pt")
+    check_resumable(ckpt, 1)  # a whole optimizer: any count
+
+
 @pytest.mark.slow
 def test_two_processes_train_and_the_loss_decreases(store, tmp_path):
     """accelerate launch with 2 CPU processes (gloo): world size 2 inside the run, loss goes down."""
