@@ -231,7 +231,6 @@ def test_a_sharded_optimizer_resumes_only_with_its_process_count(store, tmp_path
     check_resumable(ckpt, 1)  # a whole optimizer: any count
 
 
-@pytest.mark.slow
 def test_two_processes_train_and_the_loss_decreases(store, tmp_path):
     """accelerate launch with 2 CPU processes (gloo): world size 2 inside the run, loss goes down."""
     out = tmp_path / "ddp"
@@ -274,7 +273,6 @@ def test_two_processes_train_and_the_loss_decreases(store, tmp_path):
     assert load_draft_head(out / "final").config.draft_vocab_size == DRAFT_VOCAB
 
 
-@pytest.mark.slow
 def test_resume_with_another_process_count_continues_the_run(store, tmp_path):
     """1 process x 2 accumulated micro-batches, stopped, resumed as 2 processes x 1: every step sees
     the same global batch, so the loss curve continues (equal up to float reduction order)."""
