@@ -139,7 +139,7 @@ def evaluate(args, write: bool = True):
     from eagle_train.checkpoint import load_draft_head
     from eagle_train.target import load_target, load_target_config
     from inference.drafting import TreeShape
-    from inference.evaluate import format_table, head_beats_ngram, load_bench, plot, run_prompt, summarise
+    from inference.evaluate import format_table, load_bench, plot, run_prompt, summarise_drafters
     from inference.generate import Runtime
     from inference.sampling import Sampler
 
@@ -189,10 +189,7 @@ def evaluate(args, write: bool = True):
     results, t0 = [], time.time()
     for prompt in tqdm(prompts, desc=f"eagle-eval {args.bench}", unit="prompt"):
         results.append(run_prompt(runtime, tokenizer, prompt, args.max_new_tokens, ngram))
-    summary = summarise(results, shape.depth)
-    if head is not None and ngram:
-        summary["ngram"] = summarise(results, ngram, "ngram")
-        summary["head_beats_ngram"] = head_beats_ngram(summary)
+    summary = summarise_drafters(results, shape.depth, ngram if head is not None else None)
     drafting = f"tree {shape.depth},{shape.topk},{shape.total}" if args.tree else f"chain K={shape.depth}"
     if parallel:
         drafting = f"parallel (P-EAGLE) K={shape.depth}"
@@ -321,29 +318,11 @@ def evaluate_llamacpp(args):
     return record
 
 
-def vllm_head_dir(draft, tmp: Path) -> tuple[Path, str]:
-    """(an export directory vLLM loads, "eagle3" or "peagle"): `draft` itself when it is one, else its
-    head exported in fp32 into `tmp`."""
-    from eagle_train.checkpoint import head_directory, load_draft_head
-    from eagle_train.export import export_head
-
-    directory = head_directory(draft)
-    config = json.loads((directory / "config.json").read_text())
-    if config.get("format") != "eagle-train-draft":  # an engine layout already
-        parallel = (
-            config.get("parallel_drafting") or (config.get("speculators_config") or {}).get("algorithm") == "peagle"
-        )
-        return directory, "peagle" if parallel else "eagle3"
-    head = load_draft_head(directory)
-    method = head.config.method
-    return export_head(head, tmp / "head", "peagle" if method == "peagle" else "eagle3", dtype="fp32"), method
-
-
 def evaluate_vllm(args, builtin: dict | None = None) -> dict:
     """The bench through vLLM: plain, the head and n-gram drafting (`--no-ngram` skips it) on the same
     prompts; turn 2 follows `builtin`'s answers when given (--engine all), else vLLM's plain answers."""
     from inference import vllm_engine
-    from inference.evaluate import format_table, head_beats_ngram, load_bench, summarise
+    from inference.evaluate import format_table, load_bench, summarise_drafters, turn_record
 
     if args.threads is not None:
         raise ValueError("--threads is for --engine llamacpp (vLLM binds its own threads)")
@@ -358,7 +337,8 @@ def evaluate_vllm(args, builtin: dict | None = None) -> dict:
     answers = [[t["answer"] for t in p["turns"]] for p in builtin["prompts"]] if builtin else None
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
-        head_dir, method = vllm_head_dir(args.draft, Path(tmp))
+        head_dir, _ = vllm_engine.export_dir(args.draft, tmp)
+        method = vllm_engine.method_of(head_dir)
         print(f"vLLM: plain, {method} head{'' if args.no_ngram else ', n-gram'} (one engine each) ...", flush=True)
         plain = vllm_engine.decode(args.target, conversations, args.max_new_tokens, None, answers)
         answers = answers or plain.answers
@@ -373,26 +353,17 @@ def evaluate_vllm(args, builtin: dict | None = None) -> dict:
     for i, prompt in enumerate(prompts):
         turns = []
         for j, base in enumerate(plain.conversations[i]):
-            spec = head.conversations[i][j]
-            turn = {
-                "prompt_tokens": len(base.prompt_ids),
-                "spec": vllm_engine.speculative_record(spec),
-                "plain": {"output_ids": base.output_ids, "forwards": len(base.output_ids), "seconds": base.seconds},
-                "identical": spec.output_ids == base.output_ids,
-                "answer": base.answer,
-            }
-            if ngram is not None:
-                lookup = ngram.conversations[i][j]
-                turn["ngram"] = {
-                    **vllm_engine.speculative_record(lookup),
-                    "identical": lookup.output_ids == base.output_ids,
-                }
-            turns.append(turn)
+            turns.append(
+                turn_record(
+                    len(base.prompt_ids),
+                    vllm_engine.speculative_record(head.conversations[i][j]),
+                    {"output_ids": base.output_ids, "forwards": len(base.output_ids), "seconds": base.seconds},
+                    base.answer,
+                    None if ngram is None else vllm_engine.speculative_record(ngram.conversations[i][j]),
+                )
+            )
         results.append({"question_id": prompt["question_id"], "category": prompt["category"], "turns": turns})
-    summary = summarise(results, k)
-    if ngram is not None:
-        summary["ngram"] = summarise(results, k, "ngram")
-        summary["head_beats_ngram"] = head_beats_ngram(summary)
+    summary = summarise_drafters(results, k, None if ngram is None else k)
     record = {
         "engine": "vllm",
         "vllm_version": plain.version,

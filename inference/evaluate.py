@@ -54,6 +54,11 @@ def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
     return tokenizer("\n\n".join(m["content"] for m in messages)).input_ids  # base models
 
 
+def chat_text(tokenizer, messages: list[dict]) -> str:
+    """The same prompt as text, byte for byte, for engines that tokenize it themselves (llama.cpp)."""
+    return tokenizer.decode(chat_ids(tokenizer, messages), clean_up_tokenization_spaces=False)
+
+
 def speculative_record(result) -> dict:
     """What a speculative decode leaves in the JSON: enough to recount AL and acceptance."""
     return {
@@ -63,6 +68,21 @@ def speculative_record(result) -> dict:
         "accepted": result.accepted,
         "seconds": result.seconds,
     }
+
+
+def turn_record(prompt_tokens: int, spec: dict, plain: dict, answer: str, ngram: dict | None = None) -> dict:
+    """One turn as `summarise` reads it, whichever engine decoded it: the head's ("spec") and prompt
+    lookup's ("ngram", when run) speculative records beside plain decoding's."""
+    turn = {
+        "prompt_tokens": prompt_tokens,
+        "spec": spec,
+        "plain": plain,
+        "identical": spec["output_ids"] == plain["output_ids"],
+        "answer": answer,
+    }
+    if ngram is not None:
+        turn["ngram"] = {**ngram, "identical": ngram["output_ids"] == plain["output_ids"]}
+    return turn
 
 
 def run_prompt(runtime, tokenizer, prompt: dict, max_new_tokens: int, ngram: int | None = None) -> dict:
@@ -78,16 +98,9 @@ def run_prompt(runtime, tokenizer, prompt: dict, max_new_tokens: int, ngram: int
         plain = runtime.generate_plain(ids, max_new_tokens)
         answer = tokenizer.decode(spec.output_ids, skip_special_tokens=True)
         messages.append({"role": "assistant", "content": answer})
-        turn = {
-            "prompt_tokens": len(ids),
-            "spec": speculative_record(spec),
-            "plain": {"output_ids": plain.output_ids, "forwards": plain.forwards, "seconds": plain.seconds},
-            "identical": spec.output_ids == plain.output_ids,
-            "answer": answer,
-        }
-        if lookup is not None:
-            turn["ngram"] = {**speculative_record(lookup), "identical": lookup.output_ids == plain.output_ids}
-        turns.append(turn)
+        plain_record = {"output_ids": plain.output_ids, "forwards": plain.forwards, "seconds": plain.seconds}
+        lookup_record = None if lookup is None else speculative_record(lookup)
+        turns.append(turn_record(len(ids), speculative_record(spec), plain_record, answer, lookup_record))
     return {"question_id": prompt["question_id"], "category": prompt["category"], "turns": turns}
 
 
@@ -151,6 +164,15 @@ def format_table(summary: dict, title: str) -> str:
             )
         lines.append("  " + head_vs_ngram(s))
     return "\n".join(lines)
+
+
+def summarise_drafters(results: list[dict], depth: int, ngram: int | None) -> dict:
+    """`summarise` of the head, with prompt lookup's beside it (and the verdict) when it was run."""
+    summary = summarise(results, depth)
+    if ngram:
+        summary["ngram"] = summarise(results, ngram, "ngram")
+        summary["head_beats_ngram"] = head_beats_ngram(summary)
+    return summary
 
 
 def head_beats_ngram(summary: dict) -> bool:

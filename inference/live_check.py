@@ -451,13 +451,10 @@ def llamacpp_run(file: Path, target: str, questions: list[str], k: int, n: int, 
     """(tokens per forward pooled over the prompts, how many speculative texts equal plain decoding's)."""
     from eagle_train.target import load_tokenizer, target_gguf
     from inference import llamacpp
-    from inference.evaluate import chat_ids
+    from inference.evaluate import chat_text
 
     tokenizer = load_tokenizer(target)
-    texts = [
-        tokenizer.decode(chat_ids(tokenizer, [{"role": "user", "content": q}]), clean_up_tokenization_spaces=False)
-        for q in questions
-    ]
+    texts = [chat_text(tokenizer, [{"role": "user", "content": q}]) for q in questions]
     try:
         runs = llamacpp.measure(target_gguf(target), file, texts, k, n, threads)
     except llamacpp.LlamaCppError as e:
@@ -478,20 +475,16 @@ def vllm_missing() -> str:
 
 
 def vllm_prepare(artifact: Path, target: str, source, tmp: Path):
-    """(the directory vLLM loads, the head it should hold or None): a training checkpoint is exported
-    first, in fp32 (eagle3, or peagle for a P-EAGLE head)."""
-    from eagle_train.checkpoint import head_directory, load_draft_head
-    from eagle_train.export import export_head
-    from eagle_train.export.engines import DraftFiles
+    """(the directory vLLM loads, the head it should hold or None): a training checkpoint is exported first."""
+    from eagle_train.checkpoint import load_draft_head
+    from inference import vllm_engine
 
-    directory = head_directory(artifact)
-    if DraftFiles(directory).config.get("format") != "eagle-train-draft":
+    directory, head = vllm_engine.export_dir(artifact, tmp)
+    if head is None:
         return directory, load_draft_head(Path(source)) if source else None
     if source:
         raise ValueError("--source names the head an export came from; a training checkpoint is its own source")
-    head = load_draft_head(directory)
-    layout = "peagle" if head.config.method == "peagle" else "eagle3"
-    return export_head(head, tmp / "export", layout, dtype="fp32"), head
+    return directory, head
 
 
 def vllm_static(directory: Path, target: str, source_head) -> list[Finding]:
@@ -558,7 +551,7 @@ def vllm_run(directory: Path, target: str, questions: list[str], k: int, n: int,
     """(tokens per forward pooled over the prompts, how many speculative outputs equal plain decoding's)."""
     from inference import vllm_engine
 
-    method = "peagle" if vllm_is_parallel(directory) else "eagle3"
+    method = vllm_engine.method_of(directory)
     conversations = [[q] for q in questions]
     try:
         plain = vllm_engine.decode(target, conversations, n)
@@ -569,13 +562,6 @@ def vllm_run(directory: Path, target: str, questions: list[str], k: int, n: int,
     forwards = sum(len(vllm_engine.rounds(t)) for t, _ in turns)
     pooled = Pooled(forwards + sum(t.accepted for t, _ in turns), forwards)
     return pooled, sum(t.output_ids == p.output_ids for t, p in turns)
-
-
-def vllm_is_parallel(directory: Path) -> bool:
-    from eagle_train.export.engines import DraftFiles, is_parallel
-
-    files = DraftFiles(directory)
-    return is_parallel(files.config, files.meta)
 
 
 @dataclass(frozen=True)

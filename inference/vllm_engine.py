@@ -58,6 +58,30 @@ def speculative(method: str, head_dir, k: int) -> dict:
     return config
 
 
+def export_dir(draft, tmp: Path):
+    """(the export directory vLLM loads for `draft`, the head when `draft` is a training checkpoint or
+    None): an engine-layout directory is used as it is, a checkpoint is exported in fp32 into `tmp`
+    (eagle3, or peagle for a P-EAGLE head)."""
+    from eagle_train.checkpoint import head_directory, load_draft_head
+    from eagle_train.export import export_head
+    from eagle_train.export.engines import DraftFiles
+
+    directory = head_directory(draft)
+    if DraftFiles(directory).config.get("format") != "eagle-train-draft":
+        return directory, None
+    head = load_draft_head(directory)
+    layout = "peagle" if head.config.method == "peagle" else "eagle3"
+    return export_head(head, Path(tmp) / "export", layout, dtype="fp32"), head
+
+
+def method_of(directory) -> str:
+    """The `speculative()` method an export directory drafts with: peagle (parallel drafting) or eagle3."""
+    from eagle_train.export.engines import DraftFiles, is_parallel
+
+    files = DraftFiles(directory)
+    return "peagle" if is_parallel(files.config, files.meta) else "eagle3"
+
+
 @dataclass
 class Turn:
     prompt_ids: list[int]

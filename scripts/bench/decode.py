@@ -58,20 +58,19 @@ def hf_generate(model, prompt, max_new_tokens, eos):
 def vllm_rows(args, questions):
     """vLLM plain, with the head (chain K, exported to a temporary directory) and with n-gram drafting."""
     import tempfile
-    from pathlib import Path
 
     from inference import vllm_engine
-    from inference.cli import vllm_head_dir
 
     if args.random_llama:
         raise SystemExit("--vllm runs a real target: leave out --random-llama")
     conversations = [[q] for q in questions]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        head_dir, method = vllm_head_dir(args.draft, Path(tmp)) if args.draft else (None, None)
         configs = [("plain", None), ("n-gram", vllm_engine.speculative("ngram", None, args.chain))]
-        if head_dir is not None:
-            configs.insert(1, (f"head chain K={args.chain}", vllm_engine.speculative(method, head_dir, args.chain)))
+        if args.draft:
+            head_dir, _ = vllm_engine.export_dir(args.draft, tmp)
+            spec = vllm_engine.speculative(vllm_engine.method_of(head_dir), head_dir, args.chain)
+            configs.insert(1, (f"head chain K={args.chain}", spec))
         for name, spec in configs:
             run = vllm_engine.decode(args.target, conversations, args.max_new_tokens, spec)
             turns = [c[0] for c in run.conversations]

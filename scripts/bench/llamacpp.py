@@ -28,9 +28,7 @@ from eagle_train.checkpoint import load_draft_head
 from eagle_train.export.gguf import export_gguf
 from eagle_train.target import SMOLLM2, cache_dir, load_tokenizer, resolve_target, target_gguf
 from inference import llamacpp
-from inference.evaluate import chat_ids, load_bench
-
-BENCHES = ("mt_bench", "humaneval", "gsm8k")
+from inference.evaluate import BENCHES, chat_text, load_bench
 
 
 def target_file(name: str) -> Path:
@@ -42,11 +40,12 @@ def target_file(name: str) -> Path:
 
 
 def first_turns(tokenizer, num_prompts: int) -> dict[str, list[str]]:
-    def templated(text):
-        ids = chat_ids(tokenizer, [{"role": "user", "content": text}])
-        return tokenizer.decode(ids, clean_up_tokenization_spaces=False)
-
-    return {bench: [templated(p["turns"][0]) for p in load_bench(bench, num_prompts)] for bench in BENCHES}
+    return {
+        bench: [
+            chat_text(tokenizer, [{"role": "user", "content": p["turns"][0]}]) for p in load_bench(bench, num_prompts)
+        ]
+        for bench in BENCHES
+    }
 
 
 def pooled(runs: list, plain: list) -> dict:
