@@ -23,6 +23,7 @@ from eagle_train.checkpoint import load_draft_head
 from eagle_train.fused_ce import soft_cross_entropy
 from eagle_train.peagle import PEagleHead, choose_mask_token_id
 from eagle_train.target import load_tokenizer
+from eagle_train.train_config import launched_with_deepspeed
 
 
 def build_peagle_head(cfg, target_model, vocab_map: dict | None) -> PEagleHead:
@@ -61,6 +62,11 @@ def validate_peagle(cfg, target_config) -> None:
         raise ValueError(f"num_depths (K, drafts per forward) must be >= 2, got {cfg.num_depths}")
     if cfg.num_segments is not None and cfg.num_segments < 1:
         raise ValueError(f"num_segments must be >= 1 (or null for the default), got {cfg.num_segments}")
+    if launched_with_deepspeed() and segments_for(cfg) > 1:
+        raise ValueError(
+            f"P-EAGLE runs one backward per sequence segment ({segments_for(cfg)} here) and DeepSpeed steps its "
+            "optimizer inside every backward: set num_segments=1, or train with DDP or FSDP"
+        )
     if cfg.draft_num_layers is not None and cfg.draft_num_layers < 1:
         raise ValueError(f"draft_num_layers must be >= 1 (or null for the default), got {cfg.draft_num_layers}")
     if cfg.mask_token_id is not None and not 0 <= cfg.mask_token_id < vocab:
@@ -107,8 +113,8 @@ def segment_loss(head, seg: pb.Elements, batch, total):
 
 class PEagleObjective:
     """`num_segments`: sequence partition count (1 = no partitioning; see
-    `peagle_batch.default_num_segments`). Depth sampling draws from torch's global RNG, which the
-    trainer seeds and checkpoints."""
+    `peagle_batch.default_num_segments`). Depth sampling draws from the batch's `generator` (the
+    trainer seeds one per micro-batch: `trainer.draw_seed`), else from torch's global RNG."""
 
     def __init__(self, num_depths: int, num_segments: int = 1):
         if num_segments < 1:
@@ -120,7 +126,9 @@ class PEagleObjective:
 
     def __call__(self, model, batch, backward):
         loss_mask = batch["loss_mask"].bool()
-        elements = pb.build_elements(loss_mask, batch["in_draft"], batch_lengths(batch), self.num_depths)
+        elements = pb.build_elements(
+            loss_mask, batch["in_draft"], batch_lengths(batch), self.num_depths, batch.get("generator")
+        )
         total = elements.supervised.sum().clamp(min=1)
         segments = pb.partition(elements, self.num_segments, loss_mask.shape[1])
         device = loss_mask.device

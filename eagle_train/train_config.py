@@ -6,6 +6,7 @@ has is a field below, so an unknown key is a typo and is refused with the list o
 
 import dataclasses
 import importlib.util
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -70,6 +71,7 @@ class TrainConfig:
     report_to: str = "tensorboard"  # falls back to none when tensorboard is not installed
     run_name: str = ""
     resume: str = ""  # "", "auto" (latest checkpoint in output_dir) or a checkpoint dir
+    stop_after_step: int = 0  # > 0: checkpoint and exit after that step (a job's time slice); resume=auto goes on
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -181,6 +183,11 @@ def config_from_command_line(description: str, method: str, argv=None) -> TrainC
     return cfg
 
 
+def launched_with_deepspeed() -> bool:
+    """`accelerate launch` with a DeepSpeed config sets this before any process starts."""
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() in ("1", "true", "yes")
+
+
 def validate(cfg: TrainConfig, target_config) -> None:
     """Every check that needs no compute: raise ValueError/FileNotFoundError naming the fix.
 
@@ -211,6 +218,12 @@ def validate(cfg: TrainConfig, target_config) -> None:
         "would not fit a micro-batch; raise tokens_per_batch or lower max_length",
     )
     need(cfg.gradient_accumulation_steps >= 1, "gradient_accumulation_steps must be >= 1")
+    need(
+        cfg.gradient_accumulation_steps == 1 or not launched_with_deepspeed(),
+        "DeepSpeed steps its optimizer inside every backward: use gradient_accumulation_steps=1 "
+        "(raise tokens_per_batch or the process count instead), or DDP/FSDP",
+    )
+    need(cfg.stop_after_step >= 0, f"stop_after_step must be >= 0 (0: run to the end), got {cfg.stop_after_step}")
     need(0 <= cfg.eval_fraction < 1, f"eval_fraction must be in [0, 1), got {cfg.eval_fraction}")
     need(cfg.learning_rate > 0, f"learning_rate must be > 0, got {cfg.learning_rate}")
     need(0 <= cfg.min_lr_ratio <= 1, f"min_lr_ratio must be in [0, 1], got {cfg.min_lr_ratio}")

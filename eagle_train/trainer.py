@@ -9,7 +9,8 @@
   every forward must go through it); `backward(loss)` is `accelerator.backward` scaled for
   gradient accumulation. An objective may run several forward+backward passes (P-EAGLE's sequence
   partitioning). `batch` holds `input_ids` [B,T], `loss_mask` [B,T], `aux_hidden` [B,T,3H],
-  `target_probs` [B,T,Vd] and `in_draft` [B,T] (`eagle_train.ttt.target_distribution`). The
+  `target_probs` [B,T,Vd], `in_draft` [B,T] (`eagle_train.ttt.target_distribution`) and the
+  `generator` for any random draws, seeded per micro-batch (`draw_seed`). The
   returned metrics are detached scalars; `acc_i` / `loss_i` are pooled weighted by `count_i`,
   anything else averaged, and `sim_al` is derived from the `acc_i`.
 
@@ -42,7 +43,7 @@ from eagle_train.batching import epoch_batches, pack_by_length
 from eagle_train.hidden_states import target_hidden_states
 from eagle_train.store import ShardedSamples, read_manifest, read_vocab_map
 from eagle_train.target import load_target, load_target_config
-from eagle_train.train_config import TrainConfig, validate
+from eagle_train.train_config import TrainConfig, launched_with_deepspeed, validate
 from eagle_train.ttt import simulated_acceptance_length, target_distribution
 from eagle_train.vocab_map import top_k_vocab_map
 
@@ -71,23 +72,31 @@ def pad_samples(samples: list[dict], max_length: int) -> dict[str, torch.Tensor]
     return out
 
 
-class MicroBatches(torch.utils.data.Dataset):
-    """Item k = micro-batch k of a list, padded; lets a DataLoader prefetch them in workers."""
+def draw_seed(seed: int, epoch: int, index: int) -> int:
+    """The seed of micro-batch `index` of `epoch` (-1: the eval batches) for an objective's random
+    draws: a function of the run and the batch, never of the process layout, so 2 processes or a
+    resume with another count draw what 1 process draws."""
+    return hash((seed, epoch, index)) % 2**63  # int tuples hash the same in every process
 
-    def __init__(self, data: ShardedSamples, batches: list[list[int]], max_length: int, with_hidden: bool):
-        self.data, self.batches, self.max_length, self.with_hidden = data, batches, max_length, with_hidden
+
+class MicroBatches(torch.utils.data.Dataset):
+    """Item k = micro-batch k of a list, padded, with its draw seed; lets a DataLoader prefetch them in workers."""
+
+    def __init__(self, data: ShardedSamples, batches: list[list[int]], seeds: list[int], max_length: int, with_hidden):
+        self.data, self.batches, self.seeds = data, batches, seeds
+        self.max_length, self.with_hidden = max_length, with_hidden
 
     def __len__(self):
         return len(self.batches)
 
     def __getitem__(self, k):
         read = self.data.__getitem__ if self.with_hidden else self.data.tokens
-        return pad_samples([read(i) for i in self.batches[k]], self.max_length)
+        return {**pad_samples([read(i) for i in self.batches[k]], self.max_length), "draw_seed": self.seeds[k]}
 
 
-def loader(data, batches, cfg: TrainConfig, with_hidden: bool):
+def loader(data, batches, seeds, cfg: TrainConfig, with_hidden: bool):
     return torch.utils.data.DataLoader(
-        MicroBatches(data, batches, cfg.max_length, with_hidden),
+        MicroBatches(data, batches, seeds, cfg.max_length, with_hidden),
         batch_size=None,
         shuffle=False,
         num_workers=cfg.num_workers,
@@ -135,6 +144,7 @@ class BatchSource:
             "aux_hidden": aux.float(),
             "target_probs": probs,
             "in_draft": in_draft,
+            "generator": torch.Generator().manual_seed(padded["draw_seed"]),
         }
 
 
@@ -344,16 +354,33 @@ def summary(metrics: dict, steps: int = 3) -> str:
 
 
 def make_accelerator(cfg: TrainConfig):
-    from accelerate import Accelerator
+    """The Accelerator of `accelerate launch`'s config, with precision and clipping from the run config.
+
+    Under DeepSpeed the head keeps fp32 weights and bf16 runs as autocast (DeepSpeed's torch_autocast),
+    as under DDP and FSDP, and DeepSpeed clips to max_grad_norm itself inside backward. Accelerate
+    finds no DeepSpeed backend on a machine without CUDA unless told gloo (DeepSpeed's CPU accelerator)."""
+    from accelerate import Accelerator, InitProcessGroupKwargs
 
     cuda = torch.cuda.is_available()
     mixed = cfg.mixed_precision if cfg.mixed_precision != "auto" else ("bf16" if cuda else "no")
-    accelerator = Accelerator(cpu=not cuda, mixed_precision=mixed)
-    if accelerator.distributed_type.value == "DEEPSPEED" and cfg.gradient_accumulation_steps != 1:
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and not cuda:
         raise ValueError(
-            "DeepSpeed steps its optimizer inside every backward: use gradient_accumulation_steps=1 "
-            "(raise tokens_per_batch or the process count instead), or DDP/FSDP"
+            "this launch asks for FSDP, which accelerate runs on GPUs only: without one it would silently train "
+            "plain DDP, every process holding the whole head and optimizer. Here, launch with --multi_gpu (DDP "
+            "over gloo) or configs/accelerate/deepspeed_zero2.yaml / deepspeed_zero3.yaml (ZeRO shards on the CPU too)"
         )
+    if not launched_with_deepspeed():
+        return Accelerator(cpu=not cuda, mixed_precision=mixed)
+    accelerator = Accelerator(
+        mixed_precision="no", kwargs_handlers=[] if cuda else [InitProcessGroupKwargs(backend="gloo")]
+    )
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()  # ZeRO-3 partitions the head only: the frozen target loads whole
+    ds = accelerator.state.deepspeed_plugin.deepspeed_config
+    ds["bf16"] = {"enabled": False}
+    ds["torch_autocast"] = {"enabled": mixed == "bf16", "dtype": "bfloat16"}
+    ds["gradient_clipping"] = cfg.max_grad_norm
     return accelerator
 
 
@@ -419,11 +446,22 @@ def set_up(cfg: TrainConfig, build_head, resume_from: Path | None) -> Run:
     train_ids, eval_ids = split_indices(len(data), cfg.eval_fraction, cfg.seed)
     head, source = build_model(cfg, build_head, resume_from, accelerator.device)
 
-    model = accelerator.prepare(HeadRunner(head))
+    runner = HeadRunner(head)
+
+    def adamw(module):
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        return torch.optim.AdamW(
+            trainable, lr=cfg.learning_rate, betas=tuple(cfg.adam_betas), weight_decay=cfg.weight_decay
+        )
+
+    if launched_with_deepspeed():  # deepspeed.initialize takes the model and its optimizer together
+        raw_optimizer = adamw(runner)
+        model, optimizer = accelerator.prepare(runner, raw_optimizer)
+    else:  # FSDP replaces the parameters when it wraps: the optimizer must see the wrapped ones
+        model = accelerator.prepare(runner)
+        raw_optimizer = adamw(model)
+        optimizer = accelerator.prepare(raw_optimizer)
     params = [p for p in model.parameters() if p.requires_grad]
-    raw_optimizer = torch.optim.AdamW(
-        params, lr=cfg.learning_rate, betas=tuple(cfg.adam_betas), weight_decay=cfg.weight_decay
-    )
     world, accum = accelerator.num_processes, cfg.gradient_accumulation_steps
     per_step = world * accum
     epochs = [epoch_batches(train_ids, lengths, cfg.tokens_per_batch, cfg.seed, e) for e in range(cfg.num_epochs)]
@@ -437,7 +475,6 @@ def set_up(cfg: TrainConfig, build_head, resume_from: Path | None) -> Run:
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         raw_optimizer, cosine_with_warmup(cfg.warmup_steps, total_steps, cfg.min_lr_ratio)
     )
-    optimizer = accelerator.prepare(raw_optimizer)
     state = {
         "step": 0,
         "epoch": 0,
@@ -471,10 +508,16 @@ def restore(run: Run, checkpoint: Path) -> None:
     rank = run.accelerator.process_index
     saved = json.loads((checkpoint / "trainer_state.json").read_text())
     run.state.update({k: saved[k] for k in ("step", "epoch", "epoch_samples", "samples_consumed", "tokens_consumed")})
-    optim_file = checkpoint / "optimizer.pt"
-    if not optim_file.is_file():
-        optim_file = checkpoint / f"optimizer-rank{rank}.pt"
-    run.optimizer.load_state_dict(torch.load(optim_file, map_location="cpu", weights_only=False))
+    if (checkpoint / "optimizer.pt").is_file():
+        optim_state = torch.load(checkpoint / "optimizer.pt", map_location="cpu", weights_only=False)
+    elif run.accelerator.distributed_type.value == "DEEPSPEED":  # ZeRO reads its own entry of every rank's list
+        optim_state = [
+            torch.load(checkpoint / f"optimizer-rank{r}.pt", map_location="cpu", mmap=True, weights_only=False)
+            for r in range(saved["num_processes"])
+        ]
+    else:
+        optim_state = torch.load(checkpoint / f"optimizer-rank{rank}.pt", map_location="cpu", weights_only=False)
+    run.optimizer.load_state_dict(optim_state)
     run.scheduler.load_state_dict(torch.load(checkpoint / "scheduler.pt", weights_only=False))
     if (checkpoint / f"rng-rank{rank}.pt").is_file():
         set_rng_state(torch.load(checkpoint / f"rng-rank{rank}.pt", weights_only=False))
@@ -508,8 +551,14 @@ def epoch_steps(run: Run):
         batches[s : s + run.per_step] for s in range(0, len(batches) // run.per_step * run.per_step, run.per_step)
     ]
     world, rank = run.accelerator.num_processes, run.accelerator.process_index
-    mine = [b for group in groups for b in group[rank::world]]
-    return groups, iter(loader(run.data, mine, cfg, not run.source.online))
+    mine = [
+        (skip + s * run.per_step + j, b)
+        for s, group in enumerate(groups)
+        for j, b in enumerate(group)
+        if j % world == rank
+    ]
+    seeds = [draw_seed(cfg.seed, e, index) for index, _ in mine]
+    return groups, iter(loader(run.data, [b for _, b in mine], seeds, cfg, not run.source.online))
 
 
 def optimizer_step(run: Run, objective, group: list[list[int]], stream) -> dict:
@@ -530,6 +579,8 @@ def optimizer_step(run: Run, objective, group: list[list[int]], stream) -> dict:
         with sync:
             per_batch.append(objective(run.model, run.source(padded), backward))
     grad_norm = accelerator.clip_grad_norm_(run.params, cfg.max_grad_norm) if cfg.max_grad_norm > 0 else None
+    if accelerator.distributed_type.value == "DEEPSPEED":  # it clipped (and stepped) inside backward
+        grad_norm = run.model.get_global_grad_norm()
     run.optimizer.step()
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
@@ -557,11 +608,12 @@ def evaluate(run: Run, objective, reporter: Reporter, when: str) -> dict | None:
     w, r = accelerator.num_processes, accelerator.process_index
     mine = batches[r::w]
     rounds = math.ceil(len(batches) / w)
+    seeds = [draw_seed(run.cfg.seed, -1, k) for k in range(len(batches))][r::w]
     results = []
+    padding = rounds - len(mine)
+    stream = loader(run.data, mine + batches[:1] * padding, seeds + seeds[:1] * padding, run.cfg, not run.source.online)
     with torch.no_grad():
-        for k, padded in enumerate(
-            loader(run.data, mine + batches[:1] * (rounds - len(mine)), run.cfg, not run.source.online)
-        ):
+        for k, padded in enumerate(stream):
             metrics = objective(run.model, run.source(padded), lambda loss: None)
             if k < len(mine):
                 results.append(metrics)
@@ -610,10 +662,11 @@ def warn_idle_cores(accelerator, world: int) -> None:
         )
 
 
-def train(cfg: TrainConfig, build_head, objective, *, stop_at_step: int | None = None) -> dict:
+def train(cfg: TrainConfig, build_head, objective) -> dict:
     """Run (or resume) training; returns {"history", "eval_before", "eval_after", "checkpoint", "world_size"}.
 
-    `stop_at_step` ends the run right after that step's checkpoint, as a kill would (for tests).
+    `cfg.stop_after_step` ends this invocation right after that step's checkpoint, as a kill would:
+    the schedule stays that of the whole run, and `resume=auto` continues it.
     """
     validate(cfg, load_target_config(cfg.target))  # before any compute
     resume_from = resolve_resume(cfg)
@@ -635,9 +688,9 @@ def train(cfg: TrainConfig, build_head, objective, *, stop_at_step: int | None =
     if state["step"] == 0:
         result["eval_before"] = evaluate(run, objective, reporter, "before training")
 
-    # stopping at stop_at_step is a kill right after that step's checkpoint: no final eval, no final head
-    stopping = stop_at_step is not None and state["step"] < stop_at_step <= run.total_steps
-    end = stop_at_step if stopping else run.total_steps
+    # stopping is a kill right after that step's checkpoint: no final eval, no final head
+    stopping = state["step"] < cfg.stop_after_step < run.total_steps
+    end = cfg.stop_after_step if stopping else run.total_steps
     bar = tqdm(total=run.total_steps, initial=state["step"], disable=not run.accelerator.is_main_process, desc="train")
     last_saved = None
     while state["step"] < end:

@@ -136,6 +136,45 @@ def small_store(tmp_path_factory, small_tokenized, smollm2):
     return path
 
 
+TRAIN_DRAFT_VOCAB = 256  # keeps the draft lm_head (the head's largest matmul) small on the CPU
+
+
+def with_train_vocab_map(path):
+    from data_prep.vocab import make_vocab_map
+
+    make_vocab_map(path, 49152, TRAIN_DRAFT_VOCAB)
+    return path
+
+
+@pytest.fixture(scope="session")
+def train_tokenized(tmp_path_factory, small_tokenized):
+    """A private copy of the tokenized conversations with a 256-token draft vocabulary."""
+    import shutil
+
+    path = tmp_path_factory.mktemp("trainer") / "tokenized"
+    shutil.copytree(small_tokenized, path)
+    return with_train_vocab_map(path)
+
+
+@pytest.fixture(scope="session")
+def train_store(tmp_path_factory, train_tokenized, smollm2):
+    """fp32 hidden-state store of the same conversations, captured by data_prep (same vocab map)."""
+    from data_prep.capture import capture
+
+    path = tmp_path_factory.mktemp("trainer") / "store"
+    capture(
+        smollm2[0],
+        train_tokenized,
+        path,
+        target_name="smollm2-135m",
+        dtype="float32",
+        token_budget=512,
+        pad_id=smollm2[1].pad_token_id,
+        progress=False,
+    )
+    return with_train_vocab_map(path)
+
+
 class EagerStep:
     """Stands in for the runtime's GraphedStep: same calls, no capture."""
 

@@ -1,15 +1,12 @@
-"""The trainer on the real SmolLM2 target: config errors before compute, offline == online, exact
-resume, init_from, checkpoints that load, and 2-process training (accelerate launch, gloo)."""
+"""The trainer on the real SmolLM2 target in one process: config errors before compute, offline ==
+online, exact resume, init_from, checkpoints that load. Two processes: tests/test_distributed.py."""
 
 import json
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import TRAIN_DRAFT_VOCAB
 
 from eagle_train.batching import epoch_batches
 from eagle_train.checkpoint import load_draft_head
@@ -18,41 +15,6 @@ from eagle_train.train_config import load_train_config
 from eagle_train.trainer import train
 
 REPO = Path(__file__).resolve().parents[1]
-DRAFT_VOCAB = 256  # keeps the draft lm_head (the head's largest matmul) small on the CPU
-
-
-def with_small_vocab_map(path):
-    from data_prep.vocab import make_vocab_map
-
-    make_vocab_map(path, 49152, DRAFT_VOCAB)
-    return path
-
-
-@pytest.fixture(scope="module")
-def tokenized(tmp_path_factory, small_tokenized):
-    """A private copy of the tokenized conversations with a 256-token draft vocabulary."""
-    path = tmp_path_factory.mktemp("trainer") / "tokenized"
-    shutil.copytree(small_tokenized, path)
-    return with_small_vocab_map(path)
-
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory, tokenized, smollm2):
-    """fp32 hidden-state store of the same conversations, captured by data_prep (same vocab map)."""
-    from data_prep.capture import capture
-
-    path = tmp_path_factory.mktemp("trainer") / "store"
-    capture(
-        smollm2[0],
-        tokenized,
-        path,
-        target_name="smollm2-135m",
-        dtype="float32",
-        token_budget=512,
-        pad_id=smollm2[1].pad_token_id,
-        progress=False,
-    )
-    return with_small_vocab_map(path)
 
 
 def config(data_path, out, *overrides):
@@ -115,36 +77,36 @@ def test_overrides_are_typed_and_unknown_keys_name_the_valid_ones():
         (["mode=streaming"], ValueError, "mode 'streaming' is not one of"),
     ],
 )
-def test_bad_runs_fail_before_any_compute(monkeypatch, store, tmp_path, overrides, error, match):
+def test_bad_runs_fail_before_any_compute(monkeypatch, train_store, tmp_path, overrides, error, match):
     def no_compute(*args, **kwargs):
         raise AssertionError("the target was loaded before the config was checked")
 
     monkeypatch.setattr("eagle_train.trainer.load_target", no_compute)
     with pytest.raises(error, match=match):
-        run(config(store, tmp_path, *overrides))
+        run(config(train_store, tmp_path, *overrides))
 
 
 def test_a_store_from_another_target_or_a_dataset_without_hidden_states_is_refused(
-    monkeypatch, store, tokenized, tiny_llama_dir, tmp_path
+    monkeypatch, train_store, train_tokenized, tiny_llama_dir, tmp_path
 ):
     monkeypatch.setattr("eagle_train.trainer.load_target", lambda *a, **k: pytest.fail("target loaded"))
     with pytest.raises(ValueError, match="does not match target"):
-        run(config(store, tmp_path, f"target={tiny_llama_dir}"))
+        run(config(train_store, tmp_path, f"target={tiny_llama_dir}"))
     with pytest.raises(ValueError, match="tokenized dataset without hidden states: train with mode=online"):
-        run(config(tokenized, tmp_path, "mode=offline"))
+        run(config(train_tokenized, tmp_path, "mode=offline"))
 
 
-def test_a_fresh_run_refuses_an_output_dir_with_checkpoints(monkeypatch, store, tmp_path):
+def test_a_fresh_run_refuses_an_output_dir_with_checkpoints(monkeypatch, train_store, tmp_path):
     monkeypatch.setattr("eagle_train.trainer.load_target", lambda *a, **k: pytest.fail("target loaded"))
     (tmp_path / "checkpoint-3").mkdir()
     (tmp_path / "checkpoint-3" / "trainer_state.json").write_text("{}")
     with pytest.raises(ValueError, match="holds checkpoints of an earlier run: continue it with resume=auto"):
-        run(config(store, tmp_path))
+        run(config(train_store, tmp_path))
 
 
-def test_offline_and_online_training_give_the_same_step0_loss(store, tokenized, tmp_path):
-    offline = run(config(store, tmp_path / "off", "max_steps=1", "draft_vocab_size=128"))
-    online = run(config(tokenized, tmp_path / "on", "max_steps=1", "mode=online", "draft_vocab_size=128"))
+def test_offline_and_online_training_give_the_same_step0_loss(train_store, train_tokenized, tmp_path):
+    offline = run(config(train_store, tmp_path / "off", "max_steps=1", "draft_vocab_size=128"))
+    online = run(config(train_tokenized, tmp_path / "on", "max_steps=1", "mode=online", "draft_vocab_size=128"))
     a, b = offline["history"][0], online["history"][0]
     assert a["count_0"] == b["count_0"] > 10
     assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
@@ -152,16 +114,16 @@ def test_offline_and_online_training_give_the_same_step0_loss(store, tokenized, 
     assert a["loss"] > 0
 
 
-def test_a_smaller_draft_vocab_keeps_the_most_frequent_ids(store):
+def test_a_smaller_draft_vocab_keeps_the_most_frequent_ids(train_store):
     from data_prep.vocab import build_vocab_map
     from eagle_train.store import read_vocab_map
     from eagle_train.trainer import vocab_map_of_size
 
-    vmap = read_vocab_map(store)
+    vmap = read_vocab_map(train_store)
     small = vocab_map_of_size(vmap, 100)
     reference = build_vocab_map(vmap["counts"], 100)  # what data_prep would have written
     assert torch.equal(small["d2t"], reference["d2t"]) and torch.equal(small["t2d"], reference["t2d"])
-    assert vocab_map_of_size(vmap, DRAFT_VOCAB) is vmap
+    assert vocab_map_of_size(vmap, TRAIN_DRAFT_VOCAB) is vmap
 
 
 def test_batches_are_length_grouped_within_budget_and_seeded():
@@ -173,13 +135,13 @@ def test_batches_are_length_grouped_within_budget_and_seeded():
     assert batches != epoch_batches(list(range(10)), lengths, 128, seed=3, epoch=1)
 
 
-def test_resume_after_a_stop_continues_the_identical_loss_curve(store, smollm2, tmp_path):
+def test_resume_after_a_stop_continues_the_identical_loss_curve(train_store, smollm2, tmp_path):
     overrides = ["num_epochs=2", "eval_fraction=0.2"]
-    straight = run(config(store, tmp_path / "a", *overrides))
+    straight = run(config(train_store, tmp_path / "a", *overrides))
     n = len(straight["history"])
     assert n >= 6
     stop = n // 2 + 1  # mid-epoch, off the save_every grid: the stop writes its own checkpoint
-    first = run(config(store, tmp_path / "b", *overrides, "save_every=2"), stop_at_step=stop)
+    first = run(config(train_store, tmp_path / "b", *overrides, "save_every=2", f"stop_after_step={stop}"))
     ckpt = first["checkpoint"]
     assert ckpt.name == f"checkpoint-{stop}"
     assert {p.name for p in ckpt.iterdir()} == {
@@ -191,7 +153,7 @@ def test_resume_after_a_stop_continues_the_identical_loss_curve(store, smollm2, 
     }
     saved = json.loads((ckpt / "trainer_state.json").read_text())
     assert saved["step"] == stop and saved["num_processes"] == 1 and saved["samples_consumed"] > 0
-    resumed = run(config(store, tmp_path / "b", *overrides, "resume=auto"))
+    resumed = run(config(train_store, tmp_path / "b", *overrides, "resume=auto"))
     assert losses(first) == losses(straight)[:stop]
     assert losses(resumed) == losses(straight)[stop:]  # bit-identical on CPU, fp32
     assert resumed["eval_after"] == straight["eval_after"]
@@ -206,11 +168,11 @@ def test_resume_after_a_stop_continues_the_identical_loss_curve(store, smollm2, 
     assert head.embed_tokens.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
 
     # init_from that head: training starts exactly where it ended
-    init = run(config(store, tmp_path / "c", *overrides, "max_steps=1", f"init_from={tmp_path / 'b' / 'final'}"))
+    init = run(config(train_store, tmp_path / "c", *overrides, "max_steps=1", f"init_from={tmp_path / 'b' / 'final'}"))
     assert init["eval_before"] == straight["eval_after"]
 
 
-def test_a_sharded_optimizer_resumes_only_with_its_process_count(store, tmp_path, monkeypatch):
+def test_a_sharded_optimizer_resumes_only_with_its_process_count(train_store, tmp_path, monkeypatch):
     """FSDP / ZeRO save one optimizer shard per process: another process count is refused before any
     compute, naming the two ways on; a whole optimizer (optimizer.pt) resumes with any count."""
     out = tmp_path / "run"
@@ -223,100 +185,9 @@ def test_a_sharded_optimizer_resumes_only_with_its_process_count(store, tmp_path
     with pytest.raises(
         ValueError, match=r"sharded over 2 processes.*this run has 1: resume it with 2 processes.*init_from="
     ):
-        run(config(store, out, "resume=auto"))
+        run(config(train_store, out, "resume=auto"))
     from eagle_train.trainer import check_resumable
 
     check_resumable(ckpt, 2)  # the same count: fine
     torch.save({}, ckpt / "optimizer.pt")
     check_resumable(ckpt, 1)  # a whole optimizer: any count
-
-
-def test_two_processes_train_and_the_loss_decreases(store, tmp_path):
-    """accelerate launch with 2 CPU processes (gloo): world size 2 inside the run, loss goes down."""
-    out = tmp_path / "ddp"
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        str(REPO / "scripts" / "train_eagle3.py"),
-        f"data_path={store}",
-        f"output_dir={out}",
-        "num_epochs=6",
-        "ttt_length=3",
-        "tokens_per_batch=128",
-        "max_length=128",
-        "learning_rate=2e-3",
-        "warmup_steps=2",
-        "eval_fraction=0",
-        "report_to=none",
-        "log_every=1",
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    state = json.loads((out / f"checkpoint-{_last_step(out)}" / "trainer_state.json").read_text())
-    assert state["num_processes"] == 2
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    train_losses = [r["loss"] for r in rows if r["split"] == "train"]
-    assert len(train_losses) == state["step"] >= 6
-    k = len(train_losses) // 3
-    assert sum(train_losses[-k:]) / k < 0.9 * sum(train_losses[:k]) / k
-    assert load_draft_head(out / "final").config.draft_vocab_size == DRAFT_VOCAB
-
-
-def test_resume_with_another_process_count_continues_the_run(store, tmp_path):
-    """1 process x 2 accumulated micro-batches, stopped, resumed as 2 processes x 1: every step sees
-    the same global batch, so the loss curve continues (equal up to float reduction order)."""
-    common = ["num_epochs=2", "gradient_accumulation_steps=2", "max_length=64", "tokens_per_batch=64"]
-    straight = run(config(store, tmp_path / "a", *common))
-    stop = len(straight["history"]) // 2
-    run(config(store, tmp_path / "b", *common), stop_at_step=stop)
-    out = tmp_path / "b"
-    args = [
-        f"{k}={v}"
-        for k, v in config(store, out, *common, "gradient_accumulation_steps=1", "resume=auto").to_dict().items()
-        if v is not None
-    ]
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        str(REPO / "scripts" / "train_eagle3.py"),
-        *args,
-    ]
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=900, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "saved by 1 processes, now 2" in proc.stdout
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    resumed = [r["loss"] for r in rows if r["split"] == "train"][stop:]
-    assert len(resumed) == len(straight["history"]) - stop > 0
-    assert resumed == pytest.approx(losses(straight)[stop:], rel=1e-5)
-    state, reference = (
-        json.loads((d / f"checkpoint-{_last_step(d)}" / "trainer_state.json").read_text())
-        for d in (out, tmp_path / "a")
-    )
-    assert state["num_processes"] == 2 and state["samples_consumed"] == reference["samples_consumed"]
-
-
-def _last_step(out: Path) -> int:
-    return max(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*"))

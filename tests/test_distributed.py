@@ -1,0 +1,229 @@
+"""Training with two processes (`accelerate launch` over gloo on the CPU): every shipped accelerate
+config, two nodes on one machine, P-EAGLE's partitioned backward under DDP, and resume across
+backends and process counts.
+
+The reference is one process accumulating 2 micro-batches a step: the same global batch as 2
+processes x 1, so every 2-process run must reproduce its loss curve, its gradients and its head
+(up to the order of float reductions)."""
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eagle_train.checkpoint import load_draft_head
+from eagle_train.eagle3_train import build_eagle3_head, eagle3_objective
+from eagle_train.peagle_train import PEagleObjective, build_peagle_head, segments_for
+from eagle_train.train_config import load_train_config
+from eagle_train.trainer import train
+
+REPO = Path(__file__).resolve().parents[1]
+LAUNCH = {
+    "ddp": ["--multi_gpu", "--mixed_precision", "no"],
+    "fsdp": ["--config_file", "configs/accelerate/fsdp.yaml"],
+    "zero2": ["--config_file", "configs/accelerate/deepspeed_zero2.yaml"],
+    "zero3": ["--config_file", "configs/accelerate/deepspeed_zero3.yaml"],
+}
+deepspeed = pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed (pip install -e '.[deepspeed]')"
+)
+BACKENDS = ["ddp", pytest.param("zero2", marks=deepspeed), pytest.param("zero3", marks=deepspeed)]
+RUN = [  # 6 single-sample micro-batches an epoch: 3 steps of 2 per epoch, 6 in all
+    "ttt_length=3",
+    "tokens_per_batch=64",
+    "max_length=64",
+    "num_epochs=2",
+    "learning_rate=2e-3",
+    "warmup_steps=2",
+    "eval_fraction=0",
+    "report_to=none",
+    "log_every=0",
+    "seed=0",
+]
+
+
+def overrides(data_path, out, *extra) -> list[str]:
+    return [f"data_path={data_path}", f"output_dir={out}", *RUN, *extra]
+
+
+def one_process(data_path, out, *extra) -> dict:
+    """The run in this process, 2 micro-batches accumulated per step."""
+    cfg = load_train_config(None, overrides(data_path, out, "gradient_accumulation_steps=2", *extra))
+    if cfg.method == "peagle":
+        return train(cfg, build_peagle_head, PEagleObjective(cfg.num_depths, segments_for(cfg)))
+    return train(cfg, build_eagle3_head, eagle3_objective(cfg.ttt_length, cfg.ttt_decay))
+
+
+def launch_command(backend: str, args: list[str], script="train_eagle3.py", machines=None) -> list[str]:
+    """`accelerate launch` of 2 processes; machines = (rank, port) for one of 2 single-process nodes."""
+    where = ["--num_machines", "1"]
+    if machines is not None:
+        rank, port = machines
+        where = ["--num_machines", "2", "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1"]
+        where += ["--main_process_port", str(port), "--rdzv_backend", "static"]
+    launch = [sys.executable, "-m", "accelerate.commands.launch", *LAUNCH[backend], "--num_processes", "2"]
+    return [*launch, *where, "--dynamo_backend", "no", str(REPO / "scripts" / script), *args]
+
+
+def two_processes(backend: str, args: list[str], script="train_eagle3.py") -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        launch_command(backend, args, script),
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=REPO,  # the DeepSpeed configs name their JSON relative to the repository
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc
+
+
+def logged(out: Path, key="loss") -> list[float]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r[key] for r in rows if r["split"] == "train"]
+
+
+def last_state(out: Path) -> dict:
+    last = max(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*"))
+    return json.loads((out / f"checkpoint-{last}" / "trainer_state.json").read_text())
+
+
+def assert_same_head(out: Path, reference: Path):
+    a, b = load_file(out / "final" / "model.safetensors"), load_file(reference / "final" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+def assert_same_logits(out: Path, reference: Path, model):
+    """The EAGLE-3 heads, loaded as a user would, draft the same logits."""
+    heads = [load_draft_head(d / "final", model) for d in (out, reference)]
+    torch.manual_seed(0)
+    aux = torch.randn(1, 12, 3 * model.config.hidden_size)
+    ids, pos = torch.randint(0, 1000, (1, 12)), torch.arange(12)[None]
+    with torch.no_grad():
+        logits = [h.logits(h.ttt_step(h.fc(aux), ids, pos, [])) for h in heads]
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def reference(train_store, tmp_path_factory) -> Path:
+    """The straight EAGLE-3 run of one process."""
+    out = tmp_path_factory.mktemp("reference") / "run"
+    result = one_process(train_store, out)
+    assert len(result["history"]) == 6
+    return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_backend_trains_the_run_of_one_process(backend, reference, train_store, tmp_path, smollm2):
+    """2 processes under each shipped accelerate config: a real world of 2, the loss falls, and the
+    head the run saves (gathered from FSDP / ZeRO-3 shards) is the one-process head."""
+    out = tmp_path / backend
+    two_processes(backend, overrides(train_store, out))
+    assert last_state(out)["num_processes"] == 2
+    losses = logged(out)
+    assert losses == pytest.approx(logged(reference), rel=1e-4)
+    assert logged(out, "grad_norm") == pytest.approx(logged(reference, "grad_norm"), rel=1e-4)
+    assert sum(losses[-2:]) < 0.8 * sum(losses[:2])
+    assert_same_head(out, reference)
+    assert_same_logits(out, reference, smollm2[0])
+
+
+RESUMES = [  # (first leg, second leg): "one" is 1 process x 2 micro-batches, the others 2 x 1
+    ("ddp", "one"),
+    ("one", "ddp"),
+    pytest.param("zero2", "zero2", marks=deepspeed),
+    pytest.param("zero3", "zero3", marks=deepspeed),
+]
+
+
+@pytest.mark.parametrize("first, second", RESUMES)
+def test_a_run_stopped_and_resumed_across_backends_and_counts_is_the_straight_run(
+    first, second, reference, train_store, tmp_path
+):
+    """Stopped mid-epoch after step 2, then resumed (resume=auto): the same data order (samples
+    consumed), the straight run's loss curve and its head."""
+    out = tmp_path / "run"
+    for leg, extra in ((first, ["stop_after_step=2"]), (second, ["resume=auto"])):
+        if leg == "one":
+            one_process(train_store, out, *extra)
+        else:
+            two_processes(leg, overrides(train_store, out, *extra))
+    assert logged(out) == pytest.approx(logged(reference), rel=1e-4)
+    state, straight = last_state(out), last_state(reference)
+    assert state["step"] == straight["step"] and state["samples_consumed"] == straight["samples_consumed"]
+    assert state["num_processes"] == (1 if second == "one" else 2)
+    assert_same_head(out, reference)
+
+
+@deepspeed
+def test_a_sharded_run_refuses_another_process_count_before_any_compute(train_store, tmp_path, monkeypatch):
+    """ZeRO saves one optimizer shard per process: resuming it with 1 process names the two ways on."""
+    out = tmp_path / "run"
+    two_processes("zero2", overrides(train_store, out, "stop_after_step=2"))
+    assert sorted(p.name for p in (out / "checkpoint-2").glob("optimizer*")) == [
+        "optimizer-rank0.pt",
+        "optimizer-rank1.pt",
+    ]
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(ValueError, match=r"sharded over 2 processes.*this run has 1: resume it with 2 processes"):
+        one_process(train_store, out, "resume=auto")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="refused only on a machine without a GPU")
+def test_fsdp_without_a_gpu_is_refused_not_run_as_ddp(train_store, tmp_path):
+    """accelerate turns an FSDP launch into plain DDP when there is no GPU: refused, naming what shards here."""
+    cmd = launch_command("fsdp", overrides(train_store, tmp_path / "run"))
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    assert proc.returncode != 0
+    assert "asks for FSDP, which accelerate runs on GPUs only" in proc.stderr and "deepspeed_zero2.yaml" in proc.stderr
+
+
+def test_two_nodes_on_one_machine_train_one_head(reference, train_store, tmp_path):
+    """Two `accelerate launch` commands, one per node (--num_machines 2 --machine_rank 0|1), train
+    the one-process run together."""
+    out = tmp_path / "nodes"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    nodes = [
+        subprocess.Popen(
+            launch_command("ddp", overrides(train_store, out), machines=(rank, port)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=REPO,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        for rank in (0, 1)
+    ]
+    for node in nodes:
+        output, _ = node.communicate(timeout=900)
+        assert node.returncode == 0, output[-4000:]
+    assert last_state(out)["num_processes"] == 2
+    assert logged(out) == pytest.approx(logged(reference), rel=1e-4)
+    assert_same_head(out, reference)
+
+
+def test_peagle_under_ddp_has_the_gradients_of_one_process(train_store, tmp_path):
+    """P-EAGLE with 2 sequence segments (a backward each, the first inside no_sync) on 2 processes:
+    every step's gradient norm, loss and the final head equal one process's over the same samples
+    (the depth draws are seeded per micro-batch, not per process)."""
+    peagle = ["method=peagle", "num_depths=3", "num_segments=2"]
+    one = one_process(train_store, tmp_path / "one", *peagle)
+    out = tmp_path / "ddp"
+    two_processes("ddp", overrides(train_store, out, *peagle), script="train_peagle.py")
+    assert last_state(out)["num_processes"] == 2
+    assert logged(out, "grad_norm") == pytest.approx([m["grad_norm"] for m in one["history"]], rel=1e-4)
+    assert logged(out) == pytest.approx([m["loss"] for m in one["history"]], rel=1e-4)
+    assert_same_head(out, tmp_path / "one")
