@@ -113,6 +113,16 @@ def assert_same_logits(out: Path, reference: Path, model):
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def zero3_partitions_every_parameter(tmp_path_factory):
+    """The shipped ZeRO-3 JSON with no parameter kept whole (persistence threshold 0), as in a large head."""
+    ds = json.loads((REPO / "configs" / "deepspeed" / "zero3.json").read_text())
+    ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    path = tmp_path_factory.mktemp("deepspeed") / "zero3.json"
+    path.write_text(json.dumps(ds))
+    LAUNCH["zero3"] = [*LAUNCH["zero3"], "--deepspeed_config_file", str(path)]
+
+
 @pytest.fixture(scope="module")
 def reference(train_store, tmp_path_factory) -> Path:
     """The straight EAGLE-3 run of one process."""
@@ -140,8 +150,8 @@ def test_every_backend_trains_the_run_of_one_process(backend, reference, train_s
 RESUMES = [  # (first leg, second leg): "one" is 1 process x 2 micro-batches, the others 2 x 1
     ("ddp", "one"),
     ("one", "ddp"),
-    pytest.param("zero2", "zero2", marks=deepspeed),
-    pytest.param("zero3", "zero3", marks=deepspeed),
+    pytest.param("zero2", "zero2", marks=[deepspeed, pytest.mark.slow]),
+    pytest.param("zero3", "zero3", marks=[deepspeed, pytest.mark.slow]),
 ]
 
 
@@ -165,6 +175,7 @@ def test_a_run_stopped_and_resumed_across_backends_and_counts_is_the_straight_ru
 
 
 @deepspeed
+@pytest.mark.slow
 def test_a_sharded_run_refuses_another_process_count_before_any_compute(train_store, tmp_path, monkeypatch):
     """ZeRO saves one optimizer shard per process: resuming it with 1 process names the two ways on."""
     out = tmp_path / "run"
@@ -178,15 +189,41 @@ def test_a_sharded_run_refuses_another_process_count_before_any_compute(train_st
         one_process(train_store, out, "resume=auto")
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="refused only on a machine without a GPU")
-def test_fsdp_without_a_gpu_is_refused_not_run_as_ddp(train_store, tmp_path):
-    """accelerate turns an FSDP launch into plain DDP when there is no GPU: refused, naming what shards here."""
-    cmd = launch_command("fsdp", overrides(train_store, tmp_path / "run"))
+REFUSED = [  # (backend, script, extra overrides, what the error says)
+    pytest.param(
+        "fsdp",
+        "train_eagle3.py",
+        [],
+        "asks for FSDP, which accelerate runs on GPUs only: without one it would silently train plain DDP",
+        marks=pytest.mark.skipif(torch.cuda.is_available(), reason="refused only on a machine without a GPU"),
+    ),
+    pytest.param(
+        "zero2",
+        "train_peagle.py",
+        ["method=peagle", "num_segments=2"],
+        "DeepSpeed steps its optimizer inside every backward: set num_segments=1, or train with DDP or FSDP",
+        marks=deepspeed,
+    ),
+    pytest.param(
+        "zero2",
+        "train_eagle3.py",
+        ["gradient_accumulation_steps=2"],
+        "DeepSpeed steps its optimizer inside every backward: use gradient_accumulation_steps=1",
+        marks=deepspeed,
+    ),
+]
+
+
+@pytest.mark.parametrize("backend, script, extra, error", REFUSED)
+def test_what_a_backend_cannot_run_is_refused_before_any_compute(backend, script, extra, error, train_store, tmp_path):
+    out = tmp_path / "run"
+    cmd = launch_command(backend, overrides(train_store, out, *extra), script)
     proc = subprocess.run(
         cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}
     )
     assert proc.returncode != 0
-    assert "asks for FSDP, which accelerate runs on GPUs only" in proc.stderr and "deepspeed_zero2.yaml" in proc.stderr
+    assert error in proc.stderr.replace("\n", " ")
+    assert not (out / "metrics.jsonl").exists()
 
 
 def test_two_nodes_on_one_machine_train_one_head(reference, train_store, tmp_path):
@@ -215,14 +252,22 @@ def test_two_nodes_on_one_machine_train_one_head(reference, train_store, tmp_pat
     assert_same_head(out, reference)
 
 
-def test_peagle_under_ddp_has_the_gradients_of_one_process(train_store, tmp_path):
-    """P-EAGLE with 2 sequence segments (a backward each, the first inside no_sync) on 2 processes:
-    every step's gradient norm, loss and the final head equal one process's over the same samples
-    (the depth draws are seeded per micro-batch, not per process)."""
-    peagle = ["method=peagle", "num_depths=3", "num_segments=2"]
+@pytest.mark.parametrize(
+    "backend, segments",
+    [
+        ("ddp", 2),
+        pytest.param("zero2", 1, marks=[deepspeed, pytest.mark.slow]),
+        pytest.param("zero3", 1, marks=[deepspeed, pytest.mark.slow]),
+    ],
+)
+def test_peagle_on_two_processes_has_the_gradients_of_one_process(backend, segments, train_store, tmp_path):
+    """P-EAGLE on 2 processes: every step's gradient norm, loss and the final head equal one
+    process's over the same samples (the depth draws are seeded per micro-batch, not per process).
+    Under DDP with 2 sequence segments: a backward each, the first inside no_sync."""
+    peagle = ["method=peagle", "num_depths=3", f"num_segments={segments}"]
     one = one_process(train_store, tmp_path / "one", *peagle)
-    out = tmp_path / "ddp"
-    two_processes("ddp", overrides(train_store, out, *peagle), script="train_peagle.py")
+    out = tmp_path / backend
+    two_processes(backend, overrides(train_store, out, *peagle), script="train_peagle.py")
     assert last_state(out)["num_processes"] == 2
     assert logged(out, "grad_norm") == pytest.approx([m["grad_norm"] for m in one["history"]], rel=1e-4)
     assert logged(out) == pytest.approx([m["loss"] for m in one["history"]], rel=1e-4)
