@@ -100,6 +100,8 @@ def _as_type(value, annotation):
         if not isinstance(value, bool):
             raise TypeError
         return value
+    if annotation is str and isinstance(value, bool):  # YAML reads mixed_precision=no (or off) as False
+        return "yes" if value else "no"
     if isinstance(value, bool) or isinstance(value, (dict, list)):
         raise TypeError
     if annotation is int:

@@ -34,13 +34,22 @@ LAUNCH = {
 deepspeed = pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed (pip install -e '.[deepspeed]')"
 )
-BACKENDS = ["ddp", pytest.param("zero2", marks=deepspeed), pytest.param("zero3", marks=deepspeed)]
+two_gpus = pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="accelerate runs FSDP on GPUs only, and 2 processes need 2 GPUs"
+)
+BACKENDS = [
+    "ddp",
+    pytest.param("fsdp", marks=two_gpus),
+    pytest.param("zero2", marks=deepspeed),
+    pytest.param("zero3", marks=deepspeed),
+]
 RUN = [  # 6 single-sample micro-batches an epoch: 3 steps of 2 per epoch, 6 in all
     "ttt_length=3",
     "tokens_per_batch=64",
     "max_length=64",
     "num_epochs=2",
     "learning_rate=2e-3",
+    "mixed_precision=no",  # fp32 on GPUs too, so layouts agree to float tolerance
     "warmup_steps=2",
     "eval_fraction=0",
     "report_to=none",
@@ -150,6 +159,7 @@ def test_every_backend_trains_the_run_of_one_process(backend, reference, train_s
 RESUMES = [  # (first leg, second leg): "one" is 1 process x 2 micro-batches, the others 2 x 1
     ("ddp", "one"),
     ("one", "ddp"),
+    pytest.param("fsdp", "fsdp", marks=two_gpus),
     pytest.param("zero2", "zero2", marks=[deepspeed, pytest.mark.slow]),
     pytest.param("zero3", "zero3", marks=[deepspeed, pytest.mark.slow]),
 ]

@@ -53,9 +53,11 @@ def test_overrides_are_typed_and_unknown_keys_name_the_valid_ones():
             "gradient_checkpointing=true",
             "adam_betas=0.9,0.99",
             "draft_vocab_size=null",
+            "mixed_precision=no",  # YAML's False
         ],
     )
     assert (cfg.learning_rate, cfg.ttt_length, cfg.aux_layer_ids) == (2e-4, 5, [2, 15, 27])
+    assert cfg.mixed_precision == "no"
     assert cfg.gradient_checkpointing is True and cfg.adam_betas == [0.9, 0.99] and cfg.draft_vocab_size is None
     with pytest.raises(ValueError, match=r"unknown config key\(s\) \['lerning_rate'\]; valid keys: .*learning_rate"):
         load_train_config(None, ["lerning_rate=1e-4"])
