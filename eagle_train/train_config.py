@@ -145,16 +145,19 @@ def parse_overrides(overrides: list[str]) -> dict:
     return out
 
 
-def load_train_config(path: str | Path | None = None, overrides: list[str] = ()) -> TrainConfig:
-    """The YAML file at `path` (optional) with `overrides` applied on top."""
-    values = {}
+def load_train_config(
+    path: str | Path | None = None, overrides: list[str] = (), defaults: dict | None = None
+) -> TrainConfig:
+    """`defaults`, then the YAML file at `path` (optional), then `overrides` on top."""
+    values = dict(defaults or {})
     if path:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"config file {path} does not exist")
-        values = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(values, dict):
-            raise ValueError(f"{path} must hold a mapping of config keys, not {type(values).__name__}")
+        in_file = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(in_file, dict):
+            raise ValueError(f"{path} must hold a mapping of config keys, not {type(in_file).__name__}")
+        values.update(in_file)
     values.update(parse_overrides(list(overrides)))
     return make_config(values)
 
@@ -174,7 +177,7 @@ def config_from_command_line(description: str, method: str, argv=None) -> TrainC
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     args = parser.parse_args(argv)
     try:
-        cfg = load_train_config(args.config, args.overrides)
+        cfg = load_train_config(args.config, args.overrides, defaults={"method": method})
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"error: {e}")
     if cfg.method != method:

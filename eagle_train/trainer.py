@@ -221,19 +221,45 @@ def resolve_resume(cfg: TrainConfig) -> Path | None:
     return None
 
 
-def check_resumable(checkpoint: Path, world: int) -> None:
-    """Refuse, before any compute, a resume the checkpoint cannot give: an optimizer saved in shards
-    (FSDP, DeepSpeed ZeRO: one optimizer-rank<i>.pt per process) loads only into as many processes.
-    A whole optimizer (optimizer.pt: one process, DDP) resumes with any process count."""
+OPTIMIZER_LAYOUTS = {  # how a backend saves its optimizer: (the backend, the launch that resumes it)
+    "whole": ("one process or DDP", "1 process or --multi_gpu / ddp.yaml, with any process count"),
+    "fsdp": ("FSDP", "fsdp.yaml and the same process count"),
+    "zero2": ("DeepSpeed ZeRO-2", "deepspeed_zero2.yaml and the same process count"),
+    "zero3": ("DeepSpeed ZeRO-3", "deepspeed_zero3.yaml and the same process count"),
+}
+
+
+def optimizer_layout(accelerator) -> str:
+    """How this launch saves its optimizer: whole (optimizer.pt), or one shard per process."""
+    kind = accelerator.distributed_type.value
+    if kind == "DEEPSPEED":
+        return f"zero{accelerator.state.deepspeed_plugin.zero_stage}"
+    return "fsdp" if kind == "FSDP" else "whole"
+
+
+def check_resumable(checkpoint: Path, world: int, layout: str) -> None:
+    """Refuse, before the target loads, a resume the checkpoint cannot give: an optimizer saved by
+    another backend (a whole AdamW state, FSDP shards and ZeRO partitions are different things), or
+    one saved in shards (optimizer-rank<i>.pt) under another process count."""
+    saved = json.loads((checkpoint / "trainer_state.json").read_text())
     shards = sorted(checkpoint.glob("optimizer-rank*.pt"))
-    if not shards or (checkpoint / "optimizer.pt").is_file():
-        return
-    saved = json.loads((checkpoint / "trainer_state.json").read_text())["num_processes"]
-    if saved != world or len(shards) != saved:
+    was = saved.get("optimizer_layout", "whole" if (checkpoint / "optimizer.pt").is_file() else None)
+    weights_only = f"or start a new run from its weights with init_from={checkpoint / 'head'}"
+    if was is not None and was != layout:
+        (saver, how), (current, _) = OPTIMIZER_LAYOUTS[was], OPTIMIZER_LAYOUTS[layout]
         raise ValueError(
-            f"{checkpoint} holds its optimizer sharded over {saved} processes ({len(shards)} optimizer-rank files; "
-            f"FSDP or DeepSpeed ZeRO) and this run has {world}: resume it with {saved} processes and the same "
-            f"accelerate config, or start a new run from its weights with init_from={checkpoint / 'head'}"
+            f"{checkpoint} holds an optimizer saved by {saver} and this launch is {current}: resume it with {how}, "
+            f"{weights_only}"
+        )
+    if (
+        shards
+        and not (checkpoint / "optimizer.pt").is_file()
+        and (saved["num_processes"] != world or len(shards) != world)
+    ):
+        raise ValueError(
+            f"{checkpoint} holds its optimizer sharded over {saved['num_processes']} processes ({len(shards)} "
+            f"optimizer-rank files; FSDP or DeepSpeed ZeRO) and this run has {world}: resume it with "
+            f"{saved['num_processes']} processes and the same accelerate config, {weights_only}"
         )
 
 
@@ -271,7 +297,7 @@ def save_checkpoint(run: "Run") -> Path:
     )
     path = Path(cfg.output_dir) / f"checkpoint-{state['step']}"
     full = accelerator.get_state_dict(model)  # gathers FSDP/ZeRO-3 shards; every process must call it
-    sharded_optim = accelerator.distributed_type.value in ("FSDP", "DEEPSPEED")
+    sharded_optim = state["optimizer_layout"] != "whole"
     if accelerator.is_main_process:
         (path / "head").mkdir(parents=True, exist_ok=True)
         head = accelerator.unwrap_model(model).head
@@ -438,6 +464,8 @@ def build_model(cfg: TrainConfig, build_head, resume_from: Path | None, device) 
 def set_up(cfg: TrainConfig, build_head, resume_from: Path | None) -> Run:
     """Seed, then the data and its epochs, the wrapped head, the optimizer and the LR schedule."""
     accelerator = make_accelerator(cfg)
+    if resume_from is not None:
+        check_resumable(resume_from, accelerator.num_processes, optimizer_layout(accelerator))
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
@@ -482,6 +510,7 @@ def set_up(cfg: TrainConfig, build_head, resume_from: Path | None) -> Run:
         "samples_consumed": 0,
         "tokens_consumed": 0,
         "num_processes": world,
+        "optimizer_layout": optimizer_layout(accelerator),
         "total_steps": total_steps,
     }
     return Run(
@@ -670,8 +699,6 @@ def train(cfg: TrainConfig, build_head, objective) -> dict:
     """
     validate(cfg, load_target_config(cfg.target))  # before any compute
     resume_from = resolve_resume(cfg)
-    if resume_from is not None:
-        check_resumable(resume_from, int(os.environ.get("WORLD_SIZE", "1")))  # accelerate launch sets it
     run = set_up(cfg, build_head, resume_from)
     if resume_from is not None:
         restore(run, resume_from)

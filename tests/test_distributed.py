@@ -70,14 +70,14 @@ def one_process(data_path, out, *extra) -> dict:
     return train(cfg, build_eagle3_head, eagle3_objective(cfg.ttt_length, cfg.ttt_decay))
 
 
-def launch_command(backend: str, args: list[str], script="train_eagle3.py", machines=None) -> list[str]:
+def launch_command(backend: str, args: list[str], script="train_eagle3.py", machines=None, processes=2) -> list[str]:
     """`accelerate launch` of 2 processes; machines = (rank, port) for one of 2 single-process nodes."""
     where = ["--num_machines", "1"]
     if machines is not None:
         rank, port = machines
         where = ["--num_machines", "2", "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1"]
         where += ["--main_process_port", str(port), "--rdzv_backend", "static"]
-    launch = [sys.executable, "-m", "accelerate.commands.launch", *LAUNCH[backend], "--num_processes", "2"]
+    launch = [sys.executable, "-m", "accelerate.commands.launch", *LAUNCH[backend], "--num_processes", str(processes)]
     return [*launch, *where, "--dynamo_backend", "no", str(REPO / "scripts" / script), *args]
 
 
@@ -92,6 +92,15 @@ def two_processes(backend: str, args: list[str], script="train_eagle3.py") -> su
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc
+
+
+def refused(cmd: list[str]) -> str:
+    """The error output of a launch that must fail, lines joined."""
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    assert proc.returncode != 0
+    return proc.stderr.replace("\n", " ")
 
 
 def logged(out: Path, key="loss") -> list[float]:
@@ -186,17 +195,22 @@ def test_a_run_stopped_and_resumed_across_backends_and_counts_is_the_straight_ru
 
 @deepspeed
 @pytest.mark.slow
-def test_a_sharded_run_refuses_another_process_count_before_any_compute(train_store, tmp_path, monkeypatch):
-    """ZeRO saves one optimizer shard per process: resuming it with 1 process names the two ways on."""
+def test_a_zero_checkpoint_resumes_only_under_zero_with_its_process_count(train_store, tmp_path):
+    """ZeRO saves one optimizer partition per process: a resume under DDP, or under ZeRO with 1
+    process, is refused before the target loads, naming the launch that resumes it."""
     out = tmp_path / "run"
     two_processes("zero2", overrides(train_store, out, "stop_after_step=2"))
     assert sorted(p.name for p in (out / "checkpoint-2").glob("optimizer*")) == [
         "optimizer-rank0.pt",
         "optimizer-rank1.pt",
     ]
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    with pytest.raises(ValueError, match=r"sharded over 2 processes.*this run has 1: resume it with 2 processes"):
-        one_process(train_store, out, "resume=auto")
+    for backend, processes, error in [
+        ("ddp", 2, "saved by DeepSpeed ZeRO-2 and this launch is one process or DDP: resume it with deepspeed_zero2"),
+        ("zero2", 1, "sharded over 2 processes (2 optimizer-rank files; FSDP or DeepSpeed ZeRO) and this run has 1"),
+    ]:
+        cmd = launch_command(backend, overrides(train_store, out, "resume=auto"), processes=processes)
+        assert error in refused(cmd)
+    assert len(logged(out)) == 2
 
 
 REFUSED = [  # (backend, script, extra overrides, what the error says)
@@ -227,12 +241,7 @@ REFUSED = [  # (backend, script, extra overrides, what the error says)
 @pytest.mark.parametrize("backend, script, extra, error", REFUSED)
 def test_what_a_backend_cannot_run_is_refused_before_any_compute(backend, script, extra, error, train_store, tmp_path):
     out = tmp_path / "run"
-    cmd = launch_command(backend, overrides(train_store, out, *extra), script)
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
-    assert proc.returncode != 0
-    assert error in proc.stderr.replace("\n", " ")
+    assert error in refused(launch_command(backend, overrides(train_store, out, *extra), script))
     assert not (out / "metrics.jsonl").exists()
 
 

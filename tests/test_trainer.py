@@ -67,6 +67,14 @@ def test_overrides_are_typed_and_unknown_keys_name_the_valid_ones():
         load_train_config(None, ["ttt_length"])
 
 
+def test_a_training_script_implies_its_method_and_refuses_another():
+    from eagle_train.train_config import config_from_command_line
+
+    assert config_from_command_line("", "peagle", ["learning_rate=1e-3"]).method == "peagle"
+    with pytest.raises(SystemExit, match="method=eagle3: this script trains peagle heads"):
+        config_from_command_line("", "peagle", ["--config", str(REPO / "configs" / "eagle3_smollm2.yaml")])
+
+
 @pytest.mark.parametrize(
     "overrides, error, match",
     [
@@ -174,22 +182,41 @@ def test_resume_after_a_stop_continues_the_identical_loss_curve(train_store, smo
     assert init["eval_before"] == straight["eval_after"]
 
 
-def test_a_sharded_optimizer_resumes_only_with_its_process_count(train_store, tmp_path, monkeypatch):
-    """FSDP / ZeRO save one optimizer shard per process: another process count is refused before any
-    compute, naming the two ways on; a whole optimizer (optimizer.pt) resumes with any count."""
+def test_a_resume_the_checkpoint_cannot_give_is_refused_before_the_target_loads(train_store, tmp_path, monkeypatch):
+    """FSDP / ZeRO save one optimizer shard per process: another process count is refused, and so
+    is another backend (a whole AdamW state, FSDP shards and ZeRO partitions do not convert); both
+    messages name the launch that resumes it and init_from. A whole optimizer resumes with any count."""
+    from eagle_train import trainer
+    from eagle_train.trainer import check_resumable
+
+    monkeypatch.setattr(trainer, "build_model", lambda *a: pytest.fail("the target loaded"))
     out = tmp_path / "run"
     ckpt = out / "checkpoint-4"
     ckpt.mkdir(parents=True)
     for rank in (0, 1):
         torch.save({}, ckpt / f"optimizer-rank{rank}.pt")
-    (ckpt / "trainer_state.json").write_text(json.dumps({"num_processes": 2, "step": 4}))
-    monkeypatch.setenv("WORLD_SIZE", "1")
+    (ckpt / "trainer_state.json").write_text(json.dumps({"num_processes": 2, "step": 4, "optimizer_layout": "zero2"}))
+    with pytest.raises(
+        ValueError,
+        match=r"saved by DeepSpeed ZeRO-2 and this launch is one process or DDP: resume it with "
+        r"deepspeed_zero2.yaml and the same process count, or .*init_from=",
+    ):
+        run(config(train_store, out, "resume=auto"))
     with pytest.raises(
         ValueError, match=r"sharded over 2 processes.*this run has 1: resume it with 2 processes.*init_from="
     ):
-        run(config(train_store, out, "resume=auto"))
-    from eagle_train.trainer import check_resumable
+        check_resumable(ckpt, 1, "zero2")
+    check_resumable(ckpt, 2, "zero2")  # the same backend and count: fine
+    with pytest.raises(ValueError, match="saved by DeepSpeed ZeRO-2 and this launch is DeepSpeed ZeRO-3"):
+        check_resumable(ckpt, 2, "zero3")
 
-    check_resumable(ckpt, 2)  # the same count: fine
-    torch.save({}, ckpt / "optimizer.pt")
-    check_resumable(ckpt, 1)  # a whole optimizer: any count
+    whole = tmp_path / "whole"
+    whole.mkdir()
+    torch.save({}, whole / "optimizer.pt")
+    (whole / "trainer_state.json").write_text(json.dumps({"num_processes": 2, "step": 4}))  # no layout: saved earlier
+    check_resumable(whole, 1, "whole")
+    check_resumable(whole, 3, "whole")
+    with pytest.raises(
+        ValueError, match="saved by one process or DDP and this launch is FSDP: resume it with 1 process"
+    ):
+        check_resumable(whole, 2, "fsdp")
