@@ -386,6 +386,7 @@ def make_accelerator(cfg: TrainConfig):
     as under DDP and FSDP, and DeepSpeed clips to max_grad_norm itself inside backward. Accelerate
     finds no DeepSpeed backend on a machine without CUDA unless told gloo (DeepSpeed's CPU accelerator)."""
     from accelerate import Accelerator, InitProcessGroupKwargs
+    from transformers.integrations import unset_hf_deepspeed_config
 
     cuda = torch.cuda.is_available()
     mixed = cfg.mixed_precision if cfg.mixed_precision != "auto" else ("bf16" if cuda else "no")
@@ -400,8 +401,6 @@ def make_accelerator(cfg: TrainConfig):
     accelerator = Accelerator(
         mixed_precision="no", kwargs_handlers=[] if cuda else [InitProcessGroupKwargs(backend="gloo")]
     )
-    from transformers.integrations import unset_hf_deepspeed_config
-
     unset_hf_deepspeed_config()  # ZeRO-3 partitions the head only: the frozen target loads whole
     ds = accelerator.state.deepspeed_plugin.deepspeed_config
     ds["bf16"] = {"enabled": False}
