@@ -23,7 +23,7 @@ from eagle_train.checkpoint import load_draft_head
 from eagle_train.fused_ce import soft_cross_entropy
 from eagle_train.peagle import PEagleHead, choose_mask_token_id
 from eagle_train.target import load_tokenizer
-from eagle_train.train_config import launched_with_deepspeed
+from eagle_train.train_config import launched_with
 
 
 def build_peagle_head(cfg, target_model, vocab_map: dict | None) -> PEagleHead:
@@ -62,7 +62,7 @@ def validate_peagle(cfg, target_config) -> None:
         raise ValueError(f"num_depths (K, drafts per forward) must be >= 2, got {cfg.num_depths}")
     if cfg.num_segments is not None and cfg.num_segments < 1:
         raise ValueError(f"num_segments must be >= 1 (or null for the default), got {cfg.num_segments}")
-    if launched_with_deepspeed() and segments_for(cfg) > 1:
+    if launched_with("DEEPSPEED") and segments_for(cfg) > 1:
         raise ValueError(
             f"P-EAGLE runs one backward per sequence segment ({segments_for(cfg)} here) and DeepSpeed steps its "
             "optimizer inside every backward: set num_segments=1, or train with DDP or FSDP"

@@ -188,9 +188,10 @@ def config_from_command_line(description: str, method: str, argv=None) -> TrainC
     return cfg
 
 
-def launched_with_deepspeed() -> bool:
-    """`accelerate launch` with a DeepSpeed config sets this before any process starts."""
-    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() in ("1", "true", "yes")
+def launched_with(backend: str) -> bool:
+    """Whether `accelerate launch` runs this process under DEEPSPEED or FSDP: it says so in the
+    environment (ACCELERATE_USE_<backend>) before any process starts."""
+    return os.environ.get(f"ACCELERATE_USE_{backend}", "false").lower() in ("1", "true", "yes")
 
 
 def validate(cfg: TrainConfig, target_config) -> None:
@@ -224,7 +225,7 @@ def validate(cfg: TrainConfig, target_config) -> None:
     )
     need(cfg.gradient_accumulation_steps >= 1, "gradient_accumulation_steps must be >= 1")
     need(
-        cfg.gradient_accumulation_steps == 1 or not launched_with_deepspeed(),
+        cfg.gradient_accumulation_steps == 1 or not launched_with("DEEPSPEED"),
         "DeepSpeed steps its optimizer inside every backward: use gradient_accumulation_steps=1 "
         "(raise tokens_per_batch or the process count instead), or DDP/FSDP",
     )

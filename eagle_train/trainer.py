@@ -43,7 +43,7 @@ from eagle_train.batching import epoch_batches, pack_by_length
 from eagle_train.hidden_states import target_hidden_states
 from eagle_train.store import ShardedSamples, read_manifest, read_vocab_map
 from eagle_train.target import load_target, load_target_config
-from eagle_train.train_config import TrainConfig, launched_with_deepspeed, validate
+from eagle_train.train_config import TrainConfig, launched_with, validate
 from eagle_train.ttt import simulated_acceptance_length, target_distribution
 from eagle_train.vocab_map import top_k_vocab_map
 
@@ -243,7 +243,8 @@ def check_resumable(checkpoint: Path, world: int, layout: str) -> None:
     one saved in shards (optimizer-rank<i>.pt) under another process count."""
     saved = json.loads((checkpoint / "trainer_state.json").read_text())
     shards = sorted(checkpoint.glob("optimizer-rank*.pt"))
-    was = saved.get("optimizer_layout", "whole" if (checkpoint / "optimizer.pt").is_file() else None)
+    whole = (checkpoint / "optimizer.pt").is_file()
+    was = saved.get("optimizer_layout", "whole" if whole else None)
     weights_only = f"or start a new run from its weights with init_from={checkpoint / 'head'}"
     if was is not None and was != layout:
         (saver, how), (current, _) = OPTIMIZER_LAYOUTS[was], OPTIMIZER_LAYOUTS[layout]
@@ -251,11 +252,7 @@ def check_resumable(checkpoint: Path, world: int, layout: str) -> None:
             f"{checkpoint} holds an optimizer saved by {saver} and this launch is {current}: resume it with {how}, "
             f"{weights_only}"
         )
-    if (
-        shards
-        and not (checkpoint / "optimizer.pt").is_file()
-        and (saved["num_processes"] != world or len(shards) != world)
-    ):
+    if shards and not whole and (saved["num_processes"] != world or len(shards) != world):
         raise ValueError(
             f"{checkpoint} holds its optimizer sharded over {saved['num_processes']} processes ({len(shards)} "
             f"optimizer-rank files; FSDP or DeepSpeed ZeRO) and this run has {world}: resume it with "
@@ -390,13 +387,13 @@ def make_accelerator(cfg: TrainConfig):
 
     cuda = torch.cuda.is_available()
     mixed = cfg.mixed_precision if cfg.mixed_precision != "auto" else ("bf16" if cuda else "no")
-    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and not cuda:
+    if launched_with("FSDP") and not cuda:
         raise ValueError(
             "this launch asks for FSDP, which accelerate runs on GPUs only: without one it would silently train "
             "plain DDP, every process holding the whole head and optimizer. Here, launch with --multi_gpu (DDP "
             "over gloo) or configs/accelerate/deepspeed_zero2.yaml / deepspeed_zero3.yaml (ZeRO shards on the CPU too)"
         )
-    if not launched_with_deepspeed():
+    if not launched_with("DEEPSPEED"):
         return Accelerator(cpu=not cuda, mixed_precision=mixed)
     accelerator = Accelerator(
         mixed_precision="no", kwargs_handlers=[] if cuda else [InitProcessGroupKwargs(backend="gloo")]
@@ -463,8 +460,9 @@ def build_model(cfg: TrainConfig, build_head, resume_from: Path | None, device) 
 def set_up(cfg: TrainConfig, build_head, resume_from: Path | None) -> Run:
     """Seed, then the data and its epochs, the wrapped head, the optimizer and the LR schedule."""
     accelerator = make_accelerator(cfg)
+    layout = optimizer_layout(accelerator)
     if resume_from is not None:
-        check_resumable(resume_from, accelerator.num_processes, optimizer_layout(accelerator))
+        check_resumable(resume_from, accelerator.num_processes, layout)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
@@ -481,7 +479,7 @@ def set_up(cfg: TrainConfig, build_head, resume_from: Path | None) -> Run:
             trainable, lr=cfg.learning_rate, betas=tuple(cfg.adam_betas), weight_decay=cfg.weight_decay
         )
 
-    if launched_with_deepspeed():  # deepspeed.initialize takes the model and its optimizer together
+    if layout.startswith("zero"):  # deepspeed.initialize takes the model and its optimizer together
         raw_optimizer = adamw(runner)
         model, optimizer = accelerator.prepare(runner, raw_optimizer)
     else:  # FSDP replaces the parameters when it wraps: the optimizer must see the wrapped ones
@@ -509,7 +507,7 @@ def set_up(cfg: TrainConfig, build_head, resume_from: Path | None) -> Run:
         "samples_consumed": 0,
         "tokens_consumed": 0,
         "num_processes": world,
-        "optimizer_layout": optimizer_layout(accelerator),
+        "optimizer_layout": layout,
         "total_steps": total_steps,
     }
     return Run(
@@ -538,7 +536,7 @@ def restore(run: Run, checkpoint: Path) -> None:
     run.state.update({k: saved[k] for k in ("step", "epoch", "epoch_samples", "samples_consumed", "tokens_consumed")})
     if (checkpoint / "optimizer.pt").is_file():
         optim_state = torch.load(checkpoint / "optimizer.pt", map_location="cpu", weights_only=False)
-    elif run.accelerator.distributed_type.value == "DEEPSPEED":  # ZeRO reads its own entry of every rank's list
+    elif run.state["optimizer_layout"].startswith("zero"):  # ZeRO reads its own entry of every rank's list
         optim_state = [
             torch.load(checkpoint / f"optimizer-rank{r}.pt", map_location="cpu", mmap=True, weights_only=False)
             for r in range(saved["num_processes"])
@@ -606,9 +604,11 @@ def optimizer_step(run: Run, objective, group: list[list[int]], stream) -> dict:
         sync = contextlib.nullcontext() if j == accum - 1 else accelerator.no_sync(run.model)
         with sync:
             per_batch.append(objective(run.model, run.source(padded), backward))
-    grad_norm = accelerator.clip_grad_norm_(run.params, cfg.max_grad_norm) if cfg.max_grad_norm > 0 else None
-    if accelerator.distributed_type.value == "DEEPSPEED":  # it clipped (and stepped) inside backward
+    grad_norm = None
+    if state["optimizer_layout"].startswith("zero"):  # DeepSpeed clipped (and stepped) inside backward
         grad_norm = run.model.get_global_grad_norm()
+    elif cfg.max_grad_norm > 0:
+        grad_norm = accelerator.clip_grad_norm_(run.params, cfg.max_grad_norm)
     run.optimizer.step()
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)

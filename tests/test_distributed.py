@@ -81,24 +81,19 @@ def launch_command(backend: str, args: list[str], script="train_eagle3.py", mach
     return [*launch, *where, "--dynamo_backend", "no", str(REPO / "scripts" / script), *args]
 
 
+# every launch: from the repository (the DeepSpeed configs name their JSON relative to it), one thread a process
+IN_REPO = {"cwd": REPO, "env": {**os.environ, "OMP_NUM_THREADS": "1"}, "text": True}
+
+
 def two_processes(backend: str, args: list[str], script="train_eagle3.py") -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        launch_command(backend, args, script),
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=REPO,  # the DeepSpeed configs name their JSON relative to the repository
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    proc = subprocess.run(launch_command(backend, args, script), capture_output=True, timeout=900, **IN_REPO)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc
 
 
 def refused(cmd: list[str]) -> str:
     """The error output of a launch that must fail, lines joined."""
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
+    proc = subprocess.run(cmd, capture_output=True, timeout=300, **IN_REPO)
     assert proc.returncode != 0
     return proc.stderr.replace("\n", " ")
 
@@ -257,9 +252,7 @@ def test_two_nodes_on_one_machine_train_one_head(reference, train_store, tmp_pat
             launch_command("ddp", overrides(train_store, out), machines=(rank, port)),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
-            text=True,
-            cwd=REPO,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            **IN_REPO,
         )
         for rank in (0, 1)
     ]
