@@ -1,7 +1,39 @@
 """Shared fixtures. Session-scoped ones are built once per test run; add yours below in their own section."""
 
+import math
+
 import pytest
 import torch
+
+# ------------------------------------------------------------------------------ comparing forwards
+
+
+def forward_rounding_atol(config, reference: torch.Tensor) -> torch.Tensor:
+    """Per-row absolute tolerance between two fp32 forwards of one target that differ only in the order of their
+    reductions (thread count, batch shape, kernel choice: machines differ).
+
+    Each of the L layers sums at most `inner` products per output; their rounding errors grow like
+    eps * sqrt(inner) of the row's scale and add up over the layers like a random walk, hence
+    eps * sqrt(L * inner) * max|row|, with a margin of 4. A wrong mask or position shifts a row by a
+    fraction of its scale, thousands of times more."""
+    inner = max(config.hidden_size, getattr(config, "intermediate_size", None) or 0)
+    scale = reference.detach().abs().amax(-1, keepdim=True).float()
+    return 4 * torch.finfo(torch.float32).eps * math.sqrt(config.num_hidden_layers * inner) * scale
+
+
+def assert_same_forward(got: torch.Tensor, want: torch.Tensor, config, stored_dtype=torch.float32):
+    """`got` equals `want` up to the rounding of the forward (forward_rounding_atol) and, when the values were
+    stored in a narrower float type, one unit in the last place of that type (rounding may land either side)."""
+    got, want = got.float(), want.float()
+    ulp = torch.finfo(stored_dtype).eps if stored_dtype != torch.float32 else 0.0
+    err = (got - want).abs()
+    bound = forward_rounding_atol(config, want) + ulp * torch.maximum(got.abs(), want.abs())
+    worst = (err - bound).flatten().argmax()
+    assert (err <= bound).all(), (
+        f"greatest difference {err.flatten()[worst]:.3g} against a bound of {bound.flatten()[worst]:.3g} "
+        f"(value {want.flatten()[worst]:.6g})"
+    )
+
 
 # ------------------------------------------------------------------------------ targets and data
 # (issue 2: target loading, data preparation, hidden-state store)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import assert_same_forward
 from safetensors import safe_open
 
 import data_prep.capture as capture_mod
@@ -25,11 +26,27 @@ def run_capture(smollm2, data, out, **kw):
 
 
 def assert_same_store(a, b):
+    """Bitwise equal: the same process captured both with the same batches."""
     sa, sb = ShardedSamples(a), ShardedSamples(b)
     assert len(sa) == len(sb) and sa.lengths() == sb.lengths()
     for i in range(len(sa)):
         x, y = sa[i], sb[i]
         assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+def assert_equivalent_store(a, b, config):
+    """The same tokens and masks, and hidden states equal up to the rounding of another thread count or batch
+    shape (fp32 reductions in another order) and of the store's dtype."""
+    sa, sb = ShardedSamples(a), ShardedSamples(b)
+    assert len(sa) == len(sb) and sa.lengths() == sb.lengths()
+    for i in range(len(sa)):
+        x, y = sa[i], sb[i]
+        assert x.keys() == y.keys()
+        for k in x:
+            if x[k].is_floating_point():
+                assert_same_forward(x[k], y[k], config, stored_dtype=y[k].dtype)
+            else:
+                assert torch.equal(x[k], y[k]), k
 
 
 def test_plan_bounds_padded_tokens_and_covers_every_sample():
@@ -152,7 +169,7 @@ def test_fp8_capture_round_trip(smollm2, small_tokenized, small_store, tmp_path)
     assert torch.equal(fp8[3]["input_ids"], ref[3]["input_ids"])
 
 
-def test_two_processes_under_accelerate_make_one_store(small_tokenized, small_store, tmp_path):
+def test_two_processes_under_accelerate_make_one_store(smollm2, small_tokenized, small_store, tmp_path):
     out = tmp_path / "s2"
     cmd = [
         sys.executable,
@@ -192,4 +209,5 @@ def test_two_processes_under_accelerate_make_one_store(small_tokenized, small_st
     assert manifest["num_processes"] == 2
     assert {s["rank"] for s in manifest["shards"]} == {0, 1}
     assert [s["rank"] for s in manifest["shards"]] == [k % 2 for k in range(len(manifest["shards"]))]
-    assert_same_store(out, small_store)  # same bytes as one process
+    # each process runs on half the threads, so fp32 reductions round differently than in one process
+    assert_equivalent_store(out, small_store, smollm2[0].config)
