@@ -9,11 +9,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
+from eagle_cli.export import main as cli_main
 from eagle_train.draft_config import DraftConfig
 from eagle_train.eagle3 import Eagle3Head
 from eagle_train.export import LAYOUTS, check_directory, export_head, import_checkpoint, import_head
-from eagle_train.export.cli import main as cli_main
-from eagle_train.export.engines import DraftFiles, engine_state, head_from_engine_state, head_shapes, inspect_engine
+from engines.rules import DraftFiles, engine_state, head_from_engine_state, head_shapes, inspect_engine
 
 H, NH, NKV, D, I, V, VD, N = 32, 4, 2, 8, 64, 50, 40, 8  # noqa: E741 (I: intermediate size)
 

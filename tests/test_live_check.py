@@ -25,13 +25,14 @@ from gguf import GGUFWriter
 from test_export import tiny_head as export_tiny_head
 
 import eagle_train.export.gguf as gguf_module
+from eagle_cli.export import main as cli_main
 from eagle_train.eagle3 import Eagle3Head
-from eagle_train.export.cli import main as cli_main
 from eagle_train.export.gguf import export_gguf, import_gguf
 from eagle_train.target import SMOLLM2
 from eagle_train.vocab_map import t2d_from_d2t
-from inference import live_check, llamacpp
-from inference.live_check import Pooled, llamacpp_static, verdict
+from engines import live as live_check
+from engines import llamacpp
+from engines.live import Pooled, llamacpp_static, verdict
 
 BROKEN = ("layers", "reversed", "d2t", "rope")  # the ways a file is broken below
 H, NH, NKV, D, FF, V, VD, N = 64, 4, 2, 16, 64, 512, 128, 8  # a tiny Llama target and head (q8_0 rows: 32s)

@@ -22,10 +22,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from eagle_cli.evaluate import main as eval_main
 from eagle_train.export import export_head
 from eagle_train.target import SMOLLM2
-from inference import live_check, vllm_engine
-from inference.cli import main as eval_main
+from engines import live as live_check
+from engines import vllm as vllm_engine
 
 needs_vllm = pytest.mark.skipif(bool(vllm_engine.missing()), reason="vLLM is not installed: scripts/install_vllm.sh")
 QUESTIONS = ["What is the capital of France? Answer in one sentence.", "Write a haiku about the sea."]
@@ -54,7 +55,7 @@ def test_speculative_configs_are_vllms():
 
 
 def test_without_vllm_eval_says_how_to_install_and_the_check_keeps_the_rules(smollm2, tmp_path, monkeypatch, capsys):
-    from eagle_train.export.cli import main as export_main
+    from eagle_cli.export import main as export_main
 
     monkeypatch.setattr(vllm_engine, "missing", lambda: "vLLM is not installed: bash scripts/install_vllm.sh")
     with pytest.raises(SystemExit, match="vLLM is not installed"):

@@ -16,9 +16,9 @@ import torch
 from safetensors.torch import save_file
 
 from eagle_train.export.card import write_model_card
-from eagle_train.export.engines import ENGINE_NAMES, DraftFiles, EngineReport, inspect_engine, is_parallel
 from eagle_train.export.layouts import DTYPES, HEAD_CLASSES, INTEGER_TENSORS, LAYOUTS, detect_layout, layout
 from eagle_train.vocab_map import t2d_from_d2t
+from engines.rules import ENGINE_NAMES, DraftFiles, EngineReport, inspect_engine, is_parallel
 
 __all__ = ["export_head", "import_head", "import_checkpoint", "check_directory", "LAYOUTS", "ENGINE_NAMES"]
 

@@ -7,7 +7,7 @@
 Every method decodes the same prompts greedily; the table gives tokens/s, AL and whether the
 tokens equal plain decoding's. On CUDA the runtime runs with CUDA graphs on and off. --tree adds
 a tree row beside the chain's. --vllm adds vLLM plain, vLLM with the head (chain K) and vLLM's
-n-gram drafting (`inference.vllm_engine`; timed per generate call after a warm-up, as the runtime
+n-gram drafting (`engines.vllm`; timed per generate call after a warm-up, as the runtime
 is). Without --draft a random head is used (AL about 1: it measures the drafting overhead).
 """
 
@@ -59,7 +59,7 @@ def vllm_rows(args, questions):
     """vLLM plain, with the head (chain K, exported to a temporary directory) and with n-gram drafting."""
     import tempfile
 
-    from inference import vllm_engine
+    from engines import vllm as vllm_engine
 
     if args.random_llama:
         raise SystemExit("--vllm runs a real target: leave out --random-llama")

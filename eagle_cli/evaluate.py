@@ -87,8 +87,8 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    from inference.llamacpp import LlamaCppError
-    from inference.vllm_engine import VllmError
+    from engines.llamacpp import LlamaCppError
+    from engines.vllm import VllmError
 
     args = parse_args(argv)
     try:
@@ -237,7 +237,7 @@ def evaluate_llamacpp(args):
     """The bench through llama.cpp: plain, head and n-gram drafting on the same templated prompts.
     Turn 2 of a multi-turn prompt follows plain decoding's answer, so every drafter sees one prompt."""
     from eagle_train.target import load_tokenizer, target_gguf
-    from inference import llamacpp
+    from engines import llamacpp
     from inference.evaluate import chat_ids, load_bench
 
     builtin_only = {
@@ -321,7 +321,7 @@ def evaluate_llamacpp(args):
 def evaluate_vllm(args, builtin: dict | None = None) -> dict:
     """The bench through vLLM: plain, the head and n-gram drafting (`--no-ngram` skips it) on the same
     prompts; turn 2 follows `builtin`'s answers when given (--engine all), else vLLM's plain answers."""
-    from inference import vllm_engine
+    from engines import vllm as vllm_engine
     from inference.evaluate import format_table, load_bench, summarise_drafters, turn_record
 
     if args.threads is not None:

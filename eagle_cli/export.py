@@ -160,7 +160,7 @@ def run_gguf(args) -> int:
 
 
 def run_live_check(args) -> int:
-    from inference.live_check import check
+    from engines.live import check
 
     report = check(args.engine, args.check, args.target, args.source, args.threads)
     print(report.render())

