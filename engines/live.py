@@ -4,24 +4,23 @@ Static rules say what an engine will load; they cannot see how it then drafts. A
 loads but reads differently from the head (a vocab map shifted by one, fc fed the wrong target
 layers) still decodes the right text, only without speed-up: the silent case. So the check
 decodes a few MT-Bench first turns greedily in the engine and in the built-in runtime with the same
-head and fails when the engine accepts far fewer drafts per forward. Each engine says how to get
-it, what its file must hold (static findings naming the likely cause and the fix) and how to run
-it; `ENGINES` holds them: llama.cpp (a GGUF) and vLLM (an export directory).
+head and fails when the engine accepts far fewer drafts per forward. Each engine that runs here
+says how to get it, what its file must hold (static findings naming the likely cause and the fix)
+and how to run it (`Engine.prepare`, `static_findings`, `run_live`: llama.cpp a GGUF, vLLM an
+export directory); this module is the driver they share and the findings both name.
 
-    report = check("llamacpp", "head.gguf", "smollm2-135m", source="runs/eagle3/final")
-    report = check("vllm", "runs/eagle3/final", "smollm2-135m")     # exported to a temporary directory
+    report = ENGINES["llamacpp"].check_live("head.gguf", "smollm2-135m", source="runs/eagle3/final")
+    report = ENGINES["vllm"].check_live("runs/eagle3/final", "smollm2-135m")   # exported to a temporary directory
     print(report.render())
     sys.exit(report.exit_code)   # 0 OK, 1 problems, 3 skipped (no engine here, or a head drafting nothing)
 """
 
 import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
 
 from engines.rules import Finding
 
@@ -94,7 +93,7 @@ class LiveReport:
         return "\n".join(lines)
 
 
-# ---- shared by the engines -------------------------------------------------------------------------
+# ---- the comparison, and the findings both engines name ------------------------------------------
 
 
 def builtin_pooled(head, model, tokenizer, prompts: list[list[int]], k: int, n: int) -> Pooled:
@@ -133,7 +132,7 @@ def verdict(title: str, engine: Pooled, builtin: Pooled, causes: list[str], from
 
 
 def check(
-    engine: str,
+    engine,
     artifact,
     target: str,
     source=None,
@@ -142,24 +141,25 @@ def check(
     new_tokens: int = NEW_TOKENS,
     k: int = K,
 ) -> LiveReport:
-    """Static findings on what `engine` would load for `artifact` (a head, or the engine's own file
-    with `source` the head it should hold), then the live comparison on `prompts` MT-Bench first
-    turns, unless the engine cannot run here (report.skipped says how to get it)."""
+    """Static findings on what `engine` (an Engine) would load for `artifact` (a head, or the engine's
+    own file with `source` the head it should hold), then the live comparison on `prompts` MT-Bench
+    first turns, unless the engine cannot run here (report.skipped says how to get it)."""
     from eagle_train.target import load_target
     from inference.evaluate import chat_ids, load_bench
 
-    spec = ENGINES[engine]
     with tempfile.TemporaryDirectory() as tmp:
-        file, source_head = spec.prepare(Path(artifact), target, source, Path(tmp))
-        report = LiveReport(spec.title, f"{artifact} against {target}", spec.static(file, target, source_head))
-        report.skipped = spec.missing()
+        file, source_head = engine.prepare(Path(artifact), target, source, Path(tmp))
+        report = LiveReport(
+            engine.live_title, f"{artifact} against {target}", engine.static_findings(file, target, source_head)
+        )
+        report.skipped = engine.missing()
         if report.skipped:
-            report.rules_stand = spec.rules_stand
+            report.rules_stand = engine.rules_stand
             return report
         model, tokenizer = load_target(target, device="cuda" if torch.cuda.is_available() else "cpu")
         if source_head is None:
             try:
-                head = spec.read_back(file, model)
+                head = engine.read_back(file, model)
             except ValueError as e:
                 report.skipped = f"the built-in runtime cannot run the file ({e})"
                 return report
@@ -170,16 +170,16 @@ def check(
         questions = [p["turns"][0] for p in load_bench("mt_bench", prompts)]
         ids = [chat_ids(tokenizer, [{"role": "user", "content": q}]) for q in questions]
         try:
-            measured, identical = spec.run(file, target, questions, k, new_tokens, threads)
+            measured, identical = engine.run_live(file, target, questions, k, new_tokens, threads)
         except EngineFailed as e:
-            report.findings.append(Finding("error", f"{spec.name} fails with the file: {e}"))
+            report.findings.append(Finding("error", f"{engine.title} fails with the file: {e}"))
             return report
         builtin = builtin_pooled(head, model, tokenizer, ids, k, new_tokens)
     report.engine_run, report.builtin_run = measured, builtin
     report.live = (
-        f"{prompts} MT-Bench first turns x {new_tokens} new tokens, greedy, chain K={k}: {spec.name} {measured}, "
+        f"{prompts} MT-Bench first turns x {new_tokens} new tokens, greedy, chain K={k}: {engine.title} {measured}, "
         f"built-in runtime ({REFERENCE[source_head is not None]}) {builtin}; "
-        f"{spec.name}'s text equal to its plain decoding on {identical}/{prompts}"
+        f"{engine.title}'s text equal to its plain decoding on {identical}/{prompts}"
         + (
             " (batched verification numerics differ from one-token steps, e.g. on a quantized target)"
             if identical < prompts
@@ -195,207 +195,8 @@ def check(
         )
         return report
     causes = [f.cause for f in report.findings if f.severity == "error" and f.cause]
-    report.findings.append(verdict(spec.name, measured, builtin, causes, from_source))
+    report.findings.append(verdict(engine.title, measured, builtin, causes, from_source))
     return report
-
-
-# ---- llama.cpp -------------------------------------------------------------------------------------
-
-# Largest |file - head| / max |head| a weight may show for its GGUF type: one rounding step of that
-# type (f16 2^-11, bf16 2^-8, q8_0 a block's max / 254), doubled; coarser types are not compared.
-TOLERANCE = {
-    GGMLQuantizationType.F32: 1e-6,
-    GGMLQuantizationType.F16: 1e-3,
-    GGMLQuantizationType.BF16: 1e-2,
-    GGMLQuantizationType.Q8_0: 1e-2,
-}
-REEXPORT = "re-export it: eagle-export HEAD --format gguf --out FILE.gguf --target {target}"
-
-
-def llamacpp_missing() -> str:
-    from engines import llamacpp
-
-    try:
-        found = llamacpp.tools_dir()
-    except llamacpp.LlamaCppError as e:
-        return str(e)
-    return "" if found else f"no llama.cpp build: run `{llamacpp.BUILD_HINT}` (a few minutes, once), then check again"
-
-
-def llamacpp_prepare(artifact: Path, target: str, source, tmp: Path):
-    """(the GGUF llama.cpp loads, the head it should hold or None): a head is exported first."""
-    from eagle_train.checkpoint import load_draft_head
-    from eagle_train.export.gguf import export_gguf
-
-    if artifact.suffix == ".gguf":
-        if not artifact.is_file():
-            raise FileNotFoundError(f"{artifact} does not exist")
-        return artifact, load_draft_head(Path(source)) if source else None
-    if source:
-        raise ValueError("--source names the head a .gguf came from; a head directory is its own source")
-    head = load_draft_head(artifact)
-    return export_gguf(head, tmp / "head.gguf", target), head
-
-
-def llamacpp_static(file: Path, target: str, source_head) -> list[Finding]:
-    """What llama.cpp would read from `file` against the target's GGUF and, given a source head,
-    against what export_gguf writes for it; errors name the likely cause and the fix."""
-    from eagle_train.export.gguf import export_gguf, field_value, read_gguf, read_target
-
-    head, tgt = read_gguf(file), read_target(target)
-    arch = field_value(tgt.fields["general.architecture"]).decode()
-
-    def target_key(name, default=None):
-        found = tgt.fields.get(f"{arch}.{name}")
-        return field_value(found) if found is not None else default
-
-    findings = gguf_target_findings(
-        head, target_key("rope.freq_base", 10000.0), target_key("block_count"), target_key("embedding_length")
-    )
-    findings += gguf_size_findings(head, tgt)
-    if source_head is not None:
-        with tempfile.TemporaryDirectory() as tmp:
-            expected = read_gguf(export_gguf(source_head, Path(tmp) / "expected.gguf", target))
-        findings += gguf_source_findings(head, expected, {f.cause for f in findings})
-    for f in findings:
-        if f.severity == "error":
-            f.message += f"; {REEXPORT.format(target=target)}"
-    return findings
-
-
-def gguf_size_findings(head, tgt) -> list[Finding]:
-    tokens = tgt.fields.get("tokenizer.ggml.tokens")
-    n_vocab = len(tokens.data) if tokens is not None else 0
-    findings = []
-    if head.n_vocab != n_vocab:
-        findings.append(
-            Finding(
-                "error",
-                f"the file's tokenizer has {head.n_vocab} tokens, the target's {n_vocab}: made for another target",
-            )
-        )
-    d2t, lm_head = head.tensors.get("d2t"), head.tensors.get("lm_head.weight")
-    if d2t is None or lm_head is None:  # a full-vocabulary head: nothing to map
-        return findings
-    if head.types["d2t"] != GGMLQuantizationType.I64:
-        findings.append(
-            Finding("error", f"d2t is {head.types['d2t'].name}; llama.cpp asserts I64 (absolute target ids)")
-        )
-    if len(d2t) != len(lm_head):
-        findings.append(
-            Finding(
-                "error", f"d2t has {len(d2t)} entries, output.weight {len(lm_head)} rows: llama.cpp refuses the file"
-            )
-        )
-    if d2t.min() < 0 or d2t.max() >= head.n_vocab:
-        findings.append(
-            Finding(
-                "error",
-                f"d2t holds ids outside the target vocabulary [0, {head.n_vocab}): llama.cpp writes out of bounds",
-            )
-        )
-    elif d2t.unique().numel() != d2t.numel():
-        findings.append(
-            Finding(
-                "error",
-                "d2t maps several draft ids to one target id: it looks like EAGLE's offsets (target id - draft id), "
-                "llama.cpp wants absolute target ids",
-                cause="d2t written as offsets",
-            )
-        )
-    return findings
-
-
-def gguf_target_findings(head, target_theta: float, n_layer: int, width: int) -> list[Finding]:
-    keys, findings = head.keys, []
-    theta = keys["rope.freq_base"]
-    if not np.isclose(theta, target_theta, rtol=1e-6):
-        findings.append(
-            Finding(
-                "error",
-                f"eagle3.rope.freq_base is {theta:g}, the target's {target_theta:g}: llama.cpp rotates the draft's "
-                "queries and keys at frequencies the head was not trained with (EAGLE-3 heads use the target's "
-                "RoPE; a converter that leaves the key out gets llama.cpp's default 10000)",
-                cause=f"a wrong RoPE base ({theta:g} instead of {target_theta:g})",
-            )
-        )
-    layers = list(keys.get("target_layers", []))
-    if len(layers) != 3:
-        findings.append(Finding("error", f"eagle3.target_layers is {layers}: llama.cpp needs exactly three ids"))
-    elif any(not 0 <= i <= n_layer for i in layers):
-        findings.append(
-            Finding(
-                "error",
-                f"eagle3.target_layers {layers} reaches outside the target's layer inputs 0..{n_layer} "
-                f"(a {n_layer}-layer target; llama.cpp aborts): the head was made for another target",
-                cause="target_layers of another target",
-            )
-        )
-    elif layers != sorted(layers):
-        findings.append(
-            Finding(
-                "warning",
-                f"eagle3.target_layers {layers} is not in increasing order: EAGLE-3 heads read a low, a middle "
-                "and a high layer in that order, so it may be reversed",
-            )
-        )
-    for key in ("embedding_length", "target_hidden_size"):
-        if keys.get(key) != width:
-            findings.append(
-                Finding(
-                    "error",
-                    f"eagle3.{key} is {keys.get(key)}, the target's embedding_length {width}: "
-                    "made for another target (llama.cpp borrows the target's embeddings and layer inputs)",
-                )
-            )
-    return findings
-
-
-def gguf_source_findings(head, expected, covered: set[str]) -> list[Finding]:
-    """Where the file differs from export_gguf's file for the source head; `covered` causes are not repeated."""
-    findings = []
-    for key in sorted(set(head.keys) | set(expected.keys)):
-        got, want = head.keys.get(key), expected.keys.get(key)
-        if key == "target_layers" and list(got or []) != list(want):
-            findings.append(layers_finding(list(got or []), list(want), "llama.cpp", "eagle3.target_layers"))
-        elif key == "rope.freq_base" and not np.isclose(got, want, rtol=1e-6):
-            findings.append(
-                Finding(
-                    "error",
-                    f"eagle3.rope.freq_base is {got:g}, the head was trained with {want:g}",
-                    cause=f"a wrong RoPE base ({got:g} instead of {want:g})",
-                )
-            )
-        elif key not in ("target_layers", "rope.freq_base") and got != want:
-            findings.append(
-                Finding(
-                    "error", f"eagle3.{key} is {got}, export_gguf writes {want} for the source head", f"eagle3.{key}"
-                )
-            )
-    missing = sorted(set(expected.tensors) - set(head.tensors))
-    extra = sorted(set(head.foreign) - set(expected.foreign))
-    if missing or extra:
-        findings.append(Finding("error", f"the file lacks the tensors {missing} and holds {extra} besides"))
-    for name in sorted(set(expected.tensors) & set(head.tensors)):
-        got, want = head.tensors[name], expected.tensors[name]
-        if got.shape != want.shape:
-            findings.append(Finding("error", f"{name} is {list(got.shape)}, the source head's {list(want.shape)}"))
-        elif name == "d2t":
-            if not torch.equal(got, want):
-                findings.append(d2t_finding(got, want, "llama.cpp"))
-        elif head.types[name] in TOLERANCE:
-            diff = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-12)
-            if diff > TOLERANCE[head.types[name]]:
-                findings.append(
-                    Finding(
-                        "error",
-                        f"{name} differs from the source head's by {diff:.2g} of its largest value "
-                        f"({head.types[name].name} allows {TOLERANCE[head.types[name]]:g}): the file holds another "
-                        "head's weights, or Q/K rows not in llama.cpp's RoPE order",
-                        cause="weights that are not the source head's",
-                    )
-                )
-    return [f for f in findings if f.cause not in covered or not f.cause]
 
 
 def layers_finding(got: list[int], want: list[int], engine: str, key: str) -> Finding:
@@ -439,164 +240,3 @@ def d2t_finding(got: torch.Tensor, want: torch.Tensor, engine: str) -> Finding:
         "not predict and (almost) none is accepted",
         cause=cause,
     )
-
-
-def llamacpp_read_back(file: Path, model):
-    from eagle_train.export.gguf import import_gguf
-
-    return import_gguf(file, model)
-
-
-def llamacpp_run(file: Path, target: str, questions: list[str], k: int, n: int, threads: int | None):
-    """(tokens per forward pooled over the prompts, how many speculative texts equal plain decoding's)."""
-    from eagle_train.target import load_tokenizer, target_gguf
-    from engines import llamacpp
-    from inference.evaluate import chat_text
-
-    tokenizer = load_tokenizer(target)
-    texts = [chat_text(tokenizer, [{"role": "user", "content": q}]) for q in questions]
-    try:
-        runs = llamacpp.measure(target_gguf(target), file, texts, k, n, threads)
-    except llamacpp.LlamaCppError as e:
-        raise EngineFailed(str(e)) from e
-    pooled = Pooled(sum(r["head"].tokens for r in runs), sum(r["head"].forwards for r in runs))
-    return pooled, sum(r["identical"] for r in runs)
-
-
-# ---- vLLM ------------------------------------------------------------------------------------------
-
-VLLM_KEY = "eagle_aux_hidden_state_layer_ids"
-
-
-def vllm_missing() -> str:
-    from engines import vllm as vllm_engine
-
-    return vllm_engine.missing()
-
-
-def vllm_prepare(artifact: Path, target: str, source, tmp: Path):
-    """(the directory vLLM loads, the head it should hold or None): a training checkpoint is exported first."""
-    from eagle_train.checkpoint import load_draft_head
-    from engines import vllm as vllm_engine
-
-    directory, head = vllm_engine.export_dir(artifact, tmp)
-    if head is None:
-        return directory, load_draft_head(Path(source)) if source else None
-    if source:
-        raise ValueError("--source names the head an export came from; a training checkpoint is its own source")
-    return directory, head
-
-
-def vllm_static(directory: Path, target: str, source_head) -> list[Finding]:
-    """The rule check of what vLLM loads from `directory` (engines.rules) and, given the
-    source head, where the head vLLM would build differs from it."""
-    from eagle_train.export import check_directory, import_head
-    from eagle_train.target import load_target_config
-
-    config = load_target_config(target)
-    findings = list(check_directory(directory, ["vllm"], config)["vllm"].findings)
-    if source_head is not None:
-        covered = {f.cause for f in findings if f.cause}
-        findings += [
-            f
-            for f in head_source_findings(import_head(directory, target_config=config), source_head, "vLLM")
-            if f.cause not in covered
-        ]
-    return findings
-
-
-def head_source_findings(file_head, source_head, engine: str) -> list[Finding]:
-    """Where a head read from an engine's file differs from the head it was exported from."""
-    got, want = file_head.config, source_head.config
-    findings = []
-    if list(got.aux_layer_ids) != list(want.aux_layer_ids):
-        findings.append(layers_finding(list(got.aux_layer_ids), list(want.aux_layer_ids), engine, VLLM_KEY))
-    if not np.isclose(got.rope_theta, want.rope_theta, rtol=1e-6):
-        findings.append(
-            Finding(
-                "error",
-                f"rope_theta is {got.rope_theta:g}, the head was trained with {want.rope_theta:g}",
-                cause=f"a wrong RoPE base ({got.rope_theta:g} instead of {want.rope_theta:g})",
-            )
-        )
-    mine, theirs = file_head.saved_state_dict(), source_head.saved_state_dict()
-    if set(mine) != set(theirs) or any(mine[n].shape != theirs[n].shape for n in mine):
-        return findings + [Finding("error", "the file holds another head's tensors or sizes than the source head")]
-    arange = torch.arange(got.draft_vocab_size)
-    if not torch.equal(mine["d2t"].cpu(), theirs["d2t"].cpu()):
-        findings.append(d2t_finding(mine["d2t"].cpu() + arange, theirs["d2t"].cpu() + arange, engine))
-    for name, t in theirs.items():
-        if t.is_floating_point():
-            diff = (mine[name].float().cpu() - t.float().cpu()).abs().max().item() / max(t.abs().max().item(), 1e-12)
-            if diff > TOLERANCE[GGMLQuantizationType.BF16]:  # a bf16 export's rounding, doubled
-                findings.append(
-                    Finding(
-                        "error",
-                        f"{name} differs from the source head's by {diff:.2g} of its largest value: the file "
-                        "holds another head's weights",
-                        cause="weights that are not the source head's",
-                    )
-                )
-                break
-    return findings
-
-
-def vllm_read_back(directory: Path, model):
-    from eagle_train.export import import_head
-
-    return import_head(directory, model)
-
-
-def vllm_run(directory: Path, target: str, questions: list[str], k: int, n: int, threads: int | None):
-    """(tokens per forward pooled over the prompts, how many speculative outputs equal plain decoding's)."""
-    from engines import vllm as vllm_engine
-
-    method = vllm_engine.method_of(directory)
-    conversations = [[q] for q in questions]
-    try:
-        plain = vllm_engine.decode(target, conversations, n)
-        spec = vllm_engine.decode(target, conversations, n, vllm_engine.speculative(method, directory, k))
-    except vllm_engine.VllmError as e:
-        raise EngineFailed(str(e)) from e
-    turns = [(c[0], p[0]) for c, p in zip(spec.conversations, plain.conversations)]
-    forwards = sum(len(vllm_engine.rounds(t)) for t, _ in turns)
-    pooled = Pooled(forwards + sum(t.accepted for t, _ in turns), forwards)
-    return pooled, sum(t.output_ids == p.output_ids for t, p in turns)
-
-
-@dataclass(frozen=True)
-class LiveEngine:
-    name: str
-    title: str
-    missing: Callable  # () -> "" or why the engine cannot run here and how to get it
-    prepare: Callable  # (artifact, target, source, tmp) -> (engine file, source head or None)
-    static: Callable  # (file, target, source head) -> [Finding]
-    read_back: Callable  # (file, target model) -> the head the file holds
-    run: Callable  # (file, target, first-turn questions, k, n, threads) -> (Pooled, equal to plain); EngineFailed
-    rules_stand: (
-        bool  # without the engine installed, pass on the rule findings alone (never: a build is a command away)
-    )
-
-
-ENGINES = {
-    "llamacpp": LiveEngine(
-        "llama.cpp",
-        "llama.cpp (--spec-type draft-eagle3)",
-        llamacpp_missing,
-        llamacpp_prepare,
-        llamacpp_static,
-        llamacpp_read_back,
-        llamacpp_run,
-        rules_stand=False,
-    ),
-    "vllm": LiveEngine(
-        "vLLM",
-        "vLLM (speculative_config method eagle3)",
-        vllm_missing,
-        vllm_prepare,
-        vllm_static,
-        vllm_read_back,
-        vllm_run,
-        rules_stand=True,
-    ),
-}

