@@ -727,7 +727,3 @@ def main(argv=None):
         raise SystemExit(f"no llama.cpp build found; build one with: {BUILD_HINT}")
     print(found)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
