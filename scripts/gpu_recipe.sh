@@ -173,11 +173,11 @@ stage2() {
     train peagle scripts/train_peagle.py configs/peagle_smollm2_gpu.yaml $(( STAGE_SECONDS / 2 )) || rc=$?
   fi
   pe=$(head_of "$RUNS/peagle") || pe=""
-  step export_eagle3 "$PY" -m eagle_train.export.cli "$e3" --format eagle3 --out "$RUNS/export/eagle3" --target "$TARGET" || rc=$?
-  step check_eagle3 "$PY" -m eagle_train.export.cli --check "$RUNS/export/eagle3" --engine all --target "$TARGET" || rc=$?
+  step export_eagle3 "$PY" -m eagle_cli.export "$e3" --format eagle3 --out "$RUNS/export/eagle3" --target "$TARGET" || rc=$?
+  step check_eagle3 "$PY" -m eagle_cli.export --check "$RUNS/export/eagle3" --engine all --target "$TARGET" || rc=$?
   if [ -n "$pe" ]; then
-    step export_peagle "$PY" -m eagle_train.export.cli "$pe" --format peagle --out "$RUNS/export/peagle" --target "$TARGET" || rc=$?
-    step check_peagle "$PY" -m eagle_train.export.cli --check "$RUNS/export/peagle" --target "$TARGET" || rc=$?
+    step export_peagle "$PY" -m eagle_cli.export "$pe" --format peagle --out "$RUNS/export/peagle" --target "$TARGET" || rc=$?
+    step check_peagle "$PY" -m eagle_cli.export --check "$RUNS/export/peagle" --target "$TARGET" || rc=$?
   fi
   # the benchmark covers every figure the issue asks for; it saves after each section and drafting
   # shape, and leaves EVAL_RESERVE seconds of the stage to eagle-eval
@@ -199,7 +199,7 @@ stage2() {
       budget=$(( $(left) - 10 ))
       if [ "$budget" -lt "${EVAL_MIN_SECONDS:-45}" ]; then say "$name: skipped, ${budget}s left"; continue; fi
       # shellcheck disable=SC2086
-      step "$name" timeout -k 5 "$budget" "$PY" -m inference.cli --target "$TARGET" --draft "$draft" \
+      step "$name" timeout -k 5 "$budget" "$PY" -m eagle_cli.evaluate --target "$TARGET" --draft "$draft" \
           --bench "$bench" --num-prompts "$EVAL_PROMPTS" --max-new-tokens "$EVAL_TOKENS" $flags \
           --out "$RUNS/eval/$name.json" || rc=$?
       evals+=("$RUNS/eval/$name.json")

@@ -6,8 +6,8 @@ import sys
 import pytest
 import torch
 
+from eagle_cli.evaluate import main
 from eagle_train.eagle3 import Eagle3Head
-from inference.cli import main
 
 
 def recount_al(record):

@@ -9,11 +9,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
+from eagle_cli.export import main as cli_main
 from eagle_train.draft_config import DraftConfig
 from eagle_train.eagle3 import Eagle3Head
-from eagle_train.export import LAYOUTS, check_directory, export_head, import_checkpoint, import_head
-from eagle_train.export.cli import main as cli_main
-from eagle_train.export.engines import DraftFiles, engine_state, head_from_engine_state, head_shapes, inspect_engine
+from eagle_train.export import LAYOUTS, export_head, import_checkpoint, import_head
+from eagle_train.export.draft_files import DraftFiles
+from engines import ENGINES, check_directory
+from engines.rules import engine_state, head_from_engine_state, head_shapes
 
 H, NH, NKV, D, I, V, VD, N = 32, 4, 2, 8, 64, 50, 40, 8  # noqa: E741 (I: intermediate size)
 
@@ -86,7 +88,7 @@ def inputs(seed=1, hidden=H, vocab=V, t=9):
 
 def engine_head(directory, engine, target_embedding, target_config=None):
     files = DraftFiles(directory)
-    report = inspect_engine(engine, files, target_config)
+    report = ENGINES[engine].inspect(files, target_config)
     assert report.ok, report.render()
     return head_from_engine_state(report, engine_state(report, files), target_embedding), report
 
@@ -143,13 +145,13 @@ def test_engine_state_uses_each_engines_names_fusions_and_vocab_map(tmp_path):
     out = export_head(head, tmp_path / "e3", "eagle3", dtype="fp32")
     files = DraftFiles(out)
     qkv = ((NH + 2 * NKV) * D, 2 * H)
-    vllm = engine_state(inspect_engine("vllm", files), files)
+    vllm = engine_state(ENGINES["vllm"].inspect(files), files)
     assert vllm["model.layers.0.self_attn.qkv_proj.weight"].shape == qkv
     assert vllm["model.layers.0.mlp.gate_up_proj.weight"].shape == (2 * I, H)
     assert torch.equal(vllm["draft_id_to_target_id"], head.d2t)
-    sglang = engine_state(inspect_engine("sglang", files), files)
+    sglang = engine_state(ENGINES["sglang"].inspect(files), files)
     assert torch.equal(sglang["hot_token_id"], head.draft_to_target_ids(torch.arange(VD)))
-    trt = engine_state(inspect_engine("trtllm", files), files)
+    trt = engine_state(ENGINES["trtllm"].inspect(files), files)
     assert trt["model.d2t"].dtype == torch.int32 and "model.midlayer.self_attn.qkv_proj.weight" in trt
     q, k = head.midlayer.self_attn.q_proj.weight, head.midlayer.self_attn.k_proj.weight
     assert torch.equal(trt["model.midlayer.self_attn.qkv_proj.weight"][NH * D : NH * D + NKV * D], k)

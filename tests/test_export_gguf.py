@@ -21,7 +21,7 @@ from eagle_train.eagle3 import Eagle3Head
 from eagle_train.export import export_head
 from eagle_train.export.gguf import export_gguf
 from eagle_train.target import SMOLLM2, resolve_target
-from inference.llamacpp import converter_script
+from engines.llamacpp import converter_script
 
 T = GGUFValueType
 TOKENS = ["<s>", "</s>", "héllo", "Ġworld", *(f"t{i}" for i in range(V - 4))]

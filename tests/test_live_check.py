@@ -25,13 +25,14 @@ from gguf import GGUFWriter
 from test_export import tiny_head as export_tiny_head
 
 import eagle_train.export.gguf as gguf_module
+from eagle_cli.export import main as cli_main
 from eagle_train.eagle3 import Eagle3Head
-from eagle_train.export.cli import main as cli_main
 from eagle_train.export.gguf import export_gguf, import_gguf
 from eagle_train.target import SMOLLM2
 from eagle_train.vocab_map import t2d_from_d2t
-from inference import live_check, llamacpp
-from inference.live_check import Pooled, llamacpp_static, verdict
+from engines import ENGINES, llamacpp
+from engines.live import FAR, Pooled, verdict
+from engines.llamacpp import static_findings
 
 BROKEN = ("layers", "reversed", "d2t", "rope")  # the ways a file is broken below
 H, NH, NKV, D, FF, V, VD, N = 64, 4, 2, 16, 64, 512, 128, 8  # a tiny Llama target and head (q8_0 rows: 32s)
@@ -123,22 +124,22 @@ LAYERS = (2, 4, 5)  # the tiny head's
 
 def test_good_export_has_no_findings_in_any_outtype(tiny, tmp_path):
     target, head, _, files = tiny
-    assert llamacpp_static(files["good"], target, head) == []
+    assert static_findings(files["good"], target, head) == []
     for outtype in ("f16", "q8_0"):  # compared within one rounding step of the file's type
-        assert llamacpp_static(export_gguf(head, tmp_path / f"{outtype}.gguf", target, outtype), target, head) == []
+        assert static_findings(export_gguf(head, tmp_path / f"{outtype}.gguf", target, outtype), target, head) == []
 
 
 @pytest.mark.parametrize("what", BROKEN)
 def test_each_broken_file_gets_one_error_naming_its_cause_and_the_fix(tiny, what):
     target, head, _, files = tiny
-    [error] = errors(llamacpp_static(files[what], target, head))
+    [error] = errors(static_findings(files[what], target, head))
     assert error.cause == cause(what, LAYERS)
     assert "re-export it: eagle-export HEAD --format gguf" in error.message
 
 
 def test_messages_say_how_the_file_went_wrong(tiny):
     target, head, _, files = tiny
-    findings = {what: llamacpp_static(files[what], target, head) for what in BROKEN}
+    findings = {what: static_findings(files[what], target, head) for what in BROKEN}
     assert "every id -1" in findings["layers"][0].message and "SGLang / TensorRT-LLM" in findings["layers"][0].message
     assert [f.severity for f in findings["reversed"]] == ["warning", "error"]  # not increasing, then: reversed
     assert "reversed" in findings["reversed"][1].message
@@ -149,9 +150,9 @@ def test_messages_say_how_the_file_went_wrong(tiny):
 def test_without_the_source_only_what_the_target_shows_is_caught(tiny):
     """target_layers in range and a shifted d2t look like any head's: only the source tells them apart."""
     target, _, _, files = tiny
-    assert errors(llamacpp_static(files["layers"], target, None)) == []
-    assert errors(llamacpp_static(files["d2t"], target, None)) == []
-    assert [f.cause for f in errors(llamacpp_static(files["rope"], target, None))] == [cause("rope", LAYERS)]
+    assert errors(static_findings(files["layers"], target, None)) == []
+    assert errors(static_findings(files["d2t"], target, None)) == []
+    assert [f.cause for f in errors(static_findings(files["rope"], target, None))] == [cause("rope", LAYERS)]
 
 
 def test_d2t_written_as_offsets_is_named_with_or_without_the_source(tiny, tmp_path, monkeypatch):
@@ -161,20 +162,20 @@ def test_d2t_written_as_offsets_is_named_with_or_without_the_source(tiny, tmp_pa
     monkeypatch.setattr(gguf_module, "check_vocab_map", lambda head: None)  # the exporter would refuse it
     file = export_gguf(offsets, tmp_path / "offsets.gguf", target)
     for source in (head, None):  # offsets repeat: several draft ids, one target id
-        [error] = errors(llamacpp_static(file, target, source))
+        [error] = errors(static_findings(file, target, source))
         assert error.cause == "d2t written as offsets" and "looks like EAGLE's offsets" in error.message
 
 
 def test_another_heads_weights_are_named(tiny):
     target, _, _, files = tiny
-    findings = errors(llamacpp_static(files["good"], target, tiny_head(seed=1)))
+    findings = errors(static_findings(files["good"], target, tiny_head(seed=1)))
     assert {f.cause for f in findings} == {"weights that are not the source head's", "d2t of another vocab map"}
 
 
 def test_layers_the_target_does_not_have_are_named(tiny, tmp_path):
     _, _, _, files = tiny
     shallow = write_target(tmp_path / "shallow.gguf", layers=4)  # the head reads layer 5's input
-    [error] = errors(llamacpp_static(files["good"], shallow, None))
+    [error] = errors(static_findings(files["good"], shallow, None))
     assert error.cause == "target_layers of another target" and "0..4" in error.message
 
 
@@ -273,7 +274,7 @@ def trained(tmp_path_factory):
 
 
 def live(artifact, source=None):
-    return live_check.check("llamacpp", artifact, SMOLLM2, source=source, threads=1)
+    return ENGINES["llamacpp"].check_live(artifact, SMOLLM2, source=source, threads=1)
 
 
 def test_live_good_head_passes(trained, capsys):
@@ -293,7 +294,7 @@ def test_live_broken_files_fail_naming_the_cause(trained, what):
         assert live_verdict.severity == "error" and live_verdict.message.endswith(
             f"Likely cause: {cause(what, layers)}"
         )
-        assert report.engine_run.accepted < live_check.FAR * report.builtin_run.accepted
+        assert report.engine_run.accepted < FAR * report.builtin_run.accepted
     else:  # measured: no acceptance lost on these prompts; the static error alone fails the check
         assert live_verdict.severity == "info" and "the errors above stand" in live_verdict.message
 

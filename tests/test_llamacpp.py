@@ -9,8 +9,8 @@ import tarfile
 import pytest
 import torch
 
-from inference import llamacpp
-from inference.cli import main
+from eagle_cli.evaluate import main
+from engines import llamacpp
 
 # ---- parsing captured output (no llama.cpp needed) ----------------------------------------------
 

@@ -11,9 +11,11 @@ from test_export import NH, D, H, V, tiny_head, tiny_peagle_head, tiny_target_co
 
 from eagle_train import peagle_batch as pb
 from eagle_train.checkpoint import load_draft_head
-from eagle_train.export import check_directory, export_head, import_head
-from eagle_train.export.engines import DraftFiles, engine_state, head_from_engine_state
+from eagle_train.export import export_head, import_head
+from eagle_train.export.draft_files import DraftFiles
 from eagle_train.peagle import PEagleHead
+from engines import check_directory
+from engines.rules import engine_state, head_from_engine_state
 
 K, LAYERS, MASK_ID = 5, 3, 7
 

@@ -9,8 +9,8 @@ import torch
 from conftest import EagerStep
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from eagle_cli.evaluate import main
 from eagle_train.eagle3 import Eagle3Head
-from inference.cli import main
 from inference.evaluate import chat_ids, load_bench
 from inference.generate import Runtime
 from inference.prompt_lookup import PromptLookup, chain_tree, propose

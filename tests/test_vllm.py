@@ -22,12 +22,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from eagle_cli.evaluate import main as eval_main
 from eagle_train.export import export_head
 from eagle_train.target import SMOLLM2
-from inference import live_check, vllm_engine
-from inference.cli import main as eval_main
+from engines import ENGINES, vllm
 
-needs_vllm = pytest.mark.skipif(bool(vllm_engine.missing()), reason="vLLM is not installed: scripts/install_vllm.sh")
+needs_vllm = pytest.mark.skipif(bool(vllm.missing()), reason="vLLM is not installed: scripts/install_vllm.sh")
 QUESTIONS = ["What is the capital of France? Answer in one sentence.", "Write a haiku about the sea."]
 
 
@@ -37,26 +37,26 @@ QUESTIONS = ["What is the capital of France? Answer in one sentence.", "Write a 
 def test_rounds_are_rebuilt_from_the_per_position_counters():
     # 5 drafting rounds of K=3: accepted 0, 1, 3, 1, 2 -> position 1 reached 4 times, 2 twice, 3 once
     output = list(range(1 + 5 + 7))  # the prefill's token, then one per forward plus the accepted drafts
-    turn = vllm_engine.Turn([1], output, 0.1, drafts=5, accepted=7, accepted_per_pos=[4, 2, 1])
-    assert sorted(vllm_engine.rounds(turn)) == [0, 1, 1, 2, 3]
-    record = vllm_engine.speculative_record(turn)
+    turn = vllm.Turn([1], output, 0.1, drafts=5, accepted=7, accepted_per_pos=[4, 2, 1])
+    assert sorted(vllm.rounds(turn)) == [0, 1, 1, 2, 3]
+    record = vllm.speculative_record(turn)
     assert record["forwards"] == 5 and sum(record["emitted"]) == len(output) - 1
     # n-gram drafting finds no match in 3 more forwards: vLLM does not count them, AL does
-    undrafted = vllm_engine.Turn([1], output + [0, 0, 0], 0.1, drafts=5, accepted=7, accepted_per_pos=[4, 2, 1])
-    assert sorted(vllm_engine.rounds(undrafted)) == [0, 0, 0, 0, 1, 1, 2, 3]
+    undrafted = vllm.Turn([1], output + [0, 0, 0], 0.1, drafts=5, accepted=7, accepted_per_pos=[4, 2, 1])
+    assert sorted(vllm.rounds(undrafted)) == [0, 0, 0, 0, 1, 1, 2, 3]
 
 
 def test_speculative_configs_are_vllms():
-    assert vllm_engine.speculative("eagle3", "h", 3) == {"method": "eagle3", "model": "h", "num_speculative_tokens": 3}
-    assert vllm_engine.speculative("peagle", "h", 5)["parallel_drafting"] is True
-    ngram = vllm_engine.speculative("ngram", None, 3)
+    assert vllm.speculative("eagle3", "h", 3) == {"method": "eagle3", "model": "h", "num_speculative_tokens": 3}
+    assert vllm.speculative("peagle", "h", 5)["parallel_drafting"] is True
+    ngram = vllm.speculative("ngram", None, 3)
     assert ngram["method"] == "ngram" and (ngram["prompt_lookup_min"], ngram["prompt_lookup_max"]) == (2, 4)
 
 
 def test_without_vllm_eval_says_how_to_install_and_the_check_keeps_the_rules(smollm2, tmp_path, monkeypatch, capsys):
-    from eagle_train.export.cli import main as export_main
+    from eagle_cli.export import main as export_main
 
-    monkeypatch.setattr(vllm_engine, "missing", lambda: "vLLM is not installed: bash scripts/install_vllm.sh")
+    monkeypatch.setattr(vllm, "missing", lambda: "vLLM is not installed: bash scripts/install_vllm.sh")
     with pytest.raises(SystemExit, match="vLLM is not installed"):
         eval_main(["--engine", "vllm", "--target", SMOLLM2, "--draft", "x", "--out", str(tmp_path / "r.json")])
     head = vllm_head(tmp_path, smollm2[0])
@@ -95,13 +95,13 @@ def test_vllm_loads_each_layout_and_speculates_losslessly(smollm2, tmp_path, lay
 
     export = export_head(load_draft_head(vllm_head(tmp_path, smollm2[0])), tmp_path / layout, layout, dtype="fp32")
     conversations = [[q] for q in QUESTIONS]
-    plain = vllm_engine.decode(SMOLLM2, conversations, 16)
-    spec = vllm_engine.decode(SMOLLM2, conversations, 16, vllm_engine.speculative("eagle3", export, 3))
+    plain = vllm.decode(SMOLLM2, conversations, 16)
+    spec = vllm.decode(SMOLLM2, conversations, 16, vllm.speculative("eagle3", export, 3))
     for (p,), (s,) in zip(plain.conversations, spec.conversations):
         assert s.output_ids == p.output_ids and len(p.output_ids) > 0
         assert s.drafts > 0 and s.draft_tokens == 3 * s.drafts
         assert s.accepted == sum(s.accepted_per_pos) and len(s.accepted_per_pos) == 3
-    assert plain.version == vllm_engine.TESTED
+    assert plain.version == vllm.TESTED
 
 
 @needs_vllm
@@ -113,8 +113,8 @@ def test_vllm_drafts_with_a_peagle_export_in_parallel_losslessly(smollm2, tmp_pa
     head = PEagleHead.from_target(smollm2[0], mask_token_id=16, num_depths=3, draft_vocab_size=8192)
     export = export_head(head, tmp_path / "peagle", "peagle", dtype="fp32")
     conversations = [[q] for q in QUESTIONS]
-    plain = vllm_engine.decode(SMOLLM2, conversations, 16)
-    spec = vllm_engine.decode(SMOLLM2, conversations, 16, vllm_engine.speculative("peagle", export, 3))
+    plain = vllm.decode(SMOLLM2, conversations, 16)
+    spec = vllm.decode(SMOLLM2, conversations, 16, vllm.speculative("peagle", export, 3))
     for (p,), (s,) in zip(plain.conversations, spec.conversations):
         assert s.output_ids == p.output_ids and s.drafts > 0 and s.draft_tokens == 3 * s.drafts
 
@@ -150,7 +150,7 @@ BROKEN = ("aux", "rope", "d2t")  # what vLLM does with each: the module docstrin
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    if vllm_engine.missing():
+    if vllm.missing():
         pytest.skip("vLLM is not installed: scripts/install_vllm.sh")
     path = os.environ.get("EAGLE_TEST_TRAINED_HEAD")
     if not path:
@@ -182,7 +182,7 @@ def break_export(directory: Path, what: str) -> Path:
 
 
 def test_live_good_head_matches_the_builtin_runtime(trained):
-    report = live_check.check("vllm", trained[0], SMOLLM2)
+    report = ENGINES["vllm"].check_live(trained[0], SMOLLM2)
     assert report.exit_code == 0, report.render()
     engine, builtin = report.engine_run, report.builtin_run
     assert engine.per_forward == pytest.approx(builtin.per_forward, rel=0.03)
@@ -191,7 +191,7 @@ def test_live_good_head_matches_the_builtin_runtime(trained):
 @pytest.mark.parametrize("what", BROKEN)
 def test_live_broken_exports_fail_naming_the_cause(trained, what):
     source, files = trained
-    report = live_check.check("vllm", files[what], SMOLLM2, source=source)
+    report = ENGINES["vllm"].check_live(files[what], SMOLLM2, source=source)
     print(report.render())  # what vLLM did with the file (pytest -s shows it)
     assert report.exit_code == 1, report.render()
     causes = " ".join(f.cause for f in report.findings)

@@ -1,12 +1,11 @@
-"""Exporting heads in the layouts the serving engines load, importing such directories back, and
-checking a directory against each engine's loader.
+"""Exporting heads in the layouts the serving engines load, and importing such directories back.
 
     export_head(head, "out/", "eagle3", dtype="bf16", data="sharegpt", steps=1000)
     head = import_head("out/", target_model)          # any eagle3 / speculators directory
     import_checkpoint("released-head/", "ckpt/")      # -> ckpt/head/, loadable by the trainer
-    reports = check_directory("out/", ["vllm", "sglang", "trtllm"], target_config)
 
-llama.cpp's single-file GGUF is written by `eagle_train.export.gguf.export_gguf`.
+llama.cpp's single-file GGUF is written by `eagle_train.export.gguf.export_gguf`. What each engine
+makes of a directory is the engines package's to say (`engines.check_directory`).
 """
 
 import json
@@ -16,11 +15,11 @@ import torch
 from safetensors.torch import save_file
 
 from eagle_train.export.card import write_model_card
-from eagle_train.export.engines import ENGINE_NAMES, DraftFiles, EngineReport, inspect_engine, is_parallel
+from eagle_train.export.draft_files import DraftFiles
 from eagle_train.export.layouts import DTYPES, HEAD_CLASSES, INTEGER_TENSORS, LAYOUTS, detect_layout, layout
 from eagle_train.vocab_map import t2d_from_d2t
 
-__all__ = ["export_head", "import_head", "import_checkpoint", "check_directory", "LAYOUTS", "ENGINE_NAMES"]
+__all__ = ["export_head", "import_head", "import_checkpoint", "LAYOUTS"]
 
 
 def resolve_dtype(dtype) -> torch.dtype:
@@ -131,15 +130,3 @@ def import_checkpoint(directory, out, target_config=None) -> Path:
     head = import_head(directory, target_config=target_config)
     head.save_pretrained(Path(out) / "head")
     return Path(out)
-
-
-def check_directory(directory, engines=None, target_config=None) -> dict[str, EngineReport]:
-    """Per engine, what it would load from `directory` and what would go wrong (see engines.py).
-    `engines` defaults to the engines the directory's layout is meant for."""
-    files = DraftFiles(directory)
-    if not engines:
-        try:
-            engines = ("vllm",) if is_parallel(files.config, files.meta) else detect_layout(files.config).engines
-        except ValueError:
-            engines = ENGINE_NAMES
-    return {name: inspect_engine(name, files, target_config) for name in engines}

@@ -7,7 +7,7 @@
 Every method decodes the same prompts greedily; the table gives tokens/s, AL and whether the
 tokens equal plain decoding's. On CUDA the runtime runs with CUDA graphs on and off. --tree adds
 a tree row beside the chain's. --vllm adds vLLM plain, vLLM with the head (chain K) and vLLM's
-n-gram drafting (`inference.vllm_engine`; timed per generate call after a warm-up, as the runtime
+n-gram drafting (`engines.vllm`; timed per generate call after a warm-up, as the runtime
 is). Without --draft a random head is used (AL about 1: it measures the drafting overhead).
 """
 
@@ -59,23 +59,23 @@ def vllm_rows(args, questions):
     """vLLM plain, with the head (chain K, exported to a temporary directory) and with n-gram drafting."""
     import tempfile
 
-    from inference import vllm_engine
+    from engines import vllm
 
     if args.random_llama:
         raise SystemExit("--vllm runs a real target: leave out --random-llama")
     conversations = [[q] for q in questions]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        configs = [("plain", None), ("n-gram", vllm_engine.speculative("ngram", None, args.chain))]
+        configs = [("plain", None), ("n-gram", vllm.speculative("ngram", None, args.chain))]
         if args.draft:
-            head_dir, _ = vllm_engine.export_dir(args.draft, tmp)
-            spec = vllm_engine.speculative(vllm_engine.method_of(head_dir), head_dir, args.chain)
+            head_dir, _ = vllm.export_dir(args.draft, tmp)
+            spec = vllm.speculative(vllm.method_of(head_dir), head_dir, args.chain)
             configs.insert(1, (f"head chain K={args.chain}", spec))
         for name, spec in configs:
-            run = vllm_engine.decode(args.target, conversations, args.max_new_tokens, spec)
+            run = vllm.decode(args.target, conversations, args.max_new_tokens, spec)
             turns = [c[0] for c in run.conversations]
             tps = sum(len(t.output_ids) for t in turns) / sum(t.seconds for t in turns)
-            forwards = sum(len(vllm_engine.rounds(t)) for t in turns)
+            forwards = sum(len(vllm.rounds(t)) for t in turns)
             al = (forwards + sum(t.accepted for t in turns)) / forwards if spec else None
             rows.append((f"vLLM {run.version} {name}", tps, al, [t.output_ids for t in turns]))
     return rows

@@ -27,7 +27,7 @@ from pathlib import Path
 from eagle_train.checkpoint import load_draft_head
 from eagle_train.export.gguf import export_gguf
 from eagle_train.target import SMOLLM2, cache_dir, load_tokenizer, resolve_target, target_gguf
-from inference import llamacpp
+from engines import llamacpp
 from inference.evaluate import BENCHES, chat_text, load_bench
 
 

@@ -1,29 +1,25 @@
-"""What each serving engine would do with a draft directory: the per-engine rules, in one place.
+"""What a serving engine would do with a draft directory: the rule check all directory engines share.
 
-Each rule below restates what the engine's own loader does (read from its source, see
-docs/deploying.md for the files): how it renames the file's tensors, which ones it fuses, skips or
-fills from the target, what it reads from config.json and what it assumes when a key is absent,
-how long a context it drafts to and which target layers it captures. `inspect_engine` applies
-the rules to a directory without loading weights; `engine_state` produces the tensors the engine
-would hold (fused, renamed, with its own vocab-map form) and `head_from_engine_state` builds a
-head back from them, so a test can show an export gives the engine the trained head's logits.
+Each engine's module (engines/vllm.py, sglang.py, trtllm.py) restates what its own loader does
+(read from its source, see docs/deploying.md for the files): how it renames the file's tensors,
+which ones it fuses, skips or fills from the target, what it reads from config.json and what it
+assumes when a key is absent, how long a context it drafts to and which target layers it captures.
+`inspect` applies an engine's rules to a directory without loading weights; `engine_state`
+produces the tensors the engine would hold (fused, renamed, with its own vocab-map form) and
+`head_from_engine_state` builds a head back from them, so a test can show an export gives the
+engine the trained head's logits.
 
 Severities: "error" = the engine would fail to load, or load and silently draft worse or wrong
 (`eagle-export --check` exits non-zero); "warning" = off the reference format but harmless to
 this engine; "info" = what the engine does, for the reader.
 """
 
-import json
-import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file
 
 from eagle_train.draft_config import DraftConfig, target_rope
+from eagle_train.export.draft_files import DraftFiles
 from eagle_train.export.layouts import (
     HEAD_CLASSES,
     MASK_TOKEN_KEYS,
@@ -33,23 +29,8 @@ from eagle_train.export.layouts import (
     mask_token_ids,
 )
 from eagle_train.hidden_states import default_aux_layer_ids
-from eagle_train.target import HUB_IDS
 from eagle_train.vocab_map import t2d_from_d2t
 
-ENGINE_NAMES = ("vllm", "sglang", "trtllm")
-SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "BF16": torch.bfloat16,
-    "F16": torch.float16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-}
 STACKED = (
     (".q_proj.", ".qkv_proj.", "q"),
     (".k_proj.", ".qkv_proj.", "k"),
@@ -58,58 +39,19 @@ STACKED = (
     (".up_proj.", ".gate_up_proj.", 1),
 )
 SHARD_ORDER = {"q": 0, "k": 1, "v": 2, 0: 0, 1: 1}
+# Config keys some engine reads besides the Llama ones; an engine that does not read one ignores it.
+ENGINE_KEYS = (
+    "eagle_aux_hidden_state_layer_ids",
+    "eagle_config",
+    "norm_before_residual",
+    PROVENANCE_KEY,
+    "speculators_config",
+    "rope_parameters",
+    *MASK_TOKEN_KEYS,
+)
 
 
-# ---- reading a directory ---------------------------------------------------------------------------
-
-
-def weight_files(directory: Path) -> list[Path]:
-    index = directory / "model.safetensors.index.json"
-    if index.exists():
-        return sorted({directory / f for f in json.loads(index.read_text())["weight_map"].values()})
-    for name in ("model.safetensors", "pytorch_model.bin"):
-        if (directory / name).exists():
-            return [directory / name]
-    raise FileNotFoundError(
-        f"{directory} holds no model.safetensors (nor model.safetensors.index.json or pytorch_model.bin)"
-    )
-
-
-class DraftFiles:
-    """config.json and the weights' names, shapes and dtypes; tensors are read only on request."""
-
-    def __init__(self, directory):
-        self.directory = Path(directory)
-        path = self.directory / "config.json"
-        if not path.exists():
-            raise FileNotFoundError(f"{self.directory} has no config.json")
-        self.config = json.loads(path.read_text())
-        self.meta: dict[str, tuple[tuple, torch.dtype, Path]] = {}
-        self._bin: dict[str, torch.Tensor] = {}
-        for f in weight_files(self.directory):
-            if f.suffix == ".bin":
-                self._bin.update(torch.load(f, map_location="cpu", weights_only=True))
-                self.meta.update({k: (tuple(v.shape), v.dtype, f) for k, v in self._bin.items()})
-                continue
-            with safe_open(f, "pt") as handle:
-                for k in handle.keys():
-                    s = handle.get_slice(k)
-                    self.meta[k] = (tuple(s.get_shape()), SAFETENSORS_DTYPES.get(s.get_dtype(), s.get_dtype()), f)
-
-    def tensor(self, name: str) -> torch.Tensor:
-        if name in self._bin:
-            return self._bin[name]
-        with safe_open(self.meta[name][2], "pt") as handle:
-            return handle.get_tensor(name)
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        out = dict(self._bin)
-        for f in {m[2] for m in self.meta.values() if m[2].suffix != ".bin"}:
-            out.update(load_file(f))
-        return out
-
-
-# ---- the engines' loaders --------------------------------------------------------------------------
+# ---- what the engines' loaders share -------------------------------------------------------------
 
 
 def stack(name: str):
@@ -118,112 +60,6 @@ def stack(name: str):
         if part in name:
             return name.replace(part, fused), shard
     return name, None
-
-
-def vllm_rename(name: str, n_layers: int, params: set) -> str | None:
-    """vllm/model_executor/models/llama_eagle3.py Eagle3LlamaForCausalLM.load_weights."""
-    if "t2d" in name:
-        return None
-    if "d2t" in name:
-        return "draft_id_to_target_id"
-    if "mask_hidden" in name:
-        return "mask_hidden"
-    name = name.replace("midlayer.", "layers.0.")
-    return name if "lm_head" in name else "model." + name
-
-
-def sglang_rename(name: str, n_layers: int, params: set) -> str | None:
-    """python/sglang/srt/models/llama_eagle3.py LlamaForCausalLMEagle3.load_weights: a name that is
-    not a parameter (after trying a "model." prefix) is skipped without a word."""
-    if "d2t" in name:
-        return "hot_token_id"
-    if "t2d" in name:
-        return None
-    fused, _ = stack(name)
-    return name if fused in params else "model." + name
-
-
-def trtllm_rename(name: str, n_layers: int, params: set) -> str | None:
-    """tensorrt_llm/_torch/models/modeling_speculative.py Eagle3ForCausalLM.load_weights (t2d has no
-    module to load into)."""
-    if name == "t2d":
-        return None
-    if n_layers == 1:
-        name = re.sub(r"^layers\.0\.", "midlayer.", name)
-    else:
-        name = re.sub(r"^layers\.(\d+)\.", r"midlayer.\1.", name)
-    return name if "lm_head" in name else "model." + name
-
-
-@dataclass(frozen=True)
-class Engine:
-    name: str
-    title: str
-    layouts: tuple[str, ...]  # config layouts its loader understands
-    rename: Callable[[str, int, set], str | None]
-    layer_prefix: Callable[[int, int], str]  # parameter prefix of draft layer i of n
-    top: dict  # head tensor name -> engine parameter (absent: the engine has none)
-    unknown_tensors: str  # "crash" (the load fails) or "ignored"
-    parallel_drafting: bool  # has P-EAGLE (all K drafts in one pass)
-
-
-ENGINES = {
-    "vllm": Engine(
-        "vllm",
-        "vLLM",
-        ("eagle3", "speculators"),
-        vllm_rename,
-        lambda i, n: f"model.layers.{i}.",
-        {
-            "fc.weight": "model.fc.weight",
-            "norm.weight": "model.norm.weight",
-            "lm_head.weight": "lm_head.weight",
-            "embed_tokens.weight": "model.embed_tokens.weight",
-            "d2t": "draft_id_to_target_id",
-            "mask_hidden": "mask_hidden",
-        },
-        "crash",
-        True,
-    ),
-    "sglang": Engine(
-        "sglang",
-        "SGLang",
-        ("eagle3",),
-        sglang_rename,
-        lambda i, n: "model.midlayer." if i == 0 else f"model.additional_layers.{i - 1}.",
-        {
-            "fc.weight": "model.fc.weight",
-            "norm.weight": "model.norm.weight",
-            "lm_head.weight": "lm_head.weight",
-            "embed_tokens.weight": "model.embed_tokens.weight",
-            "d2t": "hot_token_id",
-        },
-        "ignored",
-        False,
-    ),
-    "trtllm": Engine(
-        "trtllm",
-        "TensorRT-LLM",
-        ("eagle3",),
-        trtllm_rename,
-        lambda i, n: "model.midlayer." if n == 1 else f"model.midlayer.{i}.",
-        {
-            "fc.weight": "model.fc.weight",
-            "norm.weight": "model.norm.weight",
-            "lm_head.weight": "lm_head.weight",
-            "embed_tokens.weight": "model.embed_tokens.weight",
-            "d2t": "model.d2t",
-        },
-        "ignored",
-        False,
-    ),
-}
-
-
-def engine(name: str) -> Engine:
-    if name not in ENGINES:
-        raise ValueError(f"unknown engine {name!r}; choose from {', '.join(ENGINES)} or all")
-    return ENGINES[name]
 
 
 # ---- the head as an engine sizes it --------------------------------------------------------------
@@ -263,17 +99,6 @@ def head_shapes(cfg: DraftConfig, parallel: bool) -> dict[str, tuple]:
     return shapes
 
 
-def engine_param(eng: Engine, head_name: str, n_layers: int):
-    """(engine parameter, shard) holding a head tensor, or None when the engine has no place for it."""
-    m = re.match(r"^(midlayer|layers\.(\d+))\.(.*)$", head_name)
-    if m:
-        layer = int(m.group(2)) if m.group(2) else 0
-        if eng.name == "sglang" and layer > 0 and m.group(3).startswith("input_layernorm"):
-            return None  # SGLang's extra layers normalise with hidden_norm and have no input_layernorm
-        return stack(eng.layer_prefix(layer, n_layers) + m.group(3))
-    return (eng.top[head_name], None) if head_name in eng.top else None
-
-
 # ---- the report ----------------------------------------------------------------------------------
 
 
@@ -288,6 +113,7 @@ class Finding:
 class EngineReport:
     engine: str
     layout: str
+    loader: object = field(default=None, repr=False, compare=False)  # the Engine whose rules made it
     loads: dict[str, list[str]] = field(default_factory=dict)  # engine parameter -> file tensors (shard order)
     ignored: list[str] = field(default_factory=list)  # file tensors and config keys the engine does not use
     filled: list[str] = field(default_factory=list)  # what the engine takes from the target or leaves at init
@@ -305,7 +131,7 @@ class EngineReport:
         self.findings.append(Finding(severity, message, cause))
 
     def render(self) -> str:
-        lines = [f"== {ENGINES[self.engine].title} ({self.layout} layout): {'OK' if self.ok else 'PROBLEMS'}"]
+        lines = [f"== {self.loader.title} ({self.layout} layout): {'OK' if self.ok else 'PROBLEMS'}"]
         if self.loads:
             lines.append("  loads:")
             lines += [f"    {param} <- {' + '.join(files)}" for param, files in sorted(self.loads.items())]
@@ -351,28 +177,16 @@ def intended_aux(config: dict, n_layers: int | None) -> tuple[int, ...] | None:
     return default_aux_layer_ids(n_layers) if n_layers else None
 
 
-def captured_aux(eng: Engine, config: dict, n_layers: int | None) -> tuple[int, ...] | None:
-    defaults = default_aux_layer_ids(n_layers) if n_layers else None
-    nested = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    if eng.name == "vllm":  # top-level key, else (recent versions) the nested one as is
-        ids = config.get("eagle_aux_hidden_state_layer_ids") or nested
-        return tuple(ids) if ids else defaults
-    if eng.name == "sglang":  # nested key only, each id + 1
-        return tuple(i + 1 for i in nested) if nested else defaults
-    return defaults  # TensorRT-LLM: only its eagle3_layers_to_capture option, never config.json
-
-
-def inspect_engine(name: str, files: DraftFiles, target_config=None) -> EngineReport:
-    """What engine `name` would do with the directory in `files` (no weights are read but d2t)."""
-    eng = engine(name)
+def inspect(eng, files: DraftFiles, target_config=None) -> EngineReport:
+    """What engine `eng` would do with the directory in `files` (no weights are read but d2t)."""
     config, meta = files.config, files.meta
     try:
         lay = detect_layout(config)
     except ValueError as e:
-        report = EngineReport(name, "unknown")
+        report = EngineReport(eng.name, "unknown", eng)
         report.add("error", str(e))
         return report
-    report = EngineReport(name, lay.name)
+    report = EngineReport(eng.name, lay.name, eng)
     if lay.name not in eng.layouts:
         report.add(
             "error",
@@ -389,7 +203,7 @@ def inspect_engine(name: str, files: DraftFiles, target_config=None) -> EngineRe
     parallel = report.parallel = is_parallel(config, meta)
 
     # How the engine reads config.json (absent keys take Llama defaults, as in the engines).
-    report.aux_layers = captured_aux(eng, config, n_target)
+    report.aux_layers = eng.captured_aux(config, n_target)
     try:  # unknown aux ids stay (0, 0, 0) in this config: the draft's forward does not read them
         cfg = draft_config_from_llama(llama, config, aux_layer_ids=report.aux_layers or (0, 0, 0))
     except ValueError as e:
@@ -412,17 +226,10 @@ def inspect_engine(name: str, files: DraftFiles, target_config=None) -> EngineRe
     check_target(report, eng, llama, cfg, target_config)
     intended = intended_aux(config, n_target)
     if intended and report.aux_layers and tuple(report.aux_layers) != tuple(intended):
-        fix = {
-            "vllm": f'write "eagle_aux_hidden_state_layer_ids": {list(intended)} in config.json',
-            "sglang": 'write "eagle_config": {"eagle_aux_hidden_state_layer_ids": '
-            f"{[i - 1 for i in intended]}}} in config.json (SGLang adds one)",
-            "trtllm": "pass speculative_config eagle3_layers_to_capture: "
-            f"{sorted(i - 1 for i in intended)} (TensorRT-LLM does not read config.json for this)",
-        }
         report.add(
             "error",
             f"{eng.title} would capture target layers {list(report.aux_layers)} but the head was "
-            f"trained on {list(intended)}: {fix[name]}",
+            f"trained on {list(intended)}: {eng.aux_fix(intended)}",
             cause=f"wrong extract layers ({list(report.aux_layers)} instead of {list(intended)})",
         )
     elif intended is None:
@@ -431,45 +238,16 @@ def inspect_engine(name: str, files: DraftFiles, target_config=None) -> EngineRe
             "the target's layer count is unknown here (pass --target) so the default aux layers cannot be compared",
         )
     if parallel and eng.parallel_drafting:
-        check_parallel(report, files, cfg)
+        eng.check_parallel(report, files, cfg)
     return report
 
 
 def check_config_keys(report, eng, files, llama, layout_name, cfg):
-    name, config = eng.name, files.config
-    known = (
-        "eagle_aux_hidden_state_layer_ids",
-        "eagle_config",
-        "norm_before_residual",
-        PROVENANCE_KEY,
-        "speculators_config",
-        "rope_parameters",
-        *MASK_TOKEN_KEYS,
-    )
-    reads = {
-        "vllm": {
-            "eagle_aux_hidden_state_layer_ids",
-            "eagle_config",
-            "norm_before_residual",
-            "speculators_config",
-            *MASK_TOKEN_KEYS,
-        },
-        "sglang": {"eagle_config"},
-        "trtllm": {"eagle_config"},
-    }[name]
-    if name == "vllm" and config.get("eagle_aux_hidden_state_layer_ids"):
-        reads = reads - {"eagle_config"}
-    report.ignored += [f"config:{k}" for k in known if (k in config or k in llama) and k not in reads]
+    config = files.config
+    reads = eng.config_keys_read(config)
+    report.ignored += [f"config:{k}" for k in ENGINE_KEYS if (k in config or k in llama) and k not in reads]
     if "draft_vocab_size" not in config:
-        if name == "sglang":
-            report.add(
-                "error",
-                "no draft_vocab_size: SGLang then fails to build the head or, with it null, loads "
-                "the target's lm_head over the draft's (load_lm_head_from_target); write "
-                "draft_vocab_size even when it equals vocab_size",
-            )
-        else:
-            report.add("warning", f"no draft_vocab_size: {eng.title} assumes the full vocabulary ({cfg.vocab_size})")
+        eng.no_draft_vocab_size(report, cfg)
     if "rope_theta" not in llama:
         hint = " (it holds only rope_parameters, which the engines do not read)" if "rope_parameters" in llama else ""
         report.add("error", f"no rope_theta{hint}: {eng.title} uses RoPE base 10000; write the target's rope_theta")
@@ -478,33 +256,12 @@ def check_config_keys(report, eng, files, llama, layout_name, cfg):
     if "max_position_embeddings" not in llama:
         report.add("error", f"no max_position_embeddings: {eng.title} sizes the draft's RoPE for 2048 tokens")
     report.context_length = cfg.max_position_embeddings
-    norm_first = config.get("norm_before_residual")
-    if name == "vllm" and config.get("speculators_model_type") == "eagle3" and norm_first is None:
-        report.add(
-            "error",
-            "norm_before_residual unset: vLLM takes true for speculators eagle3 configs, the "
-            "speculators library false; write it explicitly (eagle-train heads: false)",
-        )
-    elif name == "vllm" and norm_first:
-        report.add("info", "norm_before_residual true: vLLM normalises the hidden input before the residual")
-    elif norm_first:
-        report.add(
-            "error",
-            f"norm_before_residual true: {eng.title} ignores the key and keeps the un-normed "
-            "residual, so this head's outputs would silently differ; serve it with vLLM",
-        )
-    if layout_name == "speculators" and name == "vllm":
-        verifier = ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
-        if not verifier or verifier in HUB_IDS:
-            report.add(
-                "error",
-                f"speculators_config.verifier.name_or_path is {verifier!r}: `vllm serve DIR` cannot "
-                "load the target from it; write its hub id or path (eagle-export --verifier)",
-            )
+    eng.check_norm_before_residual(report, config)
+    eng.check_layout_keys(report, config, layout_name)
     if llama.get("tie_word_embeddings"):
-        sev = "warning" if name == "vllm" else "error"
         report.add(
-            sev, f"tie_word_embeddings true: {eng.title} may tie the draft lm_head to the embedding; write false"
+            eng.tied_embedding_severity,
+            f"tie_word_embeddings true: {eng.title} may tie the draft lm_head to the embedding; write false",
         )
     if llama.get("attention_bias") and not any(k.endswith("q_proj.bias") for k in files.meta):
         report.add("error", "attention_bias true but no q/k/v bias tensors: the biases would stay at init")
@@ -517,22 +274,18 @@ def check_weights(report, eng, files, cfg, parallel):
     expected = head_shapes(cfg, parallel)
     needed: dict[tuple, tuple] = {}  # (param, shard) -> (head name, shape)
     for head_name, shape in expected.items():
-        where = engine_param(eng, head_name, n)
+        where = eng.engine_param(head_name, n)
         if where is not None:
             needed[where] = (head_name, shape)
-    if eng.name == "trtllm" and cfg.draft_vocab_size == cfg.vocab_size:
-        needed.pop(("model.d2t", None), None)  # TensorRT-LLM only has d2t for a reduced vocabulary
+    if eng.d2t_only_when_reduced and cfg.draft_vocab_size == cfg.vocab_size:
+        needed.pop((eng.top["d2t"], None), None)
     own_embed = cfg.target_hidden_size != cfg.hidden_size  # then no engine can share the target's
     embed_param = eng.top["embed_tokens.weight"]
-    if not own_embed and (eng.name != "vllm" or "embed_tokens.weight" not in meta):
-        needed.pop((embed_param, None))  # vLLM uses a file's own embedding; the others always the target's
+    if not own_embed and not (eng.loads_file_embedding and "embed_tokens.weight" in meta):
+        needed.pop((embed_param, None))
         report.filled.append(f"{embed_param} <- the target's embedding")
-        if eng.name == "sglang" and "embed_tokens.weight" in meta:
-            report.add(
-                "error" if parallel else "info",
-                "SGLang replaces the draft's embed_tokens with the "
-                "target's (set_embed)" + (": the trained mask-token row is lost" if parallel else ""),
-            )
+        if "embed_tokens.weight" in meta:
+            eng.file_embedding_replaced(report, parallel)
     params = {p for p, _ in needed}
     loaded: dict[tuple, str] = {}
     for file_name, (shape, _, _) in sorted(meta.items()):
@@ -578,15 +331,10 @@ def check_weights(report, eng, files, cfg, parallel):
             )
         elif head_name == "d2t":
             if cfg.draft_vocab_size < cfg.vocab_size:
-                what = {
-                    "vllm": "zero offsets, so draft id i is read as target id i",
-                    "sglang": "no hot-token map, so draft ids are used as target ids",
-                    "trtllm": "an uninitialised int32 buffer",
-                }[eng.name]
                 report.add(
                     "error",
                     f"no d2t with a reduced draft vocabulary ({cfg.draft_vocab_size} < "
-                    f"{cfg.vocab_size}): {eng.title} uses {what}; every draft token maps to a "
+                    f"{cfg.vocab_size}): {eng.title} uses {eng.without_d2t}; every draft token maps to a "
                     "wrong target token",
                 )
             else:
@@ -609,7 +357,7 @@ def check_vocab_map(report, eng, files, cfg):
             report.add(
                 "error",
                 f"d2t is {dtype}, not int64: float offsets lose ids (bf16 holds integers exactly "
-                f"only up to 256){', and SGLang indexes with floats' if eng.name == 'sglang' else ''}; "
+                f"only up to 256){eng.float_d2t_effect}; "
                 "re-export keeping d2t int64",
             )
         elif dtype != torch.int64:
@@ -633,19 +381,12 @@ def check_target(report, eng, llama, cfg, target_config):
         return
     target_ctx = getattr(target_config, "max_position_embeddings", None)
     if target_ctx and cfg.max_position_embeddings < target_ctx:
-        effect = {
-            "vllm": f"vLLM caps the draft at {cfg.max_position_embeddings} tokens (max_model_len = "
-            "min(draft, target)), so longer requests lose speculation or the server its context",
-            "sglang": "SGLang refuses the longer context unless SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1, "
-            "then indexes past the draft's RoPE cache",
-            "trtllm": "TensorRT-LLM sizes the draft's RoPE table for it",
-        }[eng.name]
         report.add(
             "error",
             f"max_position_embeddings {cfg.max_position_embeddings} < the target's {target_ctx}: "
-            f"{effect}; write at least {target_ctx}",
+            f"{eng.short_context_effect(cfg.max_position_embeddings)}; write at least {target_ctx}",
         )
-        if eng.name == "vllm":
+        if eng.caps_context_at_draft:
             report.context_length = min(cfg.max_position_embeddings, target_ctx)
     theta, scaling = target_rope(target_config)
     if abs(cfg.rope_theta - theta) > 1e-6 * theta or plain_scaling(cfg.rope_scaling) != plain_scaling(scaling):
@@ -669,54 +410,6 @@ def check_target(report, eng, llama, cfg, target_config):
 
 def plain_scaling(scaling: dict | None) -> dict | None:
     return {k: v for k, v in scaling.items() if k != "type"} if scaling else None
-
-
-def check_parallel(report, files, cfg):
-    """vLLM's P-EAGLE (parallel_drafting) rules, docs/design.md section 6."""
-    config, meta = files.config, files.meta
-    if "mask_hidden" not in meta:
-        report.add(
-            "error",
-            "P-EAGLE export without mask_hidden: vLLM with parallel_drafting stops with "
-            "'mask_hidden not found in weights'; export the trained [1, 1, 3H] mask_hidden",
-        )
-    elif torch.Size(meta["mask_hidden"][0]).numel() != 3 * cfg.target_hidden_size:
-        report.add(
-            "error",
-            f"mask_hidden has shape {list(meta['mask_hidden'][0])}, vLLM needs "
-            f"3 x target hidden = {3 * cfg.target_hidden_size} values",
-        )
-    ids = mask_token_ids(config)
-    if config.get("speculators_model_type") == "peagle":  # vLLM's update_peagle: pard_token = mask_token_id
-        if "mask_token_id" not in config:
-            report.add(
-                "error",
-                "speculators P-EAGLE config without mask_token_id: vLLM's speculators reader "
-                "needs it (it becomes pard_token)",
-            )
-    elif not ids:
-        report.add(
-            "error",
-            "P-EAGLE export without a mask token id: write ptd_token_id, pard_token and "
-            "mask_token_id (vLLM versions read different ones)",
-        )
-    else:
-        if len(set(ids.values())) > 1:
-            report.add("error", f"mask token ids disagree: {ids}")
-        missing = [k for k in MASK_TOKEN_KEYS if k not in ids]
-        if missing:
-            report.add("warning", f"mask token id not written as {missing}: some vLLM versions read only those")
-    if "embed_tokens.weight" not in meta:
-        report.add(
-            "error",
-            "P-EAGLE export without embed_tokens.weight: vLLM falls back to the target's embedding, "
-            "whose mask-token row was never trained",
-        )
-    report.add(
-        "info",
-        "vLLM drafts all K tokens in one pass only with --speculative-config "
-        '\'{"method": "eagle3", "parallel_drafting": true, ...}\'',
-    )
 
 
 # ---- the tensors an engine would hold, and a head built back from them ---------------------------
@@ -743,14 +436,14 @@ def head_from_engine_state(report: EngineReport, state: dict[str, torch.Tensor],
     """Split the engine's tensors back into a head (fp32) sized the way the engine read config.json.
     `embedding` is what the engine fills from the target (the target's input embedding)."""
     cfg = report.config
-    eng = ENGINES[report.engine]
+    eng = report.loader
     sizes = {
         "qkv_proj": [cfg.num_attention_heads * cfg.head_dim] + [cfg.num_key_value_heads * cfg.head_dim] * 2,
         "gate_up_proj": [cfg.intermediate_size] * 2,
     }
     head_state = {}
     for head_name, shape in head_shapes(cfg, report.parallel).items():
-        where = engine_param(eng, head_name, cfg.num_hidden_layers)
+        where = eng.engine_param(head_name, cfg.num_hidden_layers)
         if where is None or where[0] not in state:
             continue
         param, shard = where
@@ -772,7 +465,7 @@ def head_from_engine_state(report: EngineReport, state: dict[str, torch.Tensor],
     head.load_state_dict(head_state, strict=False)
     missing = set(saved) - set(head_state)
     if missing:
-        raise ValueError(f"{ENGINES[report.engine].title} would hold no tensor for {sorted(missing)}")
+        raise ValueError(f"{eng.title} would hold no tensor for {sorted(missing)}")
     if "embed_tokens.weight" in saved:
         return head
     weight = own if own is not None else embedding

