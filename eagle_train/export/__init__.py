@@ -1,9 +1,9 @@
 """Exporting heads in the layouts the serving engines load, importing such directories back, and
-checking a directory against each engine's loader.
+checking a directory against each engine's loader. Heads are loaded from any of these (and from
+our checkpoints and GGUF files) by `eagle_train.checkpoint.load_draft_head`.
 
     export_head(head, "out/", "eagle3", dtype="bf16", data="sharegpt", steps=1000)
-    head = import_head("out/", target_model)          # any eagle3 / speculators directory
-    import_checkpoint("released-head/", "ckpt/")      # -> ckpt/head/, loadable by the trainer
+    config, tensors = read_export("out/")             # any eagle3 / speculators / peagle directory
     reports = check_directory("out/", ["vllm", "sglang", "trtllm"], target_config)
 
 llama.cpp's single-file GGUF is written by `eagle_train.export.gguf.export_gguf`.
@@ -15,12 +15,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from eagle_train.draft_config import DraftConfig
 from eagle_train.export.card import write_model_card
 from eagle_train.export.engines import ENGINE_NAMES, DraftFiles, EngineReport, inspect_engine, is_parallel
-from eagle_train.export.layouts import DTYPES, HEAD_CLASSES, INTEGER_TENSORS, LAYOUTS, detect_layout, layout
+from eagle_train.export.layouts import DTYPES, INTEGER_TENSORS, LAYOUTS, detect_layout, layout
+from eagle_train.head import head_from_state
 from eagle_train.vocab_map import t2d_from_d2t
 
-__all__ = ["export_head", "import_head", "import_checkpoint", "check_directory", "LAYOUTS", "ENGINE_NAMES"]
+__all__ = ["export_head", "read_export", "check_directory", "LAYOUTS", "ENGINE_NAMES"]
 
 
 def resolve_dtype(dtype) -> torch.dtype:
@@ -78,58 +80,27 @@ def export_head(head, out_dir, format: str = "eagle3", dtype="bf16", **provenanc
     return out
 
 
-def import_head(directory, target_model=None, target_config=None):
-    """The head stored in an engine-layout directory (eagle3 or speculators), in fp32.
-
-    The token embedding is the file's own when it has one, else `target_model`'s (EAGLE-3 heads
-    share the target's). The target (model or config) is needed only when config.json does not
-    say which target layers the head reads and the defaults need the target's layer count.
-    """
+def read_export(directory, target_config=None) -> tuple[DraftConfig, dict[str, torch.Tensor]]:
+    """The config and tensors (under head names) of an engine-layout directory (eagle3, speculators,
+    peagle), for `eagle_train.checkpoint.load_draft_head` to build the head from. The target's config
+    is needed only when config.json does not say which target layers the head reads and the defaults
+    need the target's layer count."""
     files = DraftFiles(directory)
     lay = detect_layout(files.config)
-    if target_model is not None and target_config is None:
-        target_config = target_model.config
-    cfg = lay.read_config(files.config, target_config)
-    if cfg.method not in HEAD_CLASSES:
-        raise ValueError(f"{directory}: no head class for method {cfg.method!r} (known: {', '.join(HEAD_CLASSES)})")
-    head = HEAD_CLASSES[cfg.method](cfg)
-    state = {lay.from_file(name): t for name, t in files.tensors().items()}
-    expected = head.saved_state_dict()
-    # An EAGLE-3 head shares the target's embedding; a file may still carry a copy (or its own).
-    own_embedding = None if "embed_tokens.weight" in expected else state.pop("embed_tokens.weight", None)
-    if "d2t" not in state and cfg.draft_vocab_size == cfg.vocab_size:  # a full-vocabulary head: identity
-        state["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
-    missing = sorted(set(expected) - set(state) - {"t2d"})
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise ValueError(
-            f"{directory} ({lay.name} layout): missing tensors {missing}, tensors this head does not have {unexpected}"
-        )
-    for name, t in state.items():
-        if tuple(t.shape) != tuple(expected[name].shape):
-            raise ValueError(
-                f"{directory}: {name} is {list(t.shape)}, config.json implies "
-                f"{list(expected[name].shape)}: config.json and the weights disagree"
-            )
-        if name == "d2t" and t.is_floating_point():
-            raise ValueError(f"{directory}: d2t is {t.dtype}; offsets must be integers (re-export it as int64)")
-    if "t2d" not in state:  # optional in engine layouts: it follows from d2t
-        state["t2d"] = t2d_from_d2t(state["d2t"].long(), cfg.vocab_size)
-    head.load_state_dict(
-        {k: v.long() if k == "d2t" else v.bool() if k == "t2d" else v.float() for k, v in state.items()}, strict=False
-    )
-    if own_embedding is not None:
-        head.use_own_embedding(own_embedding)
-    elif target_model is not None and "embed_tokens.weight" not in expected:
-        head.use_target_embedding(target_model)
-    return head
+    return lay.read_config(files.config, target_config), {lay.from_file(n): t for n, t in files.tensors().items()}
+
+
+def import_head(directory, target_model=None, target_config=None):
+    """Kept for inference/live_check.py until it calls `eagle_train.checkpoint.load_draft_head`."""
+    cfg, state = read_export(directory, target_config or (target_model.config if target_model is not None else None))
+    embedding = target_model.get_input_embeddings().weight if target_model is not None else None
+    return head_from_state(cfg, state, embedding, source=directory)
 
 
 def import_checkpoint(directory, out, target_config=None) -> Path:
-    """Turn an engine-layout directory into a training checkpoint (`out/head/`) the trainer can
-    resume or fine-tune from and `eagle_train.checkpoint.load_draft_head` reads."""
-    head = import_head(directory, target_config=target_config)
-    head.save_pretrained(Path(out) / "head")
+    """Kept for eagle_train/export/cli.py until it saves `load_draft_head(directory, target_config=...)`
+    under `out/head` itself."""
+    import_head(directory, target_config=target_config).save_pretrained(Path(out) / "head")
     return Path(out)
 
 
