@@ -129,12 +129,12 @@ def evaluate_engines(args) -> dict:
 
 def precheck_head(draft, target_cfg) -> None:
     """The config-only check of a training checkpoint / head dir (exports are checked once loaded)."""
-    from eagle_train.checkpoint import head_directory
+    from eagle_train.checkpoint import locate_head
     from eagle_train.draft_config import DraftConfig
 
-    config = json.loads((head_directory(draft) / "config.json").read_text())
-    if config.get("format") == "eagle-train-draft":
-        check_head_fits_target(DraftConfig.from_dict(config), target_cfg)
+    found = locate_head(draft)
+    if found.ours:
+        check_head_fits_target(DraftConfig.from_dict(found.config), target_cfg)
 
 
 def evaluate(args, write: bool = True):

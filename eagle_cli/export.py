@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from eagle_train.checkpoint import load_draft_head
-from eagle_train.export import LAYOUTS, export_head, import_checkpoint
+from eagle_train.export import LAYOUTS, export_head
 from eagle_train.export.gguf import OUTTYPES, export_gguf
 from eagle_train.target import load_target_config
 from engines import DIRECTORY_ENGINES, ENGINES, check_directory
@@ -177,7 +177,8 @@ def run(args) -> int:
         engines = list(DIRECTORY_ENGINES) if args.engine == "all" else [args.engine] if args.engine else None
         return print_reports(check_directory(args.check, engines, tcfg))
     if args.import_dir:
-        out = import_checkpoint(args.import_dir, args.out, target_config=tcfg)
+        out = Path(args.out)
+        load_draft_head(args.import_dir, target_config=tcfg).save_pretrained(out / "head")
         print(f"imported {args.import_dir} -> {out}/head (load with eagle_train.checkpoint.load_draft_head)")
         return 0
     source = Path(args.checkpoint)

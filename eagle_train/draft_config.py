@@ -32,6 +32,9 @@ def target_rope(cfg) -> tuple[float, dict | None]:
     return theta, scaling
 
 
+HEAD_FORMAT = "eagle-train-draft"  # config.json's "format" in a head directory of ours (eagle_train.checkpoint)
+
+
 @dataclass
 class DraftConfig:
     hidden_size: int
@@ -117,15 +120,4 @@ class DraftConfig:
 
     def save(self, directory) -> None:
         with open(Path(directory) / "config.json", "w") as f:
-            json.dump({"format": "eagle-train-draft", **self.to_dict()}, f, indent=2)
-
-    @classmethod
-    def load(cls, directory) -> "DraftConfig":
-        with open(Path(directory) / "config.json") as f:
-            d = json.load(f)
-        if d.get("format") != "eagle-train-draft":
-            raise ValueError(
-                f"{directory} is not an eagle-train training checkpoint (no format 'eagle-train-draft' in "
-                "config.json); for an engine-layout directory use `eagle-export --import DIR --out CKPT`"
-            )
-        return cls.from_dict(d)
+            json.dump({"format": HEAD_FORMAT, **self.to_dict()}, f, indent=2)

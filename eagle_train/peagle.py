@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from eagle_train.draft_config import DraftConfig
-from eagle_train.eagle3 import DecoderLayer, DraftHead, KVCache
+from eagle_train.head import HEAD_CLASSES, DecoderLayer, DraftHead, KVCache
 
 NUM_DEPTHS = 7  # K, drafts per forward: the default, and the published P-EAGLE heads' K
 
@@ -72,6 +72,7 @@ class PEagleCache(nn.Module):
         self.layers = nn.ModuleList(caches)
 
 
+@HEAD_CLASSES.register("peagle")
 class PEagleHead(DraftHead):
     owns_embedding = True
 
@@ -114,18 +115,8 @@ class PEagleHead(DraftHead):
             **config_kwargs,
         )
         head = cls(cfg)
-        head.init_embedding_from(target_model)
+        head.attach_embedding(target_model.get_input_embeddings().weight, own=True)
         return head
-
-    def init_embedding_from(self, target_model):
-        weight = target_model.get_input_embeddings().weight
-        if tuple(weight.shape) != tuple(self.embed_tokens.weight.shape):
-            raise ValueError(
-                f"target embedding {tuple(weight.shape)} does not match the head "
-                f"{tuple(self.embed_tokens.weight.shape)}: the head was built for another target"
-            )
-        with torch.no_grad():
-            self.embed_tokens.weight.copy_(weight)
 
     # ---- forward ----------------------------------------------------------------------------
 

@@ -35,11 +35,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 from tqdm import tqdm
 
 from eagle_train.batching import epoch_batches, pack_by_length
+from eagle_train.checkpoint import load_draft_head
 from eagle_train.hidden_states import target_hidden_states
 from eagle_train.store import ShardedSamples, read_manifest, read_vocab_map
 from eagle_train.target import load_target, load_target_config
@@ -275,13 +276,6 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def load_head_weights(head: nn.Module, directory: Path) -> None:
-    missing, unexpected = head.load_state_dict(load_file(directory / "model.safetensors"), strict=False)
-    missing = [k for k in missing if k in head.saved_state_dict()]  # EAGLE-3 shares the target's embedding
-    if missing or unexpected:
-        raise ValueError(f"{directory}: missing tensors {missing}, unexpected tensors {unexpected}")
-
-
 def save_checkpoint(run: "Run") -> Path:
     """<output_dir>/checkpoint-<step>/{head/, optimizer.pt, scheduler.pt, rng-<rank>.pt, trainer_state.json}."""
     accelerator, model, optimizer, scheduler, state, cfg = (
@@ -439,11 +433,14 @@ def build_model(cfg: TrainConfig, build_head, resume_from: Path | None, device) 
     target_model, _ = load_target(
         cfg.target, dtype=None if online else torch.float32, device=device if online else "cpu"
     )
-    vocab_map = None
-    if not cfg.init_from:
-        vocab_map = read_vocab_map(cfg.data_path)
-        vocab_map = vocab_map_of_size(vocab_map, cfg.draft_vocab_size or len(vocab_map["d2t"]))
-    head = build_head(cfg, target_model, vocab_map)
+    if resume_from is not None:
+        head = load_draft_head(resume_from, target_model)  # the checkpoint's config, vocab map and weights
+    else:
+        vocab_map = None
+        if not cfg.init_from:
+            vocab_map = read_vocab_map(cfg.data_path)
+            vocab_map = vocab_map_of_size(vocab_map, cfg.draft_vocab_size or len(vocab_map["d2t"]))
+        head = build_head(cfg, target_model, vocab_map)
     aux_ids = list(head.config.aux_layer_ids)
     manifest = read_manifest(cfg.data_path)
     if manifest["format"] == "eagle-hidden-states" and not online and manifest["aux_layer_ids"] != aux_ids:
@@ -451,8 +448,6 @@ def build_model(cfg: TrainConfig, build_head, resume_from: Path | None, device) 
             f"the head reads aux layers {aux_ids} but {cfg.data_path} holds {manifest['aux_layer_ids']}: "
             "train online or capture a store with the head's layers"
         )
-    if resume_from is not None:
-        load_head_weights(head, resume_from / "head")
     head.float()
     return head, BatchSource(cfg, target_model, head.t2d, aux_ids, device)
 

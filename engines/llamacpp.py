@@ -36,8 +36,8 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-from eagle_train.checkpoint import load_draft_head
-from eagle_train.export.gguf import export_gguf, field_value, import_gguf, read_gguf, read_target
+from eagle_train.checkpoint import GGUF, load_draft_head, locate_head
+from eagle_train.export.gguf import export_gguf, field_value, read_gguf, read_target
 from eagle_train.target import cache_dir, load_tokenizer, target_gguf
 from engines import Engine, EngineError
 from engines.live import EngineFailed, Pooled, d2t_finding, layers_finding
@@ -533,12 +533,10 @@ def gguf_source_findings(head, expected, covered: set[str]) -> list[Finding]:
 def head_gguf(draft, target, out: Path):
     """(the GGUF llama.cpp loads for `draft`, the head exported into it or None): a .gguf is used as it
     is, a training checkpoint or head directory is exported to `out` against the target's GGUF."""
-    draft = Path(draft)
-    if draft.suffix == ".gguf":
-        if not draft.is_file():
-            raise FileNotFoundError(f"{draft} does not exist")
-        return draft, None
-    head = load_draft_head(draft)
+    found = locate_head(draft)
+    if found.kind == GGUF:
+        return found.path, None
+    head = load_draft_head(found.path)
     return export_gguf(head, out, target), head
 
 
@@ -558,7 +556,7 @@ class LlamaCpp(Engine):
         return "" if found else f"no llama.cpp build: run `{BUILD_HINT}` (a few minutes, once), then check again"
 
     def prepare(self, artifact: Path, target: str, source, tmp: Path):
-        if source and artifact.suffix != ".gguf":
+        if source and locate_head(artifact).kind != GGUF:
             raise ValueError("--source names the head a .gguf came from; a head directory is its own source")
         file, head = head_gguf(artifact, target, tmp / "head.gguf")
         return file, head if head is not None else load_draft_head(Path(source)) if source else None
@@ -567,7 +565,7 @@ class LlamaCpp(Engine):
         return static_findings(file, target, source_head)
 
     def read_back(self, file: Path, model):
-        return import_gguf(file, model)
+        return load_draft_head(file, model)
 
     def run_live(self, file: Path, target: str, questions: list[str], k: int, n: int, threads: int | None):
         from inference.evaluate import chat_text

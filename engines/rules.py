@@ -21,15 +21,14 @@ import torch
 from eagle_train.draft_config import DraftConfig, target_rope
 from eagle_train.export.draft_files import DraftFiles
 from eagle_train.export.layouts import (
-    HEAD_CLASSES,
     MASK_TOKEN_KEYS,
     PROVENANCE_KEY,
     detect_layout,
     draft_config_from_llama,
     mask_token_ids,
 )
+from eagle_train.head import HEAD_CLASSES, head_from_state
 from eagle_train.hidden_states import default_aux_layer_ids
-from eagle_train.vocab_map import t2d_from_d2t
 
 STACKED = (
     (".q_proj.", ".qkv_proj.", "q"),
@@ -456,20 +455,9 @@ def head_from_engine_state(report: EngineReport, state: dict[str, torch.Tensor],
         if head_name == "mask_hidden":
             t = t.reshape(shape)
         head_state[head_name] = t.float() if t.is_floating_point() else t
-    head = HEAD_CLASSES[cfg.method](cfg)
     if "d2t" not in head_state:  # the engine's identity map
         head_state["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
-    head_state["t2d"] = t2d_from_d2t(head_state["d2t"], cfg.vocab_size)  # engines drop t2d; it follows from d2t
-    saved = head.saved_state_dict()
-    own = head_state.pop("embed_tokens.weight", None) if "embed_tokens.weight" not in saved else None
-    head.load_state_dict(head_state, strict=False)
-    missing = set(saved) - set(head_state)
-    if missing:
-        raise ValueError(f"{eng.title} would hold no tensor for {sorted(missing)}")
-    if "embed_tokens.weight" in saved:
-        return head
-    weight = own if own is not None else embedding
-    if weight is None:
+    borrows = not HEAD_CLASSES[cfg.method].owns_embedding and "embed_tokens.weight" not in head_state
+    if borrows and embedding is None:
         raise ValueError("the engine takes the embedding from the target: pass the target's embedding")
-    head.embed_tokens.weight.data = weight.float()
-    return head
+    return head_from_state(cfg, head_state, embedding, source=eng.title)

@@ -34,8 +34,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from eagle_train.checkpoint import head_directory, load_draft_head
-from eagle_train.export import export_head, import_head
+from eagle_train.checkpoint import load_draft_head, locate_head
+from eagle_train.export import export_head
 from eagle_train.export.draft_files import DraftFiles
 from eagle_train.export.layouts import MASK_TOKEN_KEYS, mask_token_ids
 from eagle_train.hidden_states import default_aux_layer_ids
@@ -211,13 +211,13 @@ class Vllm(Engine):
             covered = {f.cause for f in findings if f.cause}
             findings += [
                 f
-                for f in head_source_findings(import_head(directory, target_config=config), source_head, "vLLM")
+                for f in head_source_findings(load_draft_head(directory, target_config=config), source_head, "vLLM")
                 if f.cause not in covered
             ]
         return findings
 
     def read_back(self, directory: Path, model):
-        return import_head(directory, model)
+        return load_draft_head(directory, model)
 
     def run_live(self, directory: Path, target: str, questions: list[str], k: int, n: int, threads: int | None):
         method = method_of(directory)
@@ -261,10 +261,10 @@ def export_dir(draft, tmp: Path):
     """(the export directory vLLM loads for `draft`, the head when `draft` is a training checkpoint or
     None): an engine-layout directory is used as it is, a checkpoint is exported in fp32 into `tmp`
     (eagle3, or peagle for a P-EAGLE head)."""
-    directory = head_directory(draft)
-    if DraftFiles(directory).config.get("format") != "eagle-train-draft":
-        return directory, None
-    head = load_draft_head(directory)
+    found = locate_head(draft)
+    if not found.ours:
+        return found.path, None
+    head = load_draft_head(found.path)
     layout = "peagle" if head.config.method == "peagle" else "eagle3"
     return export_head(head, Path(tmp) / "export", layout, dtype="fp32"), head
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagle_train.draft_config import target_rope
-from eagle_train.eagle3 import KVCache
+from eagle_train.head import KVCache
 from eagle_train.hidden_states import default_aux_layer_ids
 from eagle_train.layers import MLP, RMSNorm, RotaryEmbedding, apply_rope
 

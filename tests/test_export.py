@@ -10,9 +10,10 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
 from eagle_cli.export import main as cli_main
+from eagle_train.checkpoint import load_draft_head
 from eagle_train.draft_config import DraftConfig
 from eagle_train.eagle3 import Eagle3Head
-from eagle_train.export import LAYOUTS, export_head, import_checkpoint, import_head
+from eagle_train.export import LAYOUTS, export_head
 from eagle_train.export.draft_files import DraftFiles
 from engines import ENGINES, check_directory
 from engines.rules import engine_state, head_from_engine_state, head_shapes
@@ -183,7 +184,7 @@ def test_smollm2_head_round_trips_through_every_engine(tmp_path, smollm2):
         for engine in reports:
             loaded, _ = engine_head(out, engine, model.get_input_embeddings().weight, model.config)
             assert torch.equal(draft_logits(loaded, aux, ids, pos), want), engine
-        imported = import_head(out, model)
+        imported = load_draft_head(out, model)
         assert torch.equal(draft_logits(imported, aux, ids, pos), want)
 
 
@@ -408,12 +409,11 @@ def reference_layout_dir(directory):
 
 
 def test_import_of_the_reference_layout_then_export_gives_identical_tensors(tmp_path):
-    from eagle_train.checkpoint import load_draft_head
 
     tensors, config = reference_layout_dir(tmp_path / "ref")
     with pytest.raises(ValueError, match="pass the target"):
-        import_head(tmp_path / "ref")  # no aux ids and no target: the defaults are unknown
-    head = import_head(tmp_path / "ref", target_config=tiny_target_config())
+        load_draft_head(tmp_path / "ref")  # no aux ids and no target: the defaults are unknown
+    head = load_draft_head(tmp_path / "ref", target_config=tiny_target_config())
     assert head.config.aux_layer_ids == (2, 4, 5) and head.config.rope_theta == 100000.0
     again = export_head(head, tmp_path / "again", "eagle3", dtype="fp32")
     out = load_file(again / "model.safetensors")
@@ -421,7 +421,8 @@ def test_import_of_the_reference_layout_then_export_gives_identical_tensors(tmp_
     assert all(torch.equal(out[k], tensors[k]) and out[k].dtype == tensors[k].dtype for k in tensors)
     written = json.loads((again / "config.json").read_text())
     assert all(written[k] == v for k, v in config.items())
-    ckpt = import_checkpoint(tmp_path / "ref", tmp_path / "ckpt", target_config=tiny_target_config())
+    ckpt = tmp_path / "ckpt"
+    load_draft_head(tmp_path / "ref", target_config=tiny_target_config()).save_pretrained(ckpt / "head")
     reloaded = load_draft_head(ckpt)
     assert all(torch.equal(reloaded.state_dict()[k], v) for k, v in head.saved_state_dict().items())
     assert isinstance(load_draft_head(tmp_path / "again"), Eagle3Head)  # engine dirs load directly too
@@ -430,21 +431,21 @@ def test_import_of_the_reference_layout_then_export_gives_identical_tensors(tmp_
 def test_a_head_with_its_own_embedding_keeps_it_through_import_checkpoint_and_export(tmp_path):
     """Another trainer's EAGLE-3 head may carry an embedding of its own: it must never be swapped
     for the target's on the way through."""
-    from eagle_train.checkpoint import load_draft_head
 
     tensors, config = reference_layout_dir(tmp_path / "ref")
     own = torch.randn(V, H)
     save_file({**tensors, "embed_tokens.weight": own}, tmp_path / "ref" / "model.safetensors")
     target_embedding = torch.nn.Embedding(V, H)
     target_model = SimpleNamespace(config=tiny_target_config(), get_input_embeddings=lambda: target_embedding)
-    head = import_head(tmp_path / "ref", target_model)
+    head = load_draft_head(tmp_path / "ref", target_model)
     assert torch.equal(head.embed_tokens.weight, own)
-    ckpt = import_checkpoint(tmp_path / "ref", tmp_path / "ckpt", target_config=tiny_target_config())
+    ckpt = tmp_path / "ckpt"
+    load_draft_head(tmp_path / "ref", target_config=tiny_target_config()).save_pretrained(ckpt / "head")
     for loaded in (load_draft_head(ckpt, target_model), head):
         assert torch.equal(loaded.embed_tokens.weight, own)
         out = load_file(export_head(loaded, tmp_path / "again", "eagle3", dtype="fp32") / "model.safetensors")
         assert torch.equal(out["embed_tokens.weight"], own)
-    shared = import_head(export_head(tiny_head(), tmp_path / "shared", "eagle3", dtype="fp32"), target_model)
+    shared = load_draft_head(export_head(tiny_head(), tmp_path / "shared", "eagle3", dtype="fp32"), target_model)
     assert torch.equal(shared.embed_tokens.weight, target_embedding.weight)
     assert "embed_tokens.weight" not in shared.saved_state_dict()
 
@@ -453,9 +454,9 @@ def test_import_without_d2t_is_identity_for_a_full_vocabulary_and_refused_for_a_
     tensors, config = reference_layout_dir(tmp_path / "ref")
     save_file({k: v for k, v in tensors.items() if k not in ("d2t", "t2d")}, tmp_path / "ref" / "model.safetensors")
     with pytest.raises(ValueError, match=r"missing tensors \['d2t'\]"):
-        import_head(tmp_path / "ref", target_config=tiny_target_config())
+        load_draft_head(tmp_path / "ref", target_config=tiny_target_config())
     (tmp_path / "ref" / "config.json").write_text(json.dumps({**config, "vocab_size": VD}))
-    head = import_head(tmp_path / "ref", target_config=tiny_target_config())
+    head = load_draft_head(tmp_path / "ref", target_config=tiny_target_config())
     assert torch.equal(head.draft_to_target_ids(torch.arange(VD)), torch.arange(VD)) and bool(head.t2d.all())
 
 
@@ -464,7 +465,7 @@ def test_import_refuses_a_config_that_disagrees_with_the_weights(tmp_path):
     path = tmp_path / "ref" / "config.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), "intermediate_size": 96}))
     with pytest.raises(ValueError, match="config.json and the weights disagree"):
-        import_head(tmp_path / "ref", target_config=tiny_target_config())
+        load_draft_head(tmp_path / "ref", target_config=tiny_target_config())
 
 
 # ---- export refusals and the command line -------------------------------------------------------
@@ -540,7 +541,6 @@ def test_runtime_drafts_the_same_from_the_export_as_from_the_training_checkpoint
 
     from transformers import LlamaForCausalLM
 
-    from eagle_train.checkpoint import load_draft_head
     from inference.drafting import TreeShape
     from inference.generate import Runtime
 

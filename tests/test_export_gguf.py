@@ -161,7 +161,7 @@ def test_tensors_are_the_heads_in_llama_cpp_names_and_shapes(tmp_path, target, h
     head = head_with(head_dim=head_dim)
     embedding = {}
     if own_embedding:
-        head.use_own_embedding(torch.randn(V, H))
+        head.attach_embedding(torch.randn(V, H), own=True)
         embedding = {"token_embd.weight": "embed_tokens.weight"}
     reader = GGUFReader(export_gguf(head, tmp_path / "head.gguf", target))
     tensors = weights(reader)
@@ -366,7 +366,7 @@ def test_equals_what_llama_cpps_own_converter_writes(tmp_path, changes, own_embe
         pytest.skip("no llama.cpp build with its converter: `eagle-llamacpp build` keeps one")
     head = smollm2_sized(**changes)
     if own_embedding:
-        head.use_own_embedding(torch.randn(head.config.vocab_size, head.config.hidden_size) * 0.05)
+        head.attach_embedding(torch.randn(head.config.vocab_size, head.config.hidden_size) * 0.05, own=True)
     ours = export_gguf(head, tmp_path / "ours.gguf", SMOLLM2)
     export_head(head, tmp_path / "eagle3", "eagle3", dtype="fp32")
     # the converter reads the target's config and tokenizer.json (a tokenizer.model would send it down sentencepiece)

@@ -26,8 +26,9 @@ from test_export import tiny_head as export_tiny_head
 
 import eagle_train.export.gguf as gguf_module
 from eagle_cli.export import main as cli_main
+from eagle_train.checkpoint import load_draft_head
 from eagle_train.eagle3 import Eagle3Head
-from eagle_train.export.gguf import export_gguf, import_gguf
+from eagle_train.export.gguf import export_gguf
 from eagle_train.target import SMOLLM2
 from eagle_train.vocab_map import t2d_from_d2t
 from engines import ENGINES, llamacpp
@@ -179,21 +180,21 @@ def test_layers_the_target_does_not_have_are_named(tiny, tmp_path):
     assert error.cause == "target_layers of another target" and "0..4" in error.message
 
 
-def test_import_gguf_reads_back_the_head_export_wrote(tiny, tmp_path):
+def test_load_draft_head_reads_back_the_head_export_wrote(tiny, tmp_path):
     target, head, _, files = tiny
     embedding = torch.nn.Embedding(V, H)
     target_model = SimpleNamespace(
         config=SimpleNamespace(num_hidden_layers=N, name_or_path="tiny"), get_input_embeddings=lambda: embedding
     )
-    back = import_gguf(files["good"], target_model)
+    back = load_draft_head(files["good"], target_model)
     assert back.config.rms_norm_eps == pytest.approx(head.config.rms_norm_eps)  # stored as f32
     assert dataclasses.replace(back.config, rms_norm_eps=head.config.rms_norm_eps) == head.config
     for name, t in head.saved_state_dict().items():
         assert torch.equal(back.saved_state_dict()[name], t), name  # Q/K rows back in Hugging Face's order
     assert torch.equal(back.embed_tokens.weight, embedding.weight)
     own, with_own = torch.randn(V, H), copy.deepcopy(head)
-    with_own.use_own_embedding(own)
-    back = import_gguf(export_gguf(with_own, tmp_path / "own.gguf", target), target_model)
+    with_own.attach_embedding(own, own=True)
+    back = load_draft_head(export_gguf(with_own, tmp_path / "own.gguf", target), target_model)
     assert torch.equal(back.embed_tokens.weight, own) and back.owns_embedding
 
 
@@ -267,7 +268,6 @@ def trained(tmp_path_factory):
             "EAGLE_TEST_TRAINED_HEAD is unset: the live degradation needs a SmolLM2 head that drafts "
             "(AL clearly above 1), e.g. the quickstart's runs/eagle3/final"
         )
-    from eagle_train.checkpoint import load_draft_head
 
     head = load_draft_head(Path(path))
     return Path(path), head.config.aux_layer_ids, export_all(head, SMOLLM2, tmp_path_factory.mktemp("trained"))

@@ -11,7 +11,7 @@ from test_export import NH, D, H, V, tiny_head, tiny_peagle_head, tiny_target_co
 
 from eagle_train import peagle_batch as pb
 from eagle_train.checkpoint import load_draft_head
-from eagle_train.export import export_head, import_head
+from eagle_train.export import export_head
 from eagle_train.export.draft_files import DraftFiles
 from eagle_train.peagle import PEagleHead
 from engines import check_directory
@@ -65,7 +65,7 @@ def test_peagle_layout_keys_names_and_vllm_round_trip(tmp_path, trained):
     files = DraftFiles(out)
     served = head_from_engine_state(report["vllm"], engine_state(report["vllm"], files))
     assert torch.equal(chain_logits(served), expected)
-    imported = import_head(out, target_config=tiny_target_config())
+    imported = load_draft_head(out, target_config=tiny_target_config())
     assert isinstance(imported, PEagleHead) and imported.config.num_depths == K
     assert imported.config.mask_token_id == MASK_ID
     assert torch.equal(chain_logits(imported), expected)
@@ -92,13 +92,13 @@ def test_speculators_peagle_round_trip(tmp_path, trained):
     assert report.ok, report.render()
     served = head_from_engine_state(report, engine_state(report, DraftFiles(out)))
     assert torch.equal(chain_logits(served), expected)
-    assert torch.equal(chain_logits(import_head(out)), expected)
+    assert torch.equal(chain_logits(load_draft_head(out)), expected)
 
 
 def test_bf16_export_keeps_the_mask_token_and_flags_a_dropped_key(tmp_path, trained):
     head, expected = trained
     out = export_head(head, tmp_path / "bf16", "peagle", dtype="bf16")
-    imported = import_head(out)
+    imported = load_draft_head(out)
     assert imported.config.mask_token_id == MASK_ID
     assert (chain_logits(imported) - expected).abs().max() < 0.1 * expected.abs().max()
     config = json.loads((out / "config.json").read_text())

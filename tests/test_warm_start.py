@@ -5,9 +5,10 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from eagle_train.checkpoint import load_draft_head
 from eagle_train.eagle3 import Eagle3Head
 from eagle_train.eagle3_train import build_eagle3_head
-from eagle_train.export import export_head, import_head
+from eagle_train.export import export_head
 from eagle_train.train_config import TrainConfig, validate
 from eagle_train.warm_start import warm_start_from_target
 
@@ -51,7 +52,7 @@ def test_export_round_trip_keeps_the_warm_start(tmp_path, tiny_llama, warm_head)
     model, _ = tiny_llama
     export_head(warm_head, tmp_path / "warm", "eagle3", dtype="fp32")
     export_head(new_head(model), tmp_path / "cold", "eagle3", dtype="fp32")
-    back = import_head(tmp_path / "warm", model)
+    back = load_draft_head(tmp_path / "warm", model)
     assert torch.equal(back.lm_head.weight, warm_head.lm_head.weight)
     assert torch.equal(back.norm.weight, warm_head.norm.weight)
     assert torch.equal(back.d2t, warm_head.d2t)

@@ -1,8 +1,8 @@
-"""Exporting heads in the layouts the serving engines load, and importing such directories back.
+"""Exporting heads in the layouts the serving engines load, and reading such directories back. Heads are
+loaded from any of these (and from our checkpoints and GGUF files) by `eagle_train.checkpoint.load_draft_head`.
 
     export_head(head, "out/", "eagle3", dtype="bf16", data="sharegpt", steps=1000)
-    head = import_head("out/", target_model)          # any eagle3 / speculators directory
-    import_checkpoint("released-head/", "ckpt/")      # -> ckpt/head/, loadable by the trainer
+    config, tensors = read_export("out/")             # any eagle3 / speculators / peagle directory
 
 llama.cpp's single-file GGUF is written by `eagle_train.export.gguf.export_gguf`. What each engine
 makes of a directory is the engines package's to say (`engines.check_directory`).
@@ -14,12 +14,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from eagle_train.draft_config import DraftConfig
 from eagle_train.export.card import write_model_card
 from eagle_train.export.draft_files import DraftFiles
-from eagle_train.export.layouts import DTYPES, HEAD_CLASSES, INTEGER_TENSORS, LAYOUTS, detect_layout, layout
+from eagle_train.export.layouts import DTYPES, INTEGER_TENSORS, LAYOUTS, detect_layout, layout
 from eagle_train.vocab_map import t2d_from_d2t
 
-__all__ = ["export_head", "import_head", "import_checkpoint", "LAYOUTS"]
+__all__ = ["export_head", "read_export", "LAYOUTS"]
 
 
 def resolve_dtype(dtype) -> torch.dtype:
@@ -77,56 +78,11 @@ def export_head(head, out_dir, format: str = "eagle3", dtype="bf16", **provenanc
     return out
 
 
-def import_head(directory, target_model=None, target_config=None):
-    """The head stored in an engine-layout directory (eagle3 or speculators), in fp32.
-
-    The token embedding is the file's own when it has one, else `target_model`'s (EAGLE-3 heads
-    share the target's). The target (model or config) is needed only when config.json does not
-    say which target layers the head reads and the defaults need the target's layer count.
-    """
+def read_export(directory, target_config=None) -> tuple[DraftConfig, dict[str, torch.Tensor]]:
+    """The config and tensors (under head names) of an engine-layout directory (eagle3, speculators,
+    peagle), for `eagle_train.checkpoint.load_draft_head` to build the head from. The target's config
+    is needed only when config.json does not say which target layers the head reads and the defaults
+    need the target's layer count."""
     files = DraftFiles(directory)
     lay = detect_layout(files.config)
-    if target_model is not None and target_config is None:
-        target_config = target_model.config
-    cfg = lay.read_config(files.config, target_config)
-    if cfg.method not in HEAD_CLASSES:
-        raise ValueError(f"{directory}: no head class for method {cfg.method!r} (known: {', '.join(HEAD_CLASSES)})")
-    head = HEAD_CLASSES[cfg.method](cfg)
-    state = {lay.from_file(name): t for name, t in files.tensors().items()}
-    expected = head.saved_state_dict()
-    # An EAGLE-3 head shares the target's embedding; a file may still carry a copy (or its own).
-    own_embedding = None if "embed_tokens.weight" in expected else state.pop("embed_tokens.weight", None)
-    if "d2t" not in state and cfg.draft_vocab_size == cfg.vocab_size:  # a full-vocabulary head: identity
-        state["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
-    missing = sorted(set(expected) - set(state) - {"t2d"})
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise ValueError(
-            f"{directory} ({lay.name} layout): missing tensors {missing}, tensors this head does not have {unexpected}"
-        )
-    for name, t in state.items():
-        if tuple(t.shape) != tuple(expected[name].shape):
-            raise ValueError(
-                f"{directory}: {name} is {list(t.shape)}, config.json implies "
-                f"{list(expected[name].shape)}: config.json and the weights disagree"
-            )
-        if name == "d2t" and t.is_floating_point():
-            raise ValueError(f"{directory}: d2t is {t.dtype}; offsets must be integers (re-export it as int64)")
-    if "t2d" not in state:  # optional in engine layouts: it follows from d2t
-        state["t2d"] = t2d_from_d2t(state["d2t"].long(), cfg.vocab_size)
-    head.load_state_dict(
-        {k: v.long() if k == "d2t" else v.bool() if k == "t2d" else v.float() for k, v in state.items()}, strict=False
-    )
-    if own_embedding is not None:
-        head.use_own_embedding(own_embedding)
-    elif target_model is not None and "embed_tokens.weight" not in expected:
-        head.use_target_embedding(target_model)
-    return head
-
-
-def import_checkpoint(directory, out, target_config=None) -> Path:
-    """Turn an engine-layout directory into a training checkpoint (`out/head/`) the trainer can
-    resume or fine-tune from and `eagle_train.checkpoint.load_draft_head` reads."""
-    head = import_head(directory, target_config=target_config)
-    head.save_pretrained(Path(out) / "head")
-    return Path(out)
+    return lay.read_config(files.config, target_config), {lay.from_file(n): t for n, t in files.tensors().items()}

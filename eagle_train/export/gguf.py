@@ -7,7 +7,7 @@ does not know the architecture yet, so its own keys are spelled out here. llama.
 key's type exactly and refuses a file holding a tensor it did not ask for, so nothing else is written.
 
     export_gguf(head, "head.gguf", "target.gguf", outtype="q8_0")
-    head = import_gguf("head.gguf", target_model)   # the inverse, for running a file with no source head
+    cfg, tensors = read_gguf_head("head.gguf", target_config)  # the inverse (eagle_train.checkpoint.load_draft_head)
 """
 
 from dataclasses import dataclass
@@ -27,11 +27,9 @@ from gguf import (
 from gguf.quants import dequantize, quantize
 
 from eagle_train.draft_config import DraftConfig
-from eagle_train.eagle3 import Eagle3Head
 from eagle_train.export import check_vocab_map
 from eagle_train.layers import rope_inv_freq
 from eagle_train.target import target_gguf
-from eagle_train.vocab_map import t2d_from_d2t
 
 ARCH = "eagle3"
 # The head's matmul weights under llama.cpp's names; they take the export type.
@@ -268,9 +266,10 @@ def read_gguf(path) -> HeadFile:
     return HeadFile(keys, len(tokens.data) if tokens else 0, tensors, types, foreign)
 
 
-def import_gguf(path, target_model) -> Eagle3Head:
-    """The head a GGUF written by `export_gguf` holds, in fp32, with the file's embedding or else `target_model`'s:
-    what llama.cpp runs, for the built-in runtime to run too when the head it came from is not at hand."""
+def read_gguf_head(path, target_config) -> tuple[DraftConfig, dict[str, torch.Tensor]]:
+    """The config and tensors (head names, d2t as offsets) of a head GGUF written by `export_gguf`:
+    what llama.cpp runs, for `eagle_train.checkpoint.load_draft_head` to rebuild when the head it came
+    from is not at hand. The target's config gives what the file does not carry (its layer count)."""
     file = read_gguf(path)
     keys = file.keys
     scaling = keys.get("rope.scaling.type")
@@ -285,7 +284,6 @@ def import_gguf(path, target_model) -> Eagle3Head:
     missing = sorted(HEAD_TENSORS - {"t2d"} - set(file.tensors))
     if missing:
         raise ValueError(f"{path} lacks the tensors {missing}")
-    target_cfg = target_model.config
     head_dim = keys.get("attention.key_length", keys["embedding_length"] // keys["attention.head_count"])
     cfg = DraftConfig(
         hidden_size=keys["embedding_length"],
@@ -300,20 +298,12 @@ def import_gguf(path, target_model) -> Eagle3Head:
         rope_scaling={"rope_type": "linear", "factor": keys["rope.scaling.factor"]} if scaling == b"linear" else None,
         max_position_embeddings=keys["context_length"],
         target_hidden_size=keys["target_hidden_size"],
-        target_num_layers=target_cfg.num_hidden_layers,
+        target_num_layers=target_config.num_hidden_layers,
         aux_layer_ids=tuple(keys["target_layers"]),
-        target=str(getattr(target_cfg, "name_or_path", "")),
+        target=str(getattr(target_config, "name_or_path", "")),
     )
     ids = file.tensors["d2t"]
     if ids.min() < 0 or ids.max() >= cfg.vocab_size:
         raise ValueError(f"{path}: d2t holds ids outside the target vocabulary [0, {cfg.vocab_size})")
-    head = Eagle3Head(cfg)
     d2t = ids - torch.arange(cfg.draft_vocab_size)
-    state = {**{k: v for k, v in file.tensors.items() if k not in ("d2t", EMBEDDING[0])}, "d2t": d2t}
-    state["t2d"] = t2d_from_d2t(d2t, cfg.vocab_size)
-    head.load_state_dict(state, strict=False)
-    if EMBEDDING[0] in file.tensors:
-        head.use_own_embedding(file.tensors[EMBEDDING[0]])
-    else:
-        head.use_target_embedding(target_model)
-    return head
+    return cfg, {**{k: v for k, v in file.tensors.items() if k != "d2t"}, "d2t": d2t}

@@ -27,12 +27,10 @@ from types import SimpleNamespace
 import torch
 
 from eagle_train.draft_config import DraftConfig, target_rope
-from eagle_train.eagle3 import Eagle3Head
 from eagle_train.hidden_states import default_aux_layer_ids
-from eagle_train.peagle import NUM_DEPTHS, PEagleHead
+from eagle_train.peagle import NUM_DEPTHS
 from eagle_train.target import HUB_IDS
 
-HEAD_CLASSES = {"eagle3": Eagle3Head, "peagle": PEagleHead}  # the head class of each DraftConfig.method
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 PROVENANCE_KEY = "eagle_train"  # our own block in config.json; every engine ignores unknown keys
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

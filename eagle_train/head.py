@@ -1,0 +1,214 @@
+"""What every draft head is built from, and which class builds a head of each method.
+
+`DraftHead` (the parts and checkpoint tensors all heads share), the Llama `DecoderLayer` and the
+runtime's `KVCache` are used by every method (EAGLE-3, P-EAGLE) and by the runtime's target model;
+`HEAD_CLASSES` maps a `DraftConfig.method` to its class, and `head_from_state` is the one way a head
+is rebuilt from saved tensors, whichever file they came from (eagle_train.checkpoint reads them).
+"""
+
+import importlib
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from eagle_train.draft_config import DraftConfig
+from eagle_train.layers import MLP, Attention, RMSNorm, RotaryEmbedding
+from eagle_train.vocab_map import t2d_from_d2t
+
+
+class KVCache(nn.Module):
+    """A static [B, h_kv, S, d] key/value buffer written at explicit slots (CUDA-graph friendly)."""
+
+    def __init__(self, batch: int, num_kv_heads: int, max_len: int, head_dim: int, dtype, device=None):
+        super().__init__()
+        shape = (batch, num_kv_heads, max_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """slots [T] cache indices for the T new positions; returns the whole buffers."""
+        self.k.index_copy_(2, slots, k.to(self.k.dtype))
+        self.v.index_copy_(2, slots, v.to(self.v.dtype))
+        return self.k, self.v
+
+
+class DecoderLayer(nn.Module):
+    """A Llama decoder layer; with `fused_input` its attention reads
+    cat(input_layernorm(embedding), hidden_norm(hidden)) and the residual is the hidden input."""
+
+    def __init__(self, cfg: DraftConfig, fused_input: bool):
+        super().__init__()
+        h = cfg.hidden_size
+        self.fused_input = fused_input
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        if fused_input:
+            self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.self_attn = Attention(
+            2 * h if fused_input else h, h, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        )
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.mlp = MLP(h, cfg.intermediate_size)
+
+    def attention_input(self, hidden, emb):
+        if self.fused_input:
+            return torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)
+        return self.input_layernorm(hidden)
+
+    def finish(self, residual, attn_out):
+        h = residual + attn_out
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def forward(self, hidden, emb, cos, sin, cache: KVCache | None, slots, mask):
+        """One pass with an explicit KV cache (or, without one, over the given tokens alone)."""
+        q, k, v = self.self_attn.qkv(self.attention_input(hidden, emb), cos, sin)
+        if cache is not None:
+            k, v = cache.write(slots, k, v)
+        return self.finish(hidden, self.self_attn.attend(q, k, v, mask))
+
+
+class DraftHead(nn.Module):
+    """What every draft head shares: EAGLE-3's fused first layer (`fc`, `midlayer`), the final norm,
+    the draft lm_head, the `d2t`/`t2d` vocab map and checkpoint I/O. A head that `owns_embedding`
+    saves `embed_tokens` (P-EAGLE trains it; an EAGLE-3 head imported from another trainer may carry
+    its own, frozen); otherwise it is the target's, frozen and left out of saves."""
+
+    owns_embedding = False
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.config = cfg
+        h = cfg.hidden_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, h)
+        self.embed_tokens.weight.requires_grad_(self.owns_embedding)
+        self.fc = nn.Linear(3 * cfg.target_hidden_size, h, bias=False)
+        self.midlayer = DecoderLayer(cfg, fused_input=True)
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", t2d_from_d2t(self.d2t, cfg.vocab_size))
+
+    def attach_embedding(self, weight: torch.Tensor, *, own: bool = False):
+        """The one way a head gets its token embedding. Borrowed (`own` false): the target's tensor
+        itself, frozen and left out of saves. Owned: an fp32 copy saved and exported with the head
+        (P-EAGLE trains its own; a head trained elsewhere with its own must not run on the target's)."""
+        if tuple(weight.shape) != (self.config.vocab_size, self.config.hidden_size):
+            raise ValueError(
+                f"embedding {tuple(weight.shape)} does not match the head "
+                f"(vocab {self.config.vocab_size}, hidden {self.config.hidden_size}): "
+                "the head was built for another target"
+            )
+        device = self.fc.weight.device
+        if own:
+            self.owns_embedding = True
+            self.embed_tokens.weight.data = weight.detach().to(device, torch.float32, copy=True)
+        else:
+            self.embed_tokens.weight.data = weight.detach().to(device)
+
+    def use_target_embedding(self, target_model):
+        """Share the target's embedding (heads that do not own one)."""
+        self.attach_embedding(target_model.get_input_embeddings().weight)
+
+    def set_vocab_map(self, d2t: torch.Tensor, t2d: torch.Tensor):
+        if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
+            raise ValueError(
+                f"vocab map (d2t {tuple(d2t.shape)}, t2d {tuple(t2d.shape)}) does not fit the head "
+                f"(draft vocab {self.config.draft_vocab_size}, target vocab {self.config.vocab_size})"
+            )
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def saved_state_dict(self) -> dict[str, torch.Tensor]:
+        """The checkpoint tensors: all of them, but a borrowed (frozen target) embedding."""
+        return {k: v for k, v in self.state_dict().items() if self.owns_embedding or not k.startswith("embed_tokens.")}
+
+    def save_pretrained(self, directory):
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.config.save(directory)
+        tensors = {k: v.detach().contiguous().cpu() for k, v in self.saved_state_dict().items()}
+        save_file(tensors, directory / "model.safetensors")
+
+    def draft_to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits of the pre-norm hidden state `h`."""
+        return self.lm_head(self.norm(h))
+
+
+class HeadClasses(Mapping):
+    """Method name -> head class. Each method module registers its class with `register`; a lookup
+    imports the method modules first, so this module needs none of them (they import it)."""
+
+    def __init__(self, modules: tuple[str, ...]):
+        self.modules = modules
+        self.classes: dict[str, type[DraftHead]] = {}
+
+    def register(self, method: str):
+        def add(cls: type[DraftHead]) -> type[DraftHead]:
+            self.classes[method] = cls
+            return cls
+
+        return add
+
+    def loaded(self) -> dict[str, type[DraftHead]]:
+        for module in self.modules:
+            importlib.import_module(module)
+        return self.classes
+
+    def __getitem__(self, method: str) -> type[DraftHead]:
+        classes = self.loaded()
+        if method not in classes:
+            raise KeyError(f"no head class for method {method!r} (known: {', '.join(classes)})")
+        return classes[method]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.loaded())
+
+    def __len__(self) -> int:
+        return len(self.loaded())
+
+
+HEAD_CLASSES = HeadClasses(("eagle_train.eagle3", "eagle_train.peagle"))
+
+
+def head_from_state(cfg: DraftConfig, state: dict[str, torch.Tensor], target_embedding=None, source="") -> DraftHead:
+    """The head of `cfg.method` holding `state` (head tensor names), in fp32.
+
+    Every reader ends here: our checkpoints, engine layouts and GGUF files. `t2d` follows from
+    `d2t` when absent, and a full-vocabulary head without `d2t` gets the identity map. An embedding
+    in `state` that the head class does not save is the head's own (a head trained elsewhere with its
+    own); otherwise a borrowing head takes `target_embedding` (the target's), when given.
+    """
+    head = HEAD_CLASSES[cfg.method](cfg)
+    state = dict(state)
+    expected = head.saved_state_dict()
+    own_embedding = None if "embed_tokens.weight" in expected else state.pop("embed_tokens.weight", None)
+    if "d2t" not in state and cfg.draft_vocab_size == cfg.vocab_size:
+        state["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
+    missing = sorted(set(expected) - set(state) - {"t2d"})
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"{source}: missing tensors {missing}, tensors this head does not have {unexpected}")
+    for name, t in state.items():
+        if tuple(t.shape) != tuple(expected[name].shape):
+            raise ValueError(
+                f"{source}: {name} is {list(t.shape)}, config.json implies "
+                f"{list(expected[name].shape)}: config.json and the weights disagree"
+            )
+        if name == "d2t" and t.is_floating_point():
+            raise ValueError(f"{source}: d2t is {t.dtype}; offsets must be integers (re-export it as int64)")
+    if "t2d" not in state:
+        state["t2d"] = t2d_from_d2t(state["d2t"].long(), cfg.vocab_size)
+    head.load_state_dict(
+        {k: v.long() if k == "d2t" else v.bool() if k == "t2d" else v.float() for k, v in state.items()}, strict=False
+    )
+    if own_embedding is not None:
+        head.attach_embedding(own_embedding, own=True)
+    elif target_embedding is not None and not head.owns_embedding:
+        head.attach_embedding(target_embedding)
+    return head
