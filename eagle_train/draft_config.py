@@ -9,10 +9,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eagle_train.architectures import check_supported
 from eagle_train.hidden_states import default_aux_layer_ids
 from eagle_train.vocab_map import DRAFT_VOCAB_SIZE, check_draft_vocab_size
-
-LLAMA_FAMILY = {"llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "smollm3"}
 
 
 def target_rope(cfg) -> tuple[float, dict | None]:
@@ -71,13 +70,9 @@ class DraftConfig:
         target: str = "",
         **extra,
     ):
-        """A head sized like one decoder layer of the target (any Llama-family config)."""
+        """A head sized like one decoder layer of the target (a type `eagle_train.architectures` trains)."""
         cfg = getattr(cfg, "text_config", None) or cfg
-        if cfg.model_type not in LLAMA_FAMILY:
-            raise ValueError(
-                f"target model_type {cfg.model_type!r} is not a supported Llama-family decoder "
-                f"(supported: {', '.join(sorted(LLAMA_FAMILY))})"
-            )
+        check_supported(cfg, "training")
         n = cfg.num_hidden_layers
         theta, scaling = target_rope(cfg)
         return cls(
