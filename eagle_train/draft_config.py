@@ -97,6 +97,31 @@ class DraftConfig:
             **extra,
         )
 
+    def fit_problems(self, target_config) -> list[str]:
+        """What keeps this head from reading `target_config`'s hidden states and vocabulary (none: it fits)."""
+        cfg = getattr(target_config, "text_config", None) or target_config
+        n = cfg.num_hidden_layers
+        problems = []
+        if self.vocab_size != cfg.vocab_size:
+            problems.append(f"vocabulary {self.vocab_size} != target's {cfg.vocab_size}")
+        if self.target_hidden_size != cfg.hidden_size:
+            problems.append(f"hidden size {self.target_hidden_size} != target's {cfg.hidden_size}")
+        if any(not 0 <= i < n for i in self.aux_layer_ids):
+            problems.append(f"aux layer ids {list(self.aux_layer_ids)} do not exist in a {n}-layer target")
+        elif self.target_num_layers != n:
+            problems.append(f"trained on a {self.target_num_layers}-layer target, this one has {n}")
+        return problems
+
+    def check_fits(self, target_config) -> None:
+        """Refuse, in one line and before any compute, a head built for another target."""
+        problems = self.fit_problems(target_config)
+        if problems:
+            built = f" (built for {self.target!r})" if self.target else ""
+            raise ValueError(
+                f"the draft head does not fit this target{built}: {'; '.join(problems)}. "
+                "Use the target the head was built for, or train a head for this target."
+            )
+
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["aux_layer_ids"] = list(self.aux_layer_ids)
