@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from eagle_train.peagle import NUM_DEPTHS
-from eagle_train.store import check_store_matches, read_manifest, read_vocab_map
+from eagle_train.store import HIDDEN_FORMAT, check_store_matches, read_manifest, read_vocab_map
 from eagle_train.ttt import TTT_DECAY, TTT_LENGTH
 from eagle_train.vocab_map import check_draft_vocab_size
 
@@ -255,12 +255,12 @@ def validate(cfg: TrainConfig, target_config) -> None:
             f"data_path {cfg.data_path} does not exist: run `eagle-prep run --config ...` first or fix the path"
         )
     manifest = read_manifest(cfg.data_path)
-    if cfg.mode == "offline" and manifest["format"] != "eagle-hidden-states":
+    if cfg.mode == "offline" and manifest["format"] != HIDDEN_FORMAT:
         raise ValueError(
             f"{cfg.data_path} is a tokenized dataset without hidden states: train with mode=online, "
             "or capture a store with `eagle-prep capture` for mode=offline"
         )
-    if manifest["format"] == "eagle-hidden-states":
+    if manifest["format"] == HIDDEN_FORMAT:
         check_store_matches(manifest, target_config, cfg.aux_layer_ids)
     else:
         check_store_matches(manifest, target_config)

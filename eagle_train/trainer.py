@@ -41,7 +41,7 @@ from tqdm import tqdm
 
 from eagle_train.batching import epoch_batches, pack_by_length
 from eagle_train.hidden_states import target_hidden_states
-from eagle_train.store import ShardedSamples, read_manifest, read_vocab_map
+from eagle_train.store import HIDDEN_FORMAT, ShardedSamples, read_manifest, read_vocab_map
 from eagle_train.target import load_target, load_target_config
 from eagle_train.train_config import TrainConfig, launched_with, validate
 from eagle_train.ttt import simulated_acceptance_length, target_distribution
@@ -446,7 +446,7 @@ def build_model(cfg: TrainConfig, build_head, resume_from: Path | None, device) 
     head = build_head(cfg, target_model, vocab_map)
     aux_ids = list(head.config.aux_layer_ids)
     manifest = read_manifest(cfg.data_path)
-    if manifest["format"] == "eagle-hidden-states" and not online and manifest["aux_layer_ids"] != aux_ids:
+    if manifest["format"] == HIDDEN_FORMAT and not online and manifest["aux_layer_ids"] != aux_ids:
         raise ValueError(
             f"the head reads aux layers {aux_ids} but {cfg.data_path} holds {manifest['aux_layer_ids']}: "
             "train online or capture a store with the head's layers"
