@@ -58,7 +58,10 @@ class TrainConfig:
     weight_decay: float = 0.0
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     max_grad_norm: float = 0.5
-    gradient_checkpointing: bool = False  # recompute each TTT step's logits in backward
+    # Not activation checkpointing: only each TTT step's [N, Vd] draft logits are dropped after the
+    # forward and recomputed in backward (the head's layers keep theirs). EAGLE-3 without fused_loss
+    # only; fused_loss never makes those logits, and P-EAGLE ignores the key.
+    gradient_checkpointing: bool = False
     fused_loss: bool = False  # EAGLE-3 TTT loss through eagle_train.fused_ce (no [N, Vd] logits; Triton on CUDA)
     mixed_precision: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU; or "no" / "bf16"
     seed: int = 0
