@@ -8,8 +8,11 @@ takes any decoder with `model.model.layers` (`eagle_train.target.check_decoder`)
 from dataclasses import dataclass
 
 STAGES = {  # stage -> (what it is, the way out of a refusal)
-    "training": ("training a draft head", "train for a target of a supported type"),
-    "runtime": ("the built-in speculative runtime", "evaluate the head with eagle-eval --engine vllm"),
+    "training": ("training a draft head", "train for a target of one of those types"),
+    "runtime": (
+        "the built-in speculative runtime",
+        "evaluate this head in an engine that serves this target (eagle-eval --engine vllm)",
+    ),
 }
 
 
@@ -46,10 +49,11 @@ def check_supported(target_config, stage: str) -> None:
     model_type = (getattr(target_config, "text_config", None) or target_config).model_type
     what, way_out = STAGES[stage]
     if model_type not in ARCHITECTURES:
-        why = f"eagle-train knows the Llama-family decoders {', '.join(sorted(ARCHITECTURES))}"
+        why = "eagle_train.architectures does not list it"
     else:
         why = getattr(ARCHITECTURES[model_type], stage)
     if why is not None:
         raise ValueError(
-            f"{what} does not take target model_type {model_type!r}: {why}; {way_out} ({', '.join(supported(stage))})"
+            f"{what} does not take target model_type {model_type!r}: {why}. "
+            f"It supports {', '.join(supported(stage))}; {way_out}"
         )
