@@ -24,6 +24,7 @@ from data_prep.readers import read_conversations
 from data_prep.vocab import make_vocab_map
 from eagle_train.hidden_states import default_aux_layer_ids, layer_inputs
 from eagle_train.store import StoreWriter, chat_template_fingerprint, encode_hidden
+from eagle_train.target import end_of_turn_ids
 from eagle_train.vocab_map import DRAFT_VOCAB_SIZE
 
 
@@ -35,15 +36,6 @@ def first_turn_prompt(messages: list[dict]) -> list[dict] | None:
             break
         head.append(m)
     return head if any(m["role"] == "user" and m["content"].strip() for m in head) else None
-
-
-def eos_token_ids(model, tokenizer) -> set[int]:
-    """Every id that ends the target's turn: the generation config's (may be a list) and the tokenizer's."""
-    ids = model.generation_config.eos_token_id if model.generation_config is not None else None
-    ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids
 
 
 @torch.no_grad()
@@ -181,7 +173,7 @@ def distil(
     out = Path(out)
     header = start_store(out, header, model.config, target_name, ids, dtype)
     todo = pending_shards(out, {k: [i for i, _ in batch] for k, batch in enumerate(batches)})
-    eos_ids = eos_token_ids(model, tokenizer)
+    eos_ids = end_of_turn_ids(model, tokenizer)
     stats = {"prompts": 0, "answer_tokens": 0, "tokens": 0, "seconds": 0.0}
     start = time.perf_counter()
     bar = tqdm(total=sum(len(batches[k]) for k in todo), unit="prompt", desc="distil", disable=not progress)

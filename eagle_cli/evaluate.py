@@ -21,27 +21,6 @@ LIVE_ENGINES = tuple(name for name, e in ENGINES.items() if e.decodes_live)
 SIDE_BY_SIDE = tuple(name for name, e in ENGINES.items() if e.side_by_side)  # what --engine all runs beside builtin
 
 
-def check_head_fits_target(head_cfg, target_cfg) -> None:
-    """Refuse a head trained for another target before any compute."""
-    target_cfg = getattr(target_cfg, "text_config", None) or target_cfg
-    n = target_cfg.num_hidden_layers
-    problems = []
-    if head_cfg.vocab_size != target_cfg.vocab_size:
-        problems.append(f"vocabulary {head_cfg.vocab_size} != target's {target_cfg.vocab_size}")
-    if head_cfg.target_hidden_size != target_cfg.hidden_size:
-        problems.append(f"hidden size {head_cfg.target_hidden_size} != target's {target_cfg.hidden_size}")
-    if any(not 0 <= i < n for i in head_cfg.aux_layer_ids):
-        problems.append(f"aux layer ids {list(head_cfg.aux_layer_ids)} do not exist in a {n}-layer target")
-    elif head_cfg.target_num_layers != n:
-        problems.append(f"trained on a {head_cfg.target_num_layers}-layer target, this one has {n}")
-    if problems:
-        built = f" (built for {head_cfg.target!r})" if head_cfg.target else ""
-        raise ValueError(
-            f"the draft head does not fit this target{built}: {'; '.join(problems)}. "
-            "Pass the --target the head was trained for, or train a head for this target."
-        )
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="eagle-eval", description=__doc__.split("\n")[0])
     p.add_argument(
@@ -134,12 +113,12 @@ def precheck_head(draft, target_cfg) -> None:
 
     found = locate_head(draft)
     if found.ours:
-        check_head_fits_target(DraftConfig.from_dict(found.config), target_cfg)
+        DraftConfig.from_dict(found.config).check_fits(target_cfg)
 
 
 def evaluate(args, write: bool = True):
     from eagle_train.checkpoint import load_draft_head
-    from eagle_train.target import load_target, load_target_config
+    from eagle_train.target import end_of_turn_ids, load_target, load_target_config
     from inference.drafting import TreeShape
     from inference.evaluate import format_table, load_bench, plot, run_prompt, summarise_drafters
     from inference.generate import Runtime
@@ -169,7 +148,7 @@ def evaluate(args, write: bool = True):
     model, tokenizer = load_target(args.target, dtype=args.dtype, device=device)
     head = None if lookup_only else load_draft_head(args.draft, model)
     if head is not None:
-        check_head_fits_target(head.config, model.config)
+        head.config.check_fits(model.config)
         if args.parallel and head.config.method != "peagle":
             raise ValueError(
                 f"--parallel drafts with a P-EAGLE head; {args.draft} holds a {head.config.method} head "
@@ -178,9 +157,9 @@ def evaluate(args, write: bool = True):
         head.to(device=device, dtype=model.dtype).eval()
     parallel = head is not None and head.config.method == "peagle"
     ngram = None if args.no_ngram else shape.depth  # prompt lookup's K: the chain's, the tree's depth
-    eos = {tokenizer.eos_token_id} | set(_as_list(getattr(model.generation_config, "eos_token_id", None)))
+    eos = end_of_turn_ids(model, tokenizer)
     runtime = Runtime(
-        model, head, shape, sampler, eos_token_ids=eos - {None}, cuda_graphs=not args.no_cuda_graphs, seed=args.seed
+        model, head, shape, sampler, eos_token_ids=eos, cuda_graphs=not args.no_cuda_graphs, seed=args.seed
     )
 
     from tqdm import tqdm
@@ -230,10 +209,6 @@ def evaluate(args, write: bool = True):
         plot_path = out.with_suffix(".png")
         print(f"results: {out}" + (f"   plot: {plot_path}" if plot(summary, plot_path, title) else ""))
     return record
-
-
-def _as_list(x):
-    return [] if x is None else list(x) if isinstance(x, (list, tuple, set)) else [x]
 
 
 if __name__ == "__main__":

@@ -9,10 +9,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eagle_train.architectures import check_supported
 from eagle_train.hidden_states import default_aux_layer_ids
 from eagle_train.vocab_map import DRAFT_VOCAB_SIZE, check_draft_vocab_size
-
-LLAMA_FAMILY = {"llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "smollm3"}
 
 
 def target_rope(cfg) -> tuple[float, dict | None]:
@@ -74,13 +73,9 @@ class DraftConfig:
         target: str = "",
         **extra,
     ):
-        """A head sized like one decoder layer of the target (any Llama-family config)."""
+        """A head sized like one decoder layer of the target (a type `eagle_train.architectures` trains)."""
         cfg = getattr(cfg, "text_config", None) or cfg
-        if cfg.model_type not in LLAMA_FAMILY:
-            raise ValueError(
-                f"target model_type {cfg.model_type!r} is not a supported Llama-family decoder "
-                f"(supported: {', '.join(sorted(LLAMA_FAMILY))})"
-            )
+        check_supported(cfg, "training")
         n = cfg.num_hidden_layers
         theta, scaling = target_rope(cfg)
         return cls(
@@ -104,6 +99,31 @@ class DraftConfig:
             target_architectures=list(getattr(cfg, "architectures", None) or []),
             **extra,
         )
+
+    def fit_problems(self, target_config) -> list[str]:
+        """What keeps this head from reading `target_config`'s hidden states and vocabulary (none: it fits)."""
+        cfg = getattr(target_config, "text_config", None) or target_config
+        n = cfg.num_hidden_layers
+        problems = []
+        if self.vocab_size != cfg.vocab_size:
+            problems.append(f"vocabulary {self.vocab_size} != target's {cfg.vocab_size}")
+        if self.target_hidden_size != cfg.hidden_size:
+            problems.append(f"hidden size {self.target_hidden_size} != target's {cfg.hidden_size}")
+        if any(not 0 <= i < n for i in self.aux_layer_ids):
+            problems.append(f"aux layer ids {list(self.aux_layer_ids)} do not exist in a {n}-layer target")
+        elif self.target_num_layers != n:
+            problems.append(f"trained on a {self.target_num_layers}-layer target, this one has {n}")
+        return problems
+
+    def check_fits(self, target_config) -> None:
+        """Refuse, in one line and before any compute, a head built for another target."""
+        problems = self.fit_problems(target_config)
+        if problems:
+            built = f" (built for {self.target!r})" if self.target else ""
+            raise ValueError(
+                f"the draft head does not fit this target{built}: {'; '.join(problems)}. "
+                "Use the target the head was built for, or train a head for this target."
+            )
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)

@@ -16,11 +16,7 @@ def build_eagle3_head(cfg: TrainConfig, target_model, vocab_map: dict | None) ->
         head = load_draft_head(cfg.init_from, target_model)
         if head.config.method != "eagle3":
             raise ValueError(f"init_from {cfg.init_from} holds a {head.config.method} head, not an EAGLE-3 head")
-        if head.config.target_hidden_size != target_model.config.hidden_size:
-            raise ValueError(
-                f"init_from {cfg.init_from} was trained for a target with hidden size "
-                f"{head.config.target_hidden_size}, not {target_model.config.hidden_size}"
-            )
+        head.config.check_fits(target_model.config)
         return head
     head = Eagle3Head.from_target(
         target_model, draft_vocab_size=len(vocab_map["d2t"]), aux_layer_ids=cfg.aux_layer_ids, target=cfg.target

@@ -33,6 +33,7 @@ def build_peagle_head(cfg, target_model, vocab_map: dict | None) -> PEagleHead:
         head = load_draft_head(cfg.init_from, target_model)
         if head.config.method != "peagle":
             raise ValueError(f"init_from {cfg.init_from} holds a {head.config.method} head, not a P-EAGLE head")
+        head.config.check_fits(target_model.config)
         if head.config.num_depths != cfg.num_depths:
             raise ValueError(
                 f"init_from {cfg.init_from} drafts K={head.config.num_depths} tokens per pass but "

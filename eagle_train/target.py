@@ -128,6 +128,15 @@ def load_tokenizer(name_or_path: str):
     return AutoTokenizer.from_pretrained(resolve_target(name_or_path))
 
 
+def end_of_turn_ids(model, tokenizer) -> set[int]:
+    """Every id that ends the target's turn: the tokenizer's eos and the generation config's
+    eos_token_id (an id or a list; chat models list their end-of-turn tokens there)."""
+    config = getattr(model, "generation_config", None)
+    ids = getattr(config, "eos_token_id", None)
+    ids = list(ids) if isinstance(ids, (list, tuple, set)) else [ids]
+    return {int(i) for i in [*ids, tokenizer.eos_token_id] if i is not None}
+
+
 def check_decoder(model) -> None:
     """Hidden-state capture needs a decoder stack at `model.model.layers`."""
     base = getattr(model, "model", None)

@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from eagle_train.peagle import NUM_DEPTHS
-from eagle_train.store import check_store_matches, read_manifest, read_vocab_map
+from eagle_train.store import HIDDEN_FORMAT, check_store_matches, read_manifest, read_vocab_map
 from eagle_train.ttt import TTT_DECAY, TTT_LENGTH
 from eagle_train.vocab_map import check_draft_vocab_size
 
@@ -58,7 +58,10 @@ class TrainConfig:
     weight_decay: float = 0.0
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     max_grad_norm: float = 0.5
-    gradient_checkpointing: bool = False  # recompute each TTT step's logits in backward
+    # Not activation checkpointing: only each TTT step's [N, Vd] draft logits are dropped after the
+    # forward and recomputed in backward (the head's layers keep theirs). EAGLE-3 without fused_loss
+    # only; fused_loss never makes those logits, and P-EAGLE ignores the key.
+    gradient_checkpointing: bool = False
     fused_loss: bool = False  # EAGLE-3 TTT loss through eagle_train.fused_ce (no [N, Vd] logits; Triton on CUDA)
     mixed_precision: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU; or "no" / "bf16"
     seed: int = 0
@@ -255,12 +258,12 @@ def validate(cfg: TrainConfig, target_config) -> None:
             f"data_path {cfg.data_path} does not exist: run `eagle-prep run --config ...` first or fix the path"
         )
     manifest = read_manifest(cfg.data_path)
-    if cfg.mode == "offline" and manifest["format"] != "eagle-hidden-states":
+    if cfg.mode == "offline" and manifest["format"] != HIDDEN_FORMAT:
         raise ValueError(
             f"{cfg.data_path} is a tokenized dataset without hidden states: train with mode=online, "
             "or capture a store with `eagle-prep capture` for mode=offline"
         )
-    if manifest["format"] == "eagle-hidden-states":
+    if manifest["format"] == HIDDEN_FORMAT:
         check_store_matches(manifest, target_config, cfg.aux_layer_ids)
     else:
         check_store_matches(manifest, target_config)

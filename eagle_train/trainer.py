@@ -39,12 +39,13 @@ from safetensors.torch import save_file
 from torch import nn
 from tqdm import tqdm
 
+from eagle_train.backend import Backend, backend_of, check_resumable, make_accelerator
 from eagle_train.batching import epoch_batches, pack_by_length
 from eagle_train.checkpoint import load_draft_head
 from eagle_train.hidden_states import target_hidden_states
-from eagle_train.store import ShardedSamples, read_manifest, read_vocab_map
+from eagle_train.store import HIDDEN_FORMAT, ShardedSamples, read_manifest, read_vocab_map
 from eagle_train.target import load_target, load_target_config
-from eagle_train.train_config import TrainConfig, launched_with, validate
+from eagle_train.train_config import TrainConfig, validate
 from eagle_train.ttt import simulated_acceptance_length, target_distribution
 from eagle_train.vocab_map import top_k_vocab_map
 
@@ -222,45 +223,6 @@ def resolve_resume(cfg: TrainConfig) -> Path | None:
     return None
 
 
-OPTIMIZER_LAYOUTS = {  # how a backend saves its optimizer: (the backend, the launch that resumes it)
-    "whole": ("one process or DDP", "1 process or --multi_gpu / ddp.yaml, with any process count"),
-    "fsdp": ("FSDP", "fsdp.yaml and the same process count"),
-    "zero2": ("DeepSpeed ZeRO-2", "deepspeed_zero2.yaml and the same process count"),
-    "zero3": ("DeepSpeed ZeRO-3", "deepspeed_zero3.yaml and the same process count"),
-}
-
-
-def optimizer_layout(accelerator) -> str:
-    """How this launch saves its optimizer: whole (optimizer.pt), or one shard per process."""
-    kind = accelerator.distributed_type.value
-    if kind == "DEEPSPEED":
-        return f"zero{accelerator.state.deepspeed_plugin.zero_stage}"
-    return "fsdp" if kind == "FSDP" else "whole"
-
-
-def check_resumable(checkpoint: Path, world: int, layout: str) -> None:
-    """Refuse, before the target loads, a resume the checkpoint cannot give: an optimizer saved by
-    another backend (a whole AdamW state, FSDP shards and ZeRO partitions are different things), or
-    one saved in shards (optimizer-rank<i>.pt) under another process count."""
-    saved = json.loads((checkpoint / "trainer_state.json").read_text())
-    shards = sorted(checkpoint.glob("optimizer-rank*.pt"))
-    whole = (checkpoint / "optimizer.pt").is_file()
-    was = saved.get("optimizer_layout", "whole" if whole else None)
-    weights_only = f"or start a new run from its weights with init_from={checkpoint / 'head'}"
-    if was is not None and was != layout:
-        (saver, how), (current, _) = OPTIMIZER_LAYOUTS[was], OPTIMIZER_LAYOUTS[layout]
-        raise ValueError(
-            f"{checkpoint} holds an optimizer saved by {saver} and this launch is {current}: resume it with {how}, "
-            f"{weights_only}"
-        )
-    if shards and not whole and (saved["num_processes"] != world or len(shards) != world):
-        raise ValueError(
-            f"{checkpoint} holds its optimizer sharded over {saved['num_processes']} processes ({len(shards)} "
-            f"optimizer-rank files; FSDP or DeepSpeed ZeRO) and this run has {world}: resume it with "
-            f"{saved['num_processes']} processes and the same accelerate config, {weights_only}"
-        )
-
-
 def rng_state() -> dict:
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -288,7 +250,7 @@ def save_checkpoint(run: "Run") -> Path:
     )
     path = Path(cfg.output_dir) / f"checkpoint-{state['step']}"
     full = accelerator.get_state_dict(model)  # gathers FSDP/ZeRO-3 shards; every process must call it
-    sharded_optim = state["optimizer_layout"] != "whole"
+    sharded_optim = run.backend.sharded
     if accelerator.is_main_process:
         (path / "head").mkdir(parents=True, exist_ok=True)
         head = accelerator.unwrap_model(model).head
@@ -370,42 +332,13 @@ def summary(metrics: dict, steps: int = 3) -> str:
 # ------------------------------------------------------------------------------------ the run
 
 
-def make_accelerator(cfg: TrainConfig):
-    """The Accelerator of `accelerate launch`'s config, with precision and clipping from the run config.
-
-    Under DeepSpeed the head keeps fp32 weights and bf16 runs as autocast (DeepSpeed's torch_autocast),
-    as under DDP and FSDP, and DeepSpeed clips to max_grad_norm itself inside backward. Accelerate
-    finds no DeepSpeed backend on a machine without CUDA unless told gloo (DeepSpeed's CPU accelerator)."""
-    from accelerate import Accelerator, InitProcessGroupKwargs
-    from transformers.integrations import unset_hf_deepspeed_config
-
-    cuda = torch.cuda.is_available()
-    mixed = cfg.mixed_precision if cfg.mixed_precision != "auto" else ("bf16" if cuda else "no")
-    if launched_with("FSDP") and not cuda:
-        raise ValueError(
-            "this launch asks for FSDP, which accelerate runs on GPUs only: without one it would silently train "
-            "plain DDP, every process holding the whole head and optimizer. Here, launch with --multi_gpu (DDP "
-            "over gloo) or configs/accelerate/deepspeed_zero2.yaml / deepspeed_zero3.yaml (ZeRO shards on the CPU too)"
-        )
-    if not launched_with("DEEPSPEED"):
-        return Accelerator(cpu=not cuda, mixed_precision=mixed)
-    accelerator = Accelerator(
-        mixed_precision="no", kwargs_handlers=[] if cuda else [InitProcessGroupKwargs(backend="gloo")]
-    )
-    unset_hf_deepspeed_config()  # ZeRO-3 partitions the head only: the frozen target loads whole
-    ds = accelerator.state.deepspeed_plugin.deepspeed_config
-    ds["bf16"] = {"enabled": False}
-    ds["torch_autocast"] = {"enabled": mixed == "bf16", "dtype": "bfloat16"}
-    ds["gradient_clipping"] = cfg.max_grad_norm
-    return accelerator
-
-
 @dataclass
 class Run:
     """What one training run holds: built by `set_up`, advanced by `optimizer_step`, saved by `save_checkpoint`."""
 
     cfg: TrainConfig
     accelerator: object
+    backend: Backend
     data: ShardedSamples
     lengths: list[int]  # tokens per sample after truncation to max_length
     train_ids: list[int]
@@ -443,7 +376,7 @@ def build_model(cfg: TrainConfig, build_head, resume_from: Path | None, device) 
         head = build_head(cfg, target_model, vocab_map)
     aux_ids = list(head.config.aux_layer_ids)
     manifest = read_manifest(cfg.data_path)
-    if manifest["format"] == "eagle-hidden-states" and not online and manifest["aux_layer_ids"] != aux_ids:
+    if manifest["format"] == HIDDEN_FORMAT and not online and manifest["aux_layer_ids"] != aux_ids:
         raise ValueError(
             f"the head reads aux layers {aux_ids} but {cfg.data_path} holds {manifest['aux_layer_ids']}: "
             "train online or capture a store with the head's layers"
@@ -455,9 +388,9 @@ def build_model(cfg: TrainConfig, build_head, resume_from: Path | None, device) 
 def set_up(cfg: TrainConfig, build_head, resume_from: Path | None) -> Run:
     """Seed, then the data and its epochs, the wrapped head, the optimizer and the LR schedule."""
     accelerator = make_accelerator(cfg)
-    layout = optimizer_layout(accelerator)
+    backend = backend_of(accelerator)
     if resume_from is not None:
-        check_resumable(resume_from, accelerator.num_processes, layout)
+        check_resumable(resume_from, accelerator.num_processes, backend.layout)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
@@ -474,13 +407,7 @@ def set_up(cfg: TrainConfig, build_head, resume_from: Path | None) -> Run:
             trainable, lr=cfg.learning_rate, betas=tuple(cfg.adam_betas), weight_decay=cfg.weight_decay
         )
 
-    if layout.startswith("zero"):  # deepspeed.initialize takes the model and its optimizer together
-        raw_optimizer = adamw(runner)
-        model, optimizer = accelerator.prepare(runner, raw_optimizer)
-    else:  # FSDP replaces the parameters when it wraps: the optimizer must see the wrapped ones
-        model = accelerator.prepare(runner)
-        raw_optimizer = adamw(model)
-        optimizer = accelerator.prepare(raw_optimizer)
+    model, optimizer, raw_optimizer = backend.prepare(accelerator, runner, adamw)
     params = [p for p in model.parameters() if p.requires_grad]
     world, accum = accelerator.num_processes, cfg.gradient_accumulation_steps
     per_step = world * accum
@@ -502,24 +429,25 @@ def set_up(cfg: TrainConfig, build_head, resume_from: Path | None) -> Run:
         "samples_consumed": 0,
         "tokens_consumed": 0,
         "num_processes": world,
-        "optimizer_layout": layout,
+        "optimizer_layout": backend.layout,
         "total_steps": total_steps,
     }
     return Run(
-        cfg,
-        accelerator,
-        data,
-        lengths,
-        train_ids,
-        eval_ids,
-        epochs,
-        source,
-        model,
-        params,
-        optimizer,
-        scheduler,
-        total_steps,
-        state,
+        cfg=cfg,
+        accelerator=accelerator,
+        backend=backend,
+        data=data,
+        lengths=lengths,
+        train_ids=train_ids,
+        eval_ids=eval_ids,
+        epochs=epochs,
+        source=source,
+        model=model,
+        params=params,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        total_steps=total_steps,
+        state=state,
     )
 
 
@@ -529,16 +457,7 @@ def restore(run: Run, checkpoint: Path) -> None:
     rank = run.accelerator.process_index
     saved = json.loads((checkpoint / "trainer_state.json").read_text())
     run.state.update({k: saved[k] for k in ("step", "epoch", "epoch_samples", "samples_consumed", "tokens_consumed")})
-    if (checkpoint / "optimizer.pt").is_file():
-        optim_state = torch.load(checkpoint / "optimizer.pt", map_location="cpu", weights_only=False)
-    elif run.state["optimizer_layout"].startswith("zero"):  # ZeRO reads its own entry of every rank's list
-        optim_state = [
-            torch.load(checkpoint / f"optimizer-rank{r}.pt", map_location="cpu", mmap=True, weights_only=False)
-            for r in range(saved["num_processes"])
-        ]
-    else:
-        optim_state = torch.load(checkpoint / f"optimizer-rank{rank}.pt", map_location="cpu", weights_only=False)
-    run.optimizer.load_state_dict(optim_state)
+    run.optimizer.load_state_dict(run.backend.optimizer_state(checkpoint, saved["num_processes"], rank))
     run.scheduler.load_state_dict(torch.load(checkpoint / "scheduler.pt", weights_only=False))
     if (checkpoint / f"rng-rank{rank}.pt").is_file():
         set_rng_state(torch.load(checkpoint / f"rng-rank{rank}.pt", weights_only=False))
@@ -599,11 +518,7 @@ def optimizer_step(run: Run, objective, group: list[list[int]], stream) -> dict:
         sync = contextlib.nullcontext() if j == accum - 1 else accelerator.no_sync(run.model)
         with sync:
             per_batch.append(objective(run.model, run.source(padded), backward))
-    grad_norm = None
-    if state["optimizer_layout"].startswith("zero"):  # DeepSpeed clipped (and stepped) inside backward
-        grad_norm = run.model.get_global_grad_norm()
-    elif cfg.max_grad_norm > 0:
-        grad_norm = accelerator.clip_grad_norm_(run.params, cfg.max_grad_norm)
+    grad_norm = run.backend.grad_norm(accelerator, run.model, run.params, cfg.max_grad_norm)
     run.optimizer.step()
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)

@@ -19,9 +19,9 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
+from eagle_train.target import end_of_turn_ids
 from engines.rules import Finding
 
 PROMPTS, NEW_TOKENS, K = 4, 32, 3  # a few seconds per runtime on a CPU
@@ -102,7 +102,7 @@ def builtin_pooled(head, model, tokenizer, prompts: list[list[int]], k: int, n: 
     from inference.generate import Runtime
     from inference.sampling import Sampler
 
-    eos = {tokenizer.eos_token_id, *np.atleast_1d(model.generation_config.eos_token_id or [])} - {None}
+    eos = end_of_turn_ids(model, tokenizer)
     head = head.to(device=model.device, dtype=model.dtype).eval()
     runtime = Runtime(model, head, TreeShape.chain(k), Sampler(0.0, 0, 1.0), eos_token_ids=eos, cuda_graphs=False)
     runs = [runtime.generate(ids, n) for ids in prompts]

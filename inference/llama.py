@@ -1,4 +1,4 @@
-"""The target's own forward for speculative decoding: Llama, Mistral, Qwen2 and Qwen3 targets.
+"""The target's own forward for speculative decoding (the types `eagle_train.architectures` gives the runtime).
 
 Built on the Hugging Face model's weights (shared, not copied) so that verification can do what
 `transformers` does not: write keys/values into a static, preallocated cache at explicit slots,
@@ -11,12 +11,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eagle_train.architectures import check_supported
 from eagle_train.draft_config import target_rope
 from eagle_train.head import KVCache
 from eagle_train.hidden_states import default_aux_layer_ids
 from eagle_train.layers import MLP, RMSNorm, RotaryEmbedding, apply_rope
-
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def shared_norm(hf_norm) -> RMSNorm:
@@ -118,8 +117,7 @@ class TargetModel(nn.Module):
     def __init__(self, hf_model, aux_layer_ids=None):
         super().__init__()
         cfg = getattr(hf_model.config, "text_config", None) or hf_model.config
-        if cfg.model_type not in SUPPORTED:
-            raise ValueError(f"the speculative runtime supports {', '.join(SUPPORTED)} targets, not {cfg.model_type!r}")
+        check_supported(cfg, "runtime")
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"target hidden_act {cfg.hidden_act!r} is not supported (only silu)")
         self.config = cfg

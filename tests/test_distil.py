@@ -7,9 +7,10 @@ import pytest
 import torch
 from conftest import CONVERSATIONS
 
-from data_prep.distil import distil, eos_token_ids, first_turn_prompt, generate_and_capture
+from data_prep.distil import distil, first_turn_prompt, generate_and_capture
 from eagle_train.hidden_states import target_hidden_states
 from eagle_train.store import ShardedSamples, list_shards, read_vocab_map
+from eagle_train.target import end_of_turn_ids
 
 AUX = (2, 15, 27)
 
@@ -28,7 +29,7 @@ def test_first_turn_prompt_stops_before_the_first_answer_and_needs_a_question():
 def test_answers_are_greedy_decoding_and_hidden_states_are_captures(smollm2):
     model, tok = smollm2
     prompts = [prompt_ids(tok, c) for c in CONVERSATIONS[:3]]  # different lengths: the batch is left-padded
-    eos = eos_token_ids(model, tok)
+    eos = end_of_turn_ids(model, tok)
     samples = generate_and_capture(model, prompts, 24, AUX, eos, tok.pad_token_id)
     for p, s in zip(prompts, samples):
         with torch.no_grad():

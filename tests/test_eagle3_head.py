@@ -135,3 +135,22 @@ def test_draft_vocab_larger_than_target_is_refused():
             target_num_layers=8,
             aux_layer_ids=(2, 4, 5),
         )
+
+
+def test_a_head_built_for_another_target_is_refused_in_one_line_naming_each_mismatch():
+    from types import SimpleNamespace
+
+    cfg = tiny_head().config
+    fits = SimpleNamespace(vocab_size=V, hidden_size=H, num_hidden_layers=8)
+    cfg.check_fits(fits)
+    cfg.check_fits(SimpleNamespace(text_config=fits))  # a multimodal target's text decoder
+    other = SimpleNamespace(vocab_size=V + 1, hidden_size=2 * H, num_hidden_layers=4)
+    with pytest.raises(ValueError, match="does not fit this target") as err:
+        cfg.check_fits(other)
+    message = str(err.value)
+    assert "\n" not in message
+    assert f"vocabulary {V} != target's {V + 1}" in message and f"hidden size {H} != target's {2 * H}" in message
+    assert "aux layer ids [2, 4, 5] do not exist in a 4-layer target" in message
+    assert cfg.fit_problems(SimpleNamespace(vocab_size=V, hidden_size=H, num_hidden_layers=9)) == [
+        "trained on a 8-layer target, this one has 9"
+    ]

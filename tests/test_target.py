@@ -9,7 +9,14 @@ from conftest import assert_same_forward
 from eagle_train import target as target_mod
 from eagle_train.draft_config import target_rope
 from eagle_train.hidden_states import default_aux_layer_ids, target_hidden_states, target_logits
-from eagle_train.target import SMOLLM2, check_decoder, load_target, load_target_config, resolve_target
+from eagle_train.target import (
+    SMOLLM2,
+    check_decoder,
+    end_of_turn_ids,
+    load_target,
+    load_target_config,
+    resolve_target,
+)
 
 
 def test_smollm2_alias_loads_frozen_fp32(smollm2):
@@ -150,3 +157,16 @@ def test_hidden_states_custom_layers_and_autograd(smollm2):
     assert w.grad is not None
     with pytest.raises(ValueError, match="aux layer ids"):
         target_hidden_states(model, ids, aux_layer_ids=(2, 15, 30))
+
+
+@pytest.mark.parametrize(
+    "generation_eos, expected",
+    [(None, {2}), (7, {2, 7}), ([0, 7], {0, 2, 7}), ((7, 2), {2, 7})],
+)
+def test_end_of_turn_ids_are_the_tokenizers_eos_and_the_generation_configs(generation_eos, expected):
+    from types import SimpleNamespace
+
+    tokenizer = SimpleNamespace(eos_token_id=2)
+    model = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=generation_eos))
+    assert end_of_turn_ids(model, tokenizer) == expected
+    assert end_of_turn_ids(SimpleNamespace(generation_config=None), tokenizer) == {2}

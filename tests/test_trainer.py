@@ -187,7 +187,7 @@ def test_a_resume_the_checkpoint_cannot_give_is_refused_before_the_target_loads(
     is another backend (a whole AdamW state, FSDP shards and ZeRO partitions do not convert); both
     messages name the launch that resumes it and init_from. A whole optimizer resumes with any count."""
     from eagle_train import trainer
-    from eagle_train.trainer import check_resumable
+    from eagle_train.backend import check_resumable
 
     monkeypatch.setattr(trainer, "build_model", lambda *a: pytest.fail("the target loaded"))
     out = tmp_path / "run"

@@ -204,11 +204,11 @@ def decode_weight_bytes(model) -> int:
 
 def bench_decode(args, device, model, tokenizer, save=lambda partial: None) -> dict:
     from eagle_train.checkpoint import load_draft_head
+    from eagle_train.target import end_of_turn_ids
     from inference.drafting import TreeShape
     from inference.generate import Runtime
 
-    eos = {tokenizer.eos_token_id} | set(_as_list(getattr(model.generation_config, "eos_token_id", None)))
-    eos -= {None}
+    eos = end_of_turn_ids(model, tokenizer)
     plain_rt = Runtime(model, None, eos_token_ids=eos)
     plain_rt.generate_plain(tokenizer("Hello")["input_ids"], 8)  # graph capture
     turns = bench_turns(tokenizer, plain_rt, args.prompts, args.max_new_tokens)
@@ -363,10 +363,6 @@ def bench_decode(args, device, model, tokenizer, save=lambda partial: None) -> d
         f"{100 * plain_tps / bound:.1f}% of the bound"
     )
     return out
-
-
-def _as_list(x):
-    return [] if x is None else list(x) if isinstance(x, (list, tuple, set)) else [x]
 
 
 # ------------------------------------------------------------------------------------ capture

@@ -53,7 +53,7 @@ from pathlib import Path
 import torch
 
 from eagle_train.checkpoint import load_draft_head
-from eagle_train.target import load_target
+from eagle_train.target import end_of_turn_ids, load_target
 from eagle_train.train_config import load_train_config
 from eagle_train.trainer import checkpoint_dirs
 from inference.drafting import TreeShape
@@ -213,9 +213,7 @@ class Evaluator:
     def __init__(self, target: str, device, benches, num_prompts: int, shapes: dict, max_new_tokens: int):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model, self.tokenizer = load_target(target, device=self.device)
-        eos = getattr(self.model.generation_config, "eos_token_id", None)
-        eos = set(eos if isinstance(eos, (list, tuple)) else [eos]) | {self.tokenizer.eos_token_id}
-        self.eos = eos - {None}
+        self.eos = end_of_turn_ids(self.model, self.tokenizer)
         self.prompts = {bench: load_bench(bench, num_prompts) for bench in benches}
         self.shapes, self.max_new_tokens = shapes, max_new_tokens
 
