@@ -1,5 +1,5 @@
 """Reading an exported directory without loading its weights: config.json, and each tensor's name,
-shape and dtype, the tensors themselves only on request (import_head reads them all, the engines'
+shape and dtype, the tensors themselves only on request (read_export reads them all, the engines'
 rule checks only d2t)."""
 
 import json
