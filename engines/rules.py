@@ -38,6 +38,12 @@ STACKED = (
     (".up_proj.", ".gate_up_proj.", 1),
 )
 SHARD_ORDER = {"q": 0, "k": 1, "v": 2, 0: 0, 1: 1}
+LLAMA_EAGLE3_TOP = {  # where every engine's Llama EAGLE-3 module keeps the head's tensors outside its layers
+    "fc.weight": "model.fc.weight",
+    "norm.weight": "model.norm.weight",
+    "lm_head.weight": "lm_head.weight",
+    "embed_tokens.weight": "model.embed_tokens.weight",
+}
 # Config keys some engine reads besides the Llama ones; an engine that does not read one ignores it.
 ENGINE_KEYS = (
     "eagle_aux_hidden_state_layer_ids",

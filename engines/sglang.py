@@ -8,20 +8,14 @@ the target's, aux layers from the nested eagle_config key plus one.
 import re
 
 from engines import Engine
-from engines.rules import stack
+from engines.rules import LLAMA_EAGLE3_TOP, stack
 
 
 class SGLang(Engine):
     name = "sglang"
     title = "SGLang"
     layouts = ("eagle3",)
-    top = {
-        "fc.weight": "model.fc.weight",
-        "norm.weight": "model.norm.weight",
-        "lm_head.weight": "lm_head.weight",
-        "embed_tokens.weight": "model.embed_tokens.weight",
-        "d2t": "hot_token_id",
-    }
+    top = {**LLAMA_EAGLE3_TOP, "d2t": "hot_token_id"}
     without_d2t = "no hot-token map, so draft ids are used as target ids"
     float_d2t_effect = ", and SGLang indexes with floats"
 

