@@ -35,6 +35,135 @@ def assert_same_forward(got: torch.Tensor, want: torch.Tensor, config, stored_dt
     )
 
 
+# ------------------------------------------------------------------------------ tiny models
+# The one factory for the random heads and targets the tests build. Sizes are the smallest that still
+# have grouped-query attention (4 query heads of 8, 2 KV heads) and a draft vocabulary smaller than the
+# target's (40 of 50 tokens), so CPU tests run in milliseconds; the builders seed torch first, so a test
+# sees the same weights on every run (tests that pin numbers pass their own sizes and seeds).
+
+H, NH, NKV, D, I, V, VD, N = 32, 4, 2, 8, 64, 50, 40, 8  # noqa: E741 (I: intermediate size; N: target layers)
+K = 4  # a tiny P-EAGLE head's drafts per forward
+
+TINY_DRAFT = dict(
+    hidden_size=H,
+    num_attention_heads=NH,
+    num_key_value_heads=NKV,
+    head_dim=D,
+    intermediate_size=I,
+    vocab_size=V,
+    draft_vocab_size=VD,
+    rms_norm_eps=1e-5,
+    rope_theta=100000.0,
+    rope_scaling=None,
+    max_position_embeddings=1024,
+    target_hidden_size=H,
+    target_num_layers=N,
+    aux_layer_ids=(2, 4, 5),
+    target="tiny-target",
+    target_architectures=["LlamaForCausalLM"],
+)
+TINY_PEAGLE = dict(num_hidden_layers=2, mask_token_id=V - 1, num_depths=K)  # the mask token: the last id
+TINY_TARGET = dict(  # the target tiny_draft_config's head drafts for
+    vocab_size=V,
+    hidden_size=H,
+    intermediate_size=I,
+    num_hidden_layers=N,
+    num_attention_heads=NH,
+    num_key_value_heads=NKV,
+    max_position_embeddings=1024,
+    rope_theta=100000.0,
+)
+TARGET_FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}  # transformers classes
+
+
+def tiny_draft_config(**changes):
+    """The tiny head's DraftConfig (TINY_DRAFT, plus TINY_PEAGLE for method="peagle") with `changes`."""
+    from eagle_train.draft_config import DraftConfig
+
+    peagle = TINY_PEAGLE if changes.get("method") == "peagle" else {}
+    return DraftConfig(**{**TINY_DRAFT, **peagle, **changes})
+
+
+def set_random_vocab_map(head, among=None):
+    """A random sorted subset of the first `among` target ids (all by default) as the draft vocabulary."""
+    cfg = head.config
+    ids = torch.randperm(among or cfg.vocab_size)[: cfg.draft_vocab_size].sort().values
+    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+    t2d[ids] = True
+    head.set_vocab_map(ids - torch.arange(cfg.draft_vocab_size), t2d)
+
+
+def tiny_head(method="eagle3", seed=0, init_std=0.3, draft_ids="random", target_model=None, **config_changes):
+    """A random fp32 head: EAGLE-3 or P-EAGLE ("peagle") of tiny_draft_config(**config_changes), or, given
+    a `target_model`, sized like it (DraftConfig.from_target_config(**config_changes)) and on its
+    embedding: borrowed by EAGLE-3, an own copy for P-EAGLE, as their from_target give them.
+
+    seed: torch's seed first (None: go on from the caller's); init_std: every weight drawn from
+    N(0, init_std) (None: the constructor's initialisation), large enough that tests see the head's
+    layers at work; draft_ids: the target ids of the draft vocabulary, "random" (a random sorted subset
+    when smaller than the target's) or None (the constructor's map)."""
+    from eagle_train.draft_config import DraftConfig
+    from eagle_train.eagle3 import Eagle3Head
+    from eagle_train.peagle import PEagleHead
+
+    if seed is not None:
+        torch.manual_seed(seed)
+    if target_model is None:
+        config = tiny_draft_config(method=method, **config_changes)
+    else:
+        config = DraftConfig.from_target_config(target_model.config, method=method, **config_changes)
+    head = {"eagle3": Eagle3Head, "peagle": PEagleHead}[method](config)
+    if init_std is not None:
+        for p in head.parameters():
+            torch.nn.init.normal_(p, std=init_std)
+    if isinstance(draft_ids, str):
+        if config.draft_vocab_size < config.vocab_size:
+            set_random_vocab_map(head)
+    elif draft_ids is not None:
+        draft_ids = torch.as_tensor(draft_ids)
+        t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+        t2d[draft_ids] = True
+        head.set_vocab_map(draft_ids - torch.arange(len(draft_ids)), t2d)
+    if target_model is not None:
+        head.attach_embedding(target_model.get_input_embeddings().weight, own=method == "peagle")
+    return head
+
+
+def tiny_target_config(family="llama", **changes):
+    """A Llama-family (TARGET_FAMILIES) config: TINY_TARGET with `changes`."""
+    import transformers
+
+    return getattr(transformers, f"{TARGET_FAMILIES[family]}Config")(**{**TINY_TARGET, **changes})
+
+
+def tiny_target(family="llama", seed=0, noise=0.0, **config_changes):
+    """A random target of tiny_target_config(family, **config_changes) in eval mode; `noise`: the std of
+    Gaussian noise added to every weight, so that norms (all 1) and biases (all 0) matter too."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model_class = getattr(transformers, f"{TARGET_FAMILIES[family]}ForCausalLM")
+    model = model_class(tiny_target_config(family, **config_changes)).eval()
+    if noise:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * noise)
+    return model
+
+
+def tiny_pair(seed=0, *, draft_vocab_size, lm_head_scale=1.0, init_std=0.3, draft_ids="random", **target_changes):
+    """(tiny_target(**target_changes), a random EAGLE-3 head over `draft_vocab_size` of its tokens on its
+    embedding), both in eval mode, from one seed. lm_head_scale > 1 makes the target confident, so random
+    drafts are accepted well above chance."""
+    model = tiny_target(seed=seed, **target_changes)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(lm_head_scale)
+    head = tiny_head(
+        seed=None, init_std=init_std, draft_ids=draft_ids, target_model=model, draft_vocab_size=draft_vocab_size
+    )
+    return model, head.eval()
+
+
 # ------------------------------------------------------------------------------ targets and data
 # (issue 2: target loading, data preparation, hidden-state store)
 
@@ -96,24 +225,17 @@ def smollm2():
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory, smollm2):
     """A saved random 4-layer Llama (hidden 32) with SmolLM2's tokenizer and vocabulary."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
+    model = tiny_target(
         vocab_size=49152,
-        hidden_size=32,
-        intermediate_size=64,
         num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
+        rope_theta=10000.0,
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=2,
         tie_word_embeddings=True,
     )
     path = tmp_path_factory.mktemp("tiny-llama")
-    LlamaForCausalLM(config).save_pretrained(path)
+    model.save_pretrained(path)
     smollm2[1].save_pretrained(path)
     return path
 
@@ -124,6 +246,14 @@ def tiny_llama(tiny_llama_dir):
     from eagle_train.target import load_target
 
     return load_target(str(tiny_llama_dir))
+
+
+@pytest.fixture(scope="session")
+def tiny_head_dir(tiny_llama, tmp_path_factory):
+    """An untrained EAGLE-3 head for the tiny Llama (2000 draft tokens), saved."""
+    path = tmp_path_factory.mktemp("tiny-head")
+    tiny_head(init_std=None, draft_ids=None, target_model=tiny_llama[0], draft_vocab_size=2000).save_pretrained(path)
+    return path
 
 
 @pytest.fixture(scope="session")

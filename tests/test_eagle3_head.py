@@ -2,36 +2,9 @@
 
 import pytest
 import torch
+from conftest import NH, NKV, VD, D, H, V, tiny_draft_config, tiny_head
 
 from eagle_train.checkpoint import load_draft_head
-from eagle_train.draft_config import DraftConfig
-from eagle_train.eagle3 import Eagle3Head
-
-H, NH, NKV, D, V, VD = 32, 4, 2, 8, 50, 40
-
-
-def tiny_head(seed=0) -> Eagle3Head:
-    torch.manual_seed(seed)
-    cfg = DraftConfig(
-        hidden_size=H,
-        num_attention_heads=NH,
-        num_key_value_heads=NKV,
-        head_dim=D,
-        intermediate_size=64,
-        vocab_size=V,
-        draft_vocab_size=VD,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        rope_scaling=None,
-        max_position_embeddings=256,
-        target_hidden_size=H,
-        target_num_layers=8,
-        aux_layer_ids=(2, 4, 5),
-    )
-    head = Eagle3Head(cfg)
-    for p in head.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    return head.double()
 
 
 def ttt_unroll(head, aux, ids, steps):
@@ -65,7 +38,7 @@ def reference_with_cache(head, aux, ids, steps):
 
 
 def test_ttt_equals_step_by_step_cached_reference():
-    head = tiny_head()
+    head = tiny_head(draft_ids=None).double()
     aux = torch.randn(2, 11, 3 * H, dtype=torch.double)
     ids = torch.randint(0, V, (2, 11))
     with torch.no_grad():
@@ -77,7 +50,7 @@ def test_ttt_equals_step_by_step_cached_reference():
 
 
 def test_ttt_step0_equals_plain_forward():
-    head = tiny_head(1)
+    head = tiny_head(seed=1, draft_ids=None).double()
     aux = torch.randn(1, 9, 3 * H, dtype=torch.double)
     ids = torch.randint(0, V, (1, 9))
     with torch.no_grad():
@@ -90,7 +63,7 @@ def test_ttt_step0_equals_plain_forward():
 
 
 def test_saved_tensors_have_design_names_and_shapes(tmp_path):
-    head = tiny_head().float()
+    head = tiny_head(draft_ids=None)
     head.save_pretrained(tmp_path)
     from safetensors.torch import load_file
 
@@ -119,22 +92,7 @@ def test_saved_tensors_have_design_names_and_shapes(tmp_path):
 
 def test_draft_vocab_larger_than_target_is_refused():
     with pytest.raises(ValueError, match="larger than the target vocabulary"):
-        DraftConfig(
-            hidden_size=H,
-            num_attention_heads=NH,
-            num_key_value_heads=NKV,
-            head_dim=D,
-            intermediate_size=64,
-            vocab_size=V,
-            draft_vocab_size=V + 1,
-            rms_norm_eps=1e-6,
-            rope_theta=1e4,
-            rope_scaling=None,
-            max_position_embeddings=256,
-            target_hidden_size=H,
-            target_num_layers=8,
-            aux_layer_ids=(2, 4, 5),
-        )
+        tiny_draft_config(draft_vocab_size=V + 1)
 
 
 def test_a_head_built_for_another_target_is_refused_in_one_line_naming_each_mismatch():

@@ -5,6 +5,7 @@ import sys
 
 import pytest
 import torch
+from conftest import tiny_draft_config
 
 from eagle_cli.evaluate import main
 from eagle_train.eagle3 import Eagle3Head
@@ -15,14 +16,6 @@ def recount_al(record):
     from a verification forward."""
     turns = [t for p in record["prompts"] for t in p["turns"]]
     return sum(len(t["spec"]["output_ids"]) - 1 for t in turns) / sum(t["spec"]["forwards"] for t in turns)
-
-
-@pytest.fixture(scope="module")
-def tiny_head_dir(tiny_llama, tmp_path_factory):
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny-head")
-    Eagle3Head.from_target(tiny_llama[0], draft_vocab_size=2000).save_pretrained(path)
-    return path
 
 
 def test_eval_tiny_target_mt_bench_two_turns(tiny_llama_dir, tiny_head_dir, tmp_path, capsys):
@@ -132,24 +125,7 @@ def test_head_for_another_target_is_refused(tiny_head_dir, tmp_path):
 
 
 def test_head_with_other_vocabulary_is_refused(tiny_llama_dir, tmp_path):
-    from eagle_train.draft_config import DraftConfig
-
-    cfg = DraftConfig(
-        hidden_size=32,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        intermediate_size=64,
-        vocab_size=32000,
-        draft_vocab_size=1000,
-        rms_norm_eps=1e-6,
-        rope_theta=1e4,
-        rope_scaling=None,
-        max_position_embeddings=1024,
-        target_hidden_size=32,
-        target_num_layers=4,
-        aux_layer_ids=(2, 2, 1),
-    )
+    cfg = tiny_draft_config(vocab_size=32000, draft_vocab_size=1000, target_num_layers=4, aux_layer_ids=(2, 2, 1))
     Eagle3Head(cfg).save_pretrained(tmp_path / "head")
     with pytest.raises(SystemExit, match="vocabulary 32000 != target's 49152"):
         main(["--target", str(tiny_llama_dir), "--draft", str(tmp_path / "head"), "--out", str(tmp_path / "r.json")])

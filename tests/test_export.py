@@ -6,68 +6,16 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import NH, NKV, VD, D, H, I, V, set_random_vocab_map, tiny_head, tiny_target, tiny_target_config
 from safetensors.torch import load_file, save_file
-from transformers import LlamaConfig
 
 from eagle_cli.export import main as cli_main
 from eagle_train.checkpoint import load_draft_head
-from eagle_train.draft_config import DraftConfig
 from eagle_train.eagle3 import Eagle3Head
 from eagle_train.export import LAYOUTS, export_head
 from eagle_train.export.draft_files import DraftFiles
 from engines import ENGINES, check_directory
 from engines.rules import engine_state, head_from_engine_state, head_shapes
-
-H, NH, NKV, D, I, V, VD, N = 32, 4, 2, 8, 64, 50, 40, 8  # noqa: E741 (I: intermediate size)
-
-
-def tiny_head(seed=0, aux=(2, 4, 5), theta=100000.0) -> Eagle3Head:
-    """A random fp32 head with a reduced vocabulary (a random sorted subset of the target's)."""
-    torch.manual_seed(seed)
-    cfg = DraftConfig(
-        hidden_size=H,
-        num_attention_heads=NH,
-        num_key_value_heads=NKV,
-        head_dim=D,
-        intermediate_size=I,
-        vocab_size=V,
-        draft_vocab_size=VD,
-        rms_norm_eps=1e-5,
-        rope_theta=theta,
-        rope_scaling=None,
-        max_position_embeddings=1024,
-        target_hidden_size=H,
-        target_num_layers=N,
-        aux_layer_ids=aux,
-        target="tiny-target",
-        target_architectures=["LlamaForCausalLM"],
-    )
-    head = Eagle3Head(cfg)
-    for p in head.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    set_random_vocab_map(head)
-    return head
-
-
-def set_random_vocab_map(head):
-    cfg = head.config
-    ids = torch.randperm(cfg.vocab_size)[: cfg.draft_vocab_size].sort().values
-    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
-    t2d[ids] = True
-    head.set_vocab_map(ids - torch.arange(cfg.draft_vocab_size), t2d)
-
-
-def tiny_target_config(max_position_embeddings=1024, theta=100000.0):
-    return LlamaConfig(
-        vocab_size=V,
-        hidden_size=H,
-        intermediate_size=I,
-        num_hidden_layers=N,
-        num_attention_heads=NH,
-        num_key_value_heads=NKV,
-        max_position_embeddings=max_position_embeddings,
-        rope_theta=theta,
-    )
 
 
 def draft_logits(head, aux, ids, positions):
@@ -236,7 +184,7 @@ def test_check_flags_a_too_short_max_position_embeddings(exported):
 
 
 def test_check_reports_explicit_aux_ids_as_each_engine_reads_them(tmp_path):
-    out = export_head(tiny_head(aux=(1, 3, 6)), tmp_path / "aux", "eagle3", dtype="bf16")
+    out = export_head(tiny_head(aux_layer_ids=(1, 3, 6)), tmp_path / "aux", "eagle3", dtype="bf16")
     config = json.loads((out / "config.json").read_text())
     assert config["eagle_aux_hidden_state_layer_ids"] == [1, 3, 6]  # vLLM: HF indices
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 5]  # SGLang adds one
@@ -258,23 +206,10 @@ def test_default_aux_ids_are_left_out_of_the_eagle3_config(exported):
     assert "eagle_aux_hidden_state_layer_ids" not in config and "eagle_config" not in config
 
 
-def tiny_peagle_head(layers=2, mask_token_id=7, depths=3):
-    from eagle_train.peagle import PEagleHead
-
-    cfg = tiny_head().config
-    cfg.method, cfg.num_hidden_layers, cfg.mask_token_id, cfg.num_depths = "peagle", layers, mask_token_id, depths
-    torch.manual_seed(0)
-    head = PEagleHead(cfg)
-    for p in head.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    set_random_vocab_map(head)
-    return head
-
-
 def test_check_flags_a_peagle_export_without_mask_hidden(tmp_path):
     """A P-EAGLE directory laid out by hand as docs/design.md section 6 describes it (eagle3 config + the
     mask token ids, midlayer.* then layers.1.*, own embed_tokens, mask_hidden), from a PEagleHead."""
-    head = tiny_peagle_head()
+    head = tiny_head("peagle", mask_token_id=7, num_depths=3)
     cfg = head.config
     tensors = {k: v.contiguous() for k, v in head.saved_state_dict().items()}
     assert {k: tuple(v.shape) for k, v in tensors.items()} == head_shapes(cfg, parallel=True)
@@ -305,7 +240,9 @@ def test_check_flags_a_peagle_export_without_mask_hidden(tmp_path):
 
 
 def test_check_flags_a_speculators_peagle_config_without_mask_token_id(tmp_path):
-    out = export_head(tiny_peagle_head(), tmp_path / "spec", "speculators", dtype="bf16")
+    out = export_head(
+        tiny_head("peagle", mask_token_id=7, num_depths=3), tmp_path / "spec", "speculators", dtype="bf16"
+    )
     assert check_directory(out, None, tiny_target_config())["vllm"].ok
     config = json.loads((out / "config.json").read_text())
     config.pop("mask_token_id")
@@ -539,23 +476,10 @@ def test_runtime_drafts_the_same_from_the_export_as_from_the_training_checkpoint
     prompt, so drafts from the head's random weights are often accepted."""
     from collections import Counter
 
-    from transformers import LlamaForCausalLM
-
     from inference.drafting import TreeShape
     from inference.generate import Runtime
 
-    torch.manual_seed(0)
-    target_cfg = LlamaConfig(
-        vocab_size=16,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=5,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(target_cfg).eval()
+    model = tiny_target(vocab_size=16, num_hidden_layers=5, max_position_embeddings=256, rope_theta=10000.0)
     prompt = [1, 5, 9, 3]
     plain = Runtime(model, cuda_graphs=False).generate_plain(prompt, 16).output_ids
     vocab = sorted(t for t, _ in Counter(plain + list(range(16))).most_common(4))

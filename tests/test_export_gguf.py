@@ -3,7 +3,6 @@ tensors llama.cpp's eagle3 model reads, the head's weights unchanged but for the
 d2t as absolute int64 ids, and the target's tokenizer byte for byte; heads or targets llama.cpp
 cannot use are refused before anything is written."""
 
-import dataclasses
 import math
 import os
 import subprocess
@@ -13,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import NH, NKV, VD, D, H, I, N, V, tiny_head
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import dequantize
-from test_export import NH, NKV, VD, D, H, I, N, V, cli_exit, set_random_vocab_map, tiny_head, tiny_peagle_head
+from test_export import cli_exit
 
-from eagle_train.eagle3 import Eagle3Head
 from eagle_train.export import export_head
 from eagle_train.export.gguf import export_gguf
 from eagle_train.target import SMOLLM2, resolve_target
@@ -79,16 +78,6 @@ def target(tmp_path):
     return write_target(tmp_path / "target.gguf")
 
 
-def head_with(**changes) -> Eagle3Head:
-    """tiny_head's config with `changes`, random weights and vocab map."""
-    torch.manual_seed(3)
-    head = Eagle3Head(dataclasses.replace(tiny_head().config, **changes))
-    for p in head.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    set_random_vocab_map(head)
-    return head
-
-
 def value(field):
     """A scalar field's value, or an array's list (strings decoded)."""
     items = [field.parts[i] for i in field.data]
@@ -114,7 +103,7 @@ def weights(reader):
 
 
 def test_keys_are_llama_cpps_with_their_exact_types(tmp_path, target):
-    head = tiny_head(aux=(1, 4, 6))
+    head = tiny_head(aux_layer_ids=(1, 4, 6))
     reader = GGUFReader(export_gguf(head, tmp_path / "head.gguf", target))
     expected = {
         "general.architecture": (T.STRING, "eagle3"),
@@ -158,7 +147,7 @@ def test_the_targets_tokenizer_is_copied_byte_for_byte(tmp_path, target):
 
 @pytest.mark.parametrize("head_dim, own_embedding", [(D, False), (2 * D, False), (D, True)])
 def test_tensors_are_the_heads_in_llama_cpp_names_and_shapes(tmp_path, target, head_dim, own_embedding):
-    head = head_with(head_dim=head_dim)
+    head = tiny_head(seed=3, head_dim=head_dim)
     embedding = {}
     if own_embedding:
         head.attach_embedding(torch.randn(V, H), own=True)
@@ -241,7 +230,7 @@ def test_outtype_sets_the_matmul_weights_and_norms_stay_f32(tmp_path, target, ou
 
 
 def test_rope_scaling_is_written_the_way_llama_cpp_applies_it(tmp_path, target):
-    linear = head_with(rope_scaling={"rope_type": "linear", "factor": 4.0})
+    linear = tiny_head(seed=3, rope_scaling={"rope_type": "linear", "factor": 4.0})
     fields = GGUFReader(export_gguf(linear, tmp_path / "linear.gguf", target)).fields
     assert (fields["eagle3.rope.scaling.type"].types, value(fields["eagle3.rope.scaling.type"])) == (
         [T.STRING],
@@ -251,14 +240,15 @@ def test_rope_scaling_is_written_the_way_llama_cpp_applies_it(tmp_path, target):
         [T.FLOAT32],
         4.0,
     )
-    llama3 = head_with(
+    llama3 = tiny_head(
+        seed=3,
         rope_scaling={
             "rope_type": "llama3",
             "factor": 8.0,
             "low_freq_factor": 1.0,
             "high_freq_factor": 4.0,
             "original_max_position_embeddings": 256,  # one frequency in the smooth band
-        }
+        },
     )
     reader = GGUFReader(export_gguf(llama3, tmp_path / "llama3.gguf", target))
     assert "eagle3.rope.scaling.type" not in reader.fields
@@ -275,13 +265,13 @@ def test_refusals_write_nothing(tmp_path, target):
     out = tmp_path / "head.gguf"
     charsmap = {"tokenizer.ggml.precompiled_charsmap": (T.ARRAY, T.UINT8, b"\x01\x02")}  # its type would change
     cases = [
-        (tiny_peagle_head(), target, "f32", "EAGLE-3 heads only"),
+        (tiny_head("peagle", mask_token_id=7, num_depths=3), target, "f32", "EAGLE-3 heads only"),
         (tiny_head(), "HuggingFaceTB/SmolLM2-135M-Instruct", "f32", r"--target TARGET\.gguf"),
         (tiny_head(), tmp_path, "f32", r"--target TARGET\.gguf"),
         (tiny_head(), write_target(tmp_path / "big.gguf", vocab=V + 1), "f32", f"tokenizer has {V + 1} tokens"),
         (tiny_head(), write_target(tmp_path / "wide.gguf", hidden=2 * H), "f32", "embedding_length is 64"),
         (tiny_head(), write_target(tmp_path / "ugm.gguf", extra=charsmap), "f32", "UINT8.*cannot be copied"),
-        (head_with(intermediate_size=48), target, "q8_0", "not a multiple of 32: export it as f16"),
+        (tiny_head(seed=3, intermediate_size=48), target, "q8_0", "not a multiple of 32: export it as f16"),
         (tiny_head(), target, "q4_0", "unknown gguf outtype"),
     ]
     for head, target_file, outtype, message in cases:
@@ -294,7 +284,7 @@ def test_refusals_write_nothing(tmp_path, target):
 
 def test_cli_exports_a_smollm2_head_against_the_alias(tmp_path, capsys):
     """The real path: a checkpoint sized for SmolLM2, the alias resolving to its GGUF, q8_0."""
-    head = smollm2_sized(intermediate_size=1536, draft_vocab_size=256)
+    head = tiny_head(seed=5, init_std=0.05, **{**SMOLLM2_SIZED, "intermediate_size": 1536, "draft_vocab_size": 256})
     head.save_pretrained(tmp_path / "checkpoint-7" / "head")
     out = tmp_path / "smollm2-eagle3.gguf"
     argv = [str(tmp_path / "checkpoint-7"), "--format", "gguf", "--out", str(out), "--target", SMOLLM2]
@@ -317,30 +307,20 @@ def test_cli_exports_a_smollm2_head_against_the_alias(tmp_path, capsys):
     assert "--outtype is for --format gguf" in capsys.readouterr().err
 
 
-def smollm2_sized(**changes) -> Eagle3Head:
-    """A random head with SmolLM2's sizes (llama.cpp's converter reads the real target's config)."""
-    sizes = dict(
-        hidden_size=576,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        head_dim=64,
-        intermediate_size=128,
-        vocab_size=49152,
-        draft_vocab_size=49152,
-        target_hidden_size=576,
-        target_num_layers=30,
-        aux_layer_ids=(2, 15, 27),
-        rope_theta=100000.0,
-        target=SMOLLM2,
-    )
-    cfg = dataclasses.replace(tiny_head().config, **{**sizes, **changes})
-    torch.manual_seed(5)
-    head = Eagle3Head(cfg)
-    for p in head.parameters():
-        torch.nn.init.normal_(p, std=0.05)
-    if cfg.draft_vocab_size < cfg.vocab_size:
-        set_random_vocab_map(head)
-    return head
+SMOLLM2_SIZED = dict(  # a head with SmolLM2's sizes (llama.cpp's converter reads the real target's config)
+    hidden_size=576,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    intermediate_size=128,
+    vocab_size=49152,
+    draft_vocab_size=49152,
+    target_hidden_size=576,
+    target_num_layers=30,
+    aux_layer_ids=(2, 15, 27),
+    rope_theta=100000.0,
+    target=SMOLLM2,
+)
 
 
 CONVERTER_ONLY_KEYS = {  # optional keys llama.cpp's converter adds, none of which its eagle3 loader needs
@@ -364,7 +344,7 @@ def test_equals_what_llama_cpps_own_converter_writes(tmp_path, changes, own_embe
     script = converter_script()
     if script is None:
         pytest.skip("no llama.cpp build with its converter: `eagle-llamacpp build` keeps one")
-    head = smollm2_sized(**changes)
+    head = tiny_head(seed=5, init_std=0.05, **{**SMOLLM2_SIZED, **changes})
     if own_embedding:
         head.attach_embedding(torch.randn(head.config.vocab_size, head.config.hidden_size) * 0.05, own=True)
     ours = export_gguf(head, tmp_path / "ours.gguf", SMOLLM2)

@@ -21,13 +21,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from conftest import set_random_vocab_map, tiny_head
 from gguf import GGUFWriter
-from test_export import tiny_head as export_tiny_head
 
 import eagle_train.export.gguf as gguf_module
 from eagle_cli.export import main as cli_main
 from eagle_train.checkpoint import load_draft_head
-from eagle_train.eagle3 import Eagle3Head
 from eagle_train.export.gguf import export_gguf
 from eagle_train.target import SMOLLM2
 from eagle_train.vocab_map import t2d_from_d2t
@@ -37,6 +36,18 @@ from engines.llamacpp import static_findings
 
 BROKEN = ("layers", "reversed", "d2t", "rope")  # the ways a file is broken below
 H, NH, NKV, D, FF, V, VD, N = 64, 4, 2, 16, 64, 512, 128, 8  # a tiny Llama target and head (q8_0 rows: 32s)
+SIZES = dict(  # tiny_head's at these sizes; a GGUF does not carry the target's architectures
+    hidden_size=H,
+    num_attention_heads=NH,
+    num_key_value_heads=NKV,
+    head_dim=D,
+    intermediate_size=FF,
+    vocab_size=V,
+    draft_vocab_size=VD,
+    target_hidden_size=H,
+    target="tiny",
+    target_architectures=[],
+)
 
 
 def cause(what: str, layers) -> str:
@@ -80,23 +91,6 @@ def write_target(path, layers=N):
     return str(path)
 
 
-def tiny_head(seed=0) -> Eagle3Head:
-    """test_export's tiny head at sizes q8_0 can hold (rows of 32s), with room for a +1 d2t shift."""
-    sizes = dict(hidden_size=H, num_attention_heads=NH, num_key_value_heads=NKV, head_dim=D, intermediate_size=FF)
-    cfg = dataclasses.replace(
-        export_tiny_head().config, **sizes, vocab_size=V, draft_vocab_size=VD, target_hidden_size=H, target="tiny"
-    )
-    cfg.target_architectures = []  # a GGUF does not carry them
-    torch.manual_seed(seed)
-    head = Eagle3Head(cfg)
-    for p in head.parameters():
-        torch.nn.init.normal_(p, std=0.05)
-    ids = torch.randperm(V - 1)[:VD].sort().values  # room for a +1 shift
-    d2t = ids - torch.arange(VD)
-    head.set_vocab_map(d2t, t2d_from_d2t(d2t, V))
-    return head
-
-
 def export_all(head, target, out: Path) -> dict:
     """{"good" and each BROKEN name: the head's GGUF, broken that way}."""
     files = {"good": export_gguf(head, out / "good.gguf", target)}
@@ -109,7 +103,8 @@ def export_all(head, target, out: Path) -> dict:
 def tiny(tmp_path_factory):
     """(target GGUF, source head, its directory, its GGUFs good and broken)."""
     out = tmp_path_factory.mktemp("tiny")
-    target, head = write_target(out / "target.gguf"), tiny_head()
+    target, head = write_target(out / "target.gguf"), tiny_head(init_std=0.05, draft_ids=None, **SIZES)
+    set_random_vocab_map(head, among=V - 1)  # room for a +1 d2t shift
     head.save_pretrained(out / "head")
     return target, head, out / "head", export_all(head, target, out)
 
@@ -169,7 +164,9 @@ def test_d2t_written_as_offsets_is_named_with_or_without_the_source(tiny, tmp_pa
 
 def test_another_heads_weights_are_named(tiny):
     target, _, _, files = tiny
-    findings = errors(static_findings(files["good"], target, tiny_head(seed=1)))
+    other = tiny_head(seed=1, init_std=0.05, draft_ids=None, **SIZES)
+    set_random_vocab_map(other, among=V - 1)
+    findings = errors(static_findings(files["good"], target, other))
     assert {f.cause for f in findings} == {"weights that are not the source head's", "d2t of another vocab map"}
 
 

@@ -2,47 +2,13 @@
 
 import pytest
 import torch
+from conftest import H, K, V, tiny_head
 
 from eagle_train import peagle_batch as pb
-from eagle_train.draft_config import DraftConfig
-from eagle_train.peagle import PEagleHead
 from eagle_train.peagle_train import PEagleObjective
 from eagle_train.ttt import target_distribution
 
-H, NH, NKV, D, V, VD, K = 32, 4, 2, 8, 50, 40, 4
-
-
-def tiny_peagle(seed=0, layers=2, head_dim=D) -> PEagleHead:
-    torch.manual_seed(seed)
-    cfg = DraftConfig(
-        hidden_size=H,
-        num_attention_heads=NH,
-        num_key_value_heads=NKV,
-        head_dim=head_dim,
-        intermediate_size=64,
-        vocab_size=V,
-        draft_vocab_size=VD,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        rope_scaling=None,
-        max_position_embeddings=256,
-        target_hidden_size=H,
-        target_num_layers=8,
-        aux_layer_ids=(2, 4, 5),
-        num_hidden_layers=layers,
-        method="peagle",
-        mask_token_id=V - 1,
-        num_depths=K,
-    )
-    head = PEagleHead(cfg)
-    for p in head.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    # a draft vocabulary that is not a prefix: every target id but 3, 7, ... (10 of them)
-    keep = torch.ones(V, dtype=torch.bool)
-    keep[torch.arange(3, V, 5)] = False
-    draft_ids = keep.nonzero().squeeze(1)
-    head.set_vocab_map(draft_ids - torch.arange(VD), keep)
-    return head.double()
+KEPT = [i for i in range(V) if i % 5 != 3]  # a draft vocabulary that is not a prefix: all ids but 3, 8, ...
 
 
 def test_attention_rule_hand_worked():
@@ -104,7 +70,7 @@ def random_batch(seed=0, b=2, t=23, lengths=(23, 17), lm_head=None):
         loss_mask[i, n:] = False
     lm_head = torch.randn(V, H, generator=g, dtype=torch.double) * 3 if lm_head is None else lm_head
     final = torch.randn(b, t, H, generator=g, dtype=torch.double)
-    probs, in_draft = target_distribution(final, lm_head, tiny_peagle().t2d)
+    probs, in_draft = target_distribution(final, lm_head, tiny_head("peagle", draft_ids=KEPT).t2d)
     return dict(
         input_ids=torch.randint(0, V - 1, (b, t), generator=g),
         loss_mask=loss_mask,
@@ -127,7 +93,7 @@ def gradients(head, batch, segments):
 
 
 def test_partitioned_gradients_equal_unpartitioned():
-    head = tiny_peagle()
+    head = tiny_head("peagle", draft_ids=KEPT).double()
     batch = random_batch()
     ref, ref_metrics = gradients(head, batch, 1)
     assert ref_metrics["count_3"] > 0  # deep chains exist
@@ -143,7 +109,7 @@ def test_partitioned_gradients_equal_unpartitioned():
 def test_loss_equals_a_direct_reference():
     """The objective's loss is the mean soft CE over supervised elements, recomputed here from
     plain logits of the unpartitioned forward and the target distribution at a+d+1."""
-    head = tiny_peagle()
+    head = tiny_head("peagle", draft_ids=KEPT).double()
     batch = random_batch(1)
     torch.manual_seed(5)
     metrics = PEagleObjective(K, num_segments=3)(runner(head), batch, lambda loss: None)
@@ -182,7 +148,7 @@ def test_partition_owns_each_element_once_and_carries_left_context():
 
 
 def test_unsupervised_elements_do_not_count():
-    head = tiny_peagle()
+    head = tiny_head("peagle", draft_ids=KEPT).double()
     batch = random_batch()
     batch["loss_mask"][:] = False
     metrics = PEagleObjective(K, 2)(runner(head), batch, lambda loss: loss.backward())
@@ -207,7 +173,7 @@ def test_block_mask_equals_dense_mask_on_cuda():
     q, k = torch.meshgrid(torch.arange(dense.shape[2]), torch.arange(dense.shape[3]), indexing="ij")
     for b in range(2):
         assert torch.equal(block.mask_mod(b, 0, q.cuda(), k.cuda()).cpu(), dense[b, 0])
-    head = tiny_peagle(head_dim=16).float().cuda()  # compiled FlexAttention needs head_dim >= 16
+    head = tiny_head("peagle", draft_ids=KEPT, head_dim=16).cuda()  # compiled FlexAttention needs head_dim >= 16
     aux, is_mask, ids, pos = pb.gather_inputs(el, batch["input_ids"], batch["aux_hidden"].float(), V - 1)
     args = [x.cuda() for x in (aux, is_mask, ids, pos)]
     with torch.no_grad():
@@ -221,7 +187,7 @@ def test_block_mask_equals_dense_mask_on_cuda():
 def test_partitioned_gradients_with_block_masks_on_cuda_equal_cpu():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    head = tiny_peagle(head_dim=16).float()
+    head = tiny_head("peagle", draft_ids=KEPT, head_dim=16)
     batch = {k: v.float() if v.is_floating_point() else v for k, v in random_batch().items()}
     ref, _ = gradients(head, batch, 1)
     head = head.cuda()

@@ -6,8 +6,8 @@ import json
 
 import pytest
 import torch
+from conftest import NH, D, H, V, tiny_head, tiny_target_config
 from safetensors import safe_open
-from test_export import NH, D, H, V, tiny_head, tiny_peagle_head, tiny_target_config
 
 from eagle_train import peagle_batch as pb
 from eagle_train.checkpoint import load_draft_head
@@ -18,10 +18,6 @@ from engines import check_directory
 from engines.rules import engine_state, head_from_engine_state
 
 K, LAYERS, MASK_ID = 5, 3, 7
-
-
-def tiny_peagle() -> PEagleHead:
-    return tiny_peagle_head(LAYERS, MASK_ID, K)
 
 
 def chain_logits(head):
@@ -40,7 +36,7 @@ def chain_logits(head):
 
 @pytest.fixture(scope="module")
 def trained():
-    head = tiny_peagle()
+    head = tiny_head("peagle", num_hidden_layers=LAYERS, mask_token_id=MASK_ID, num_depths=K)
     return head, chain_logits(head)
 
 
@@ -112,4 +108,6 @@ def test_eagle3_heads_and_peagle_format_do_not_mix(tmp_path):
     with pytest.raises(ValueError, match="cannot be written in the peagle layout"):
         export_head(tiny_head(), tmp_path / "x", "peagle")
     with pytest.raises(ValueError, match="cannot be written in the eagle3 layout"):
-        export_head(tiny_peagle(), tmp_path / "y", "eagle3")
+        export_head(
+            tiny_head("peagle", num_hidden_layers=LAYERS, mask_token_id=MASK_ID, num_depths=K), tmp_path / "y", "eagle3"
+        )

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
+from conftest import NH, NKV, VD, D, H, K, V, tiny_draft_config, tiny_head
 from safetensors.torch import load_file
-from test_peagle_batch import NH, NKV, VD, D, H, K, V, tiny_peagle
 
 from eagle_train import peagle_batch as pb
 from eagle_train.checkpoint import load_draft_head
@@ -31,7 +31,7 @@ def parallel_drafts(head, k=K, max_len=32):
 
 
 def test_parallel_drafts_equal_training_outputs():
-    head = tiny_peagle(layers=3)
+    head = tiny_head("peagle", num_hidden_layers=3).double()
     t = 14
     aux = torch.randn(1, t, 3 * H, dtype=torch.double)
     ids = torch.randint(0, V - 1, (1, t))
@@ -52,7 +52,7 @@ def test_parallel_drafts_equal_training_outputs():
 
 
 def test_saved_tensors_follow_the_vllm_peagle_layout(tmp_path):
-    head = tiny_peagle(layers=3).float()
+    head = tiny_head("peagle", num_hidden_layers=3)
     head.save_pretrained(tmp_path)
     shapes = {k: tuple(v.shape) for k, v in load_file(tmp_path / "model.safetensors").items()}
     assert shapes["embed_tokens.weight"] == (V, H)
@@ -72,7 +72,7 @@ def test_saved_tensors_follow_the_vllm_peagle_layout(tmp_path):
 
 
 def test_config_without_mask_token_is_refused():
-    cfg = tiny_peagle().config
+    cfg = tiny_draft_config(method="peagle")
     cfg.mask_token_id = None
     with pytest.raises(ValueError, match="mask_token_id"):
         PEagleHead(cfg)

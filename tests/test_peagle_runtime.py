@@ -3,24 +3,15 @@ training-mode outputs, and greedy speculative decoding reproduces the target's o
 
 import pytest
 import torch
+from conftest import K, tiny_head
 from test_peagle_head import training_logits
 
 from eagle_train.hidden_states import target_hidden_states
-from eagle_train.peagle import PEagleHead
 from inference.drafting import TreeShape
 from inference.generate import Runtime
 from inference.parallel_drafting import ParallelDrafter
 
-K = 4
-
-
-def random_peagle_for(model, seed=0, k=K) -> PEagleHead:
-    torch.manual_seed(seed)
-    head = PEagleHead.from_target(model, mask_token_id=16, num_depths=k, draft_vocab_size=4096)
-    for name, p in head.named_parameters():
-        if name != "embed_tokens.weight":
-            torch.nn.init.normal_(p, std=0.2 if p.dim() > 1 else 1.0)
-    return head.eval()
+HEAD = dict(init_std=0.2, draft_ids=None, num_hidden_layers=2, mask_token_id=16, num_depths=K, draft_vocab_size=4096)
 
 
 class Recorder(ParallelDrafter):
@@ -42,7 +33,7 @@ def runtime_with(model, head, k, drafter_class):
 
 def test_parallel_drafts_equal_training_outputs_and_greedy_is_exact(tiny_llama):
     model, _ = tiny_llama
-    head = random_peagle_for(model)
+    head = tiny_head("peagle", target_model=model, **HEAD).eval()
     prompt = torch.randint(3, 1000, (9,), generator=torch.Generator().manual_seed(0))
     rt = runtime_with(model, head, K, Recorder)
     rt.drafter.rounds = []
@@ -67,7 +58,7 @@ def test_drafts_stay_consistent_when_whole_chains_are_accepted(tiny_llama):
     """Force every draft to be accepted (not lossless; it exercises the catch-up of K+1 rows plus
     the mask rows and padding): each round's drafts still equal the training-mode outputs."""
     model, _ = tiny_llama
-    head = random_peagle_for(model, seed=1)
+    head = tiny_head("peagle", seed=1, target_model=model, **HEAD).eval()
     rt = runtime_with(model, head, K, Recorder)
     rt.drafter.rounds = []
 
@@ -90,6 +81,6 @@ def test_drafts_stay_consistent_when_whole_chains_are_accepted(tiny_llama):
 
 def test_more_parallel_drafts_than_trained_is_refused(tiny_llama):
     model, _ = tiny_llama
-    head = random_peagle_for(model, k=3)
+    head = tiny_head("peagle", target_model=model, **{**HEAD, "num_depths": 3})
     with pytest.raises(ValueError, match="num_depths"):
         ParallelDrafter(head, TreeShape.chain(5), None)

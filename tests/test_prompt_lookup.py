@@ -6,11 +6,9 @@ import random
 
 import pytest
 import torch
-from conftest import EagerStep
-from transformers import LlamaConfig, LlamaForCausalLM
+from conftest import EagerStep, tiny_target
 
 from eagle_cli.evaluate import main
-from eagle_train.eagle3 import Eagle3Head
 from inference.evaluate import chat_ids, load_bench
 from inference.generate import Runtime
 from inference.prompt_lookup import PromptLookup, chain_tree, propose
@@ -67,19 +65,8 @@ def test_rule_matches_its_statement_on_random_histories():
 # ------------------------------------------------------------------------------------ the runtime
 
 
-def tiny_target(seed=0):
-    """A tiny random Llama over 16 tokens: its greedy output soon repeats, so lookups get accepted."""
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=16,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
-    return LlamaForCausalLM(cfg).eval()
+# a tiny random Llama over 16 tokens: its greedy output soon repeats, so lookups get accepted
+TARGET = dict(vocab_size=16, num_hidden_layers=4, max_position_embeddings=256, rope_theta=10000.0)
 
 
 def counted_per_round(result):
@@ -96,7 +83,7 @@ def counted_per_round(result):
 @pytest.mark.parametrize("graph_shapes", [False, True], ids=["eager", "graph-shapes"])
 def test_tiny_greedy_lookup_equals_plain(graph_shapes):
     """Also with the shapes CUDA graphs replay (full-cache widths, caches rounded up), run eagerly."""
-    runtime = Runtime(tiny_target())
+    runtime = Runtime(tiny_target(**TARGET))
     if graph_shapes:
         runtime.use_graphs = True
         runtime.target_step = EagerStep(runtime.target_step)
@@ -119,7 +106,7 @@ def test_one_hot_draft_sampling_emits_the_target_distribution():
     the root's p whether the draft is accepted or not (rejection samples p without the draft), and
     after an accepted draft the bonus token from the draft's p."""
     torch.manual_seed(0)
-    runtime = Runtime(tiny_target(), sampler=Sampler(temperature=1.0))
+    runtime = Runtime(tiny_target(**TARGET), sampler=Sampler(temperature=1.0))
     logits = torch.randn(2, 16)
     logits[0, 5] = logits[0].logsumexp(-1)  # p(5) = 1/2 at the root: half the drafts are rejected
     p = logits.softmax(-1)
@@ -172,14 +159,6 @@ def test_smollm2_repetition_is_drafted_for_free(smollm2_runtime):
 
 
 # ------------------------------------------------------------------------------------ eagle-eval
-
-
-@pytest.fixture(scope="module")
-def tiny_head_dir(tiny_llama, tmp_path_factory):
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny-head")
-    Eagle3Head.from_target(tiny_llama[0], draft_vocab_size=2000).save_pretrained(path)
-    return path
 
 
 def eval_args(target, draft, out, *extra):

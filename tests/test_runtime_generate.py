@@ -2,10 +2,8 @@
 
 import pytest
 import torch
-from conftest import EagerStep
-from transformers import LlamaConfig, LlamaForCausalLM
+from conftest import EagerStep, tiny_pair
 
-from eagle_train.draft_config import DraftConfig
 from eagle_train.eagle3 import Eagle3Head
 from inference.drafting import TreeShape
 from inference.evaluate import chat_ids, load_bench
@@ -13,34 +11,17 @@ from inference.generate import Runtime
 from inference.llama import TargetModel
 
 V, VD = 16, 12
-
-
-def tiny_pair(seed=0):
-    """A tiny Llama with a 16-token vocabulary and a random head over 12 of those tokens: random
-    drafts are accepted often enough to exercise multi-token acceptance and tree compaction."""
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=5,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(20)  # confident targets: acceptance well above chance
-    head = Eagle3Head(DraftConfig.from_target_config(cfg, draft_vocab_size=VD)).eval()
-    for p in head.parameters():
-        torch.nn.init.normal_(p, std=0.2)
-    targets = torch.randperm(V)[:VD].sort().values  # draft id i -> target id targets[i]
-    t2d = torch.zeros(V, dtype=torch.bool)
-    t2d[targets] = True
-    head.set_vocab_map(targets - torch.arange(VD), t2d)
-    head.use_target_embedding(model)
-    return model, head
+# A tiny Llama with a 16-token vocabulary, confident (lm_head x 20), and a random head over 12 of those
+# tokens: random drafts are accepted often enough to exercise multi-token acceptance and tree compaction.
+PAIR = dict(
+    draft_vocab_size=VD,
+    lm_head_scale=20,
+    init_std=0.2,
+    vocab_size=V,
+    num_hidden_layers=5,
+    max_position_embeddings=256,
+    rope_theta=10000.0,
+)
 
 
 @torch.no_grad()
@@ -102,7 +83,7 @@ def noisy_oracle(runtime, true_seq):
     ids=["chain1", "chain4", "tree3-3-8", "tree4-2-6"],
 )
 def test_tiny_greedy_speculative_equals_target_greedy(shape, monkeypatch):
-    model, head = tiny_pair()
+    model, head = tiny_pair(**PAIR)
     compactions = []
     real = TargetModel.compact
     monkeypatch.setattr(TargetModel, "compact", lambda self, s, d: (compactions.append(1), real(self, s, d)))
@@ -129,7 +110,7 @@ def test_draft_cache_holds_step0_entries_of_the_committed_sequence():
     with the target's hidden states: every round fed the right aux states, tokens and positions."""
     from eagle_train.hidden_states import target_hidden_states
 
-    model, head = tiny_pair(2)
+    model, head = tiny_pair(2, **PAIR)
     prompt = torch.randint(0, V, (9,)).tolist()
     runtime = Runtime(model, head, TreeShape(3, 2, 5))
     noisy_oracle(runtime, prompt + hf_greedy(model, prompt, 24))
@@ -150,7 +131,7 @@ def test_draft_cache_holds_step0_entries_of_the_committed_sequence():
 
 
 def test_eos_stops_generation_and_is_emitted():
-    model, head = tiny_pair(1)
+    model, head = tiny_pair(1, **PAIR)
     prompt = [3, 1, 4, 1, 5]
     free = Runtime(model, head, TreeShape.chain(3)).generate(prompt, 20).output_ids
     eos = free[7]
@@ -207,7 +188,7 @@ def test_smollm2_every_bench_prompt_lossless(smollm2_random_head, bench):
 
 
 def test_runtime_without_head_refuses_speculation():
-    model, _ = tiny_pair()
+    model, _ = tiny_pair(**PAIR)
     with pytest.raises(ValueError, match="no draft head"):
         Runtime(model).generate([1, 2, 3], 4)
 
@@ -215,7 +196,7 @@ def test_runtime_without_head_refuses_speculation():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graphs_equal_eager_and_target_greedy():
-    model, head = tiny_pair()
+    model, head = tiny_pair(**PAIR)
     prompt = torch.randint(0, V, (11,)).tolist()
     reference = hf_greedy(model, prompt, 40)
     model, head = model.cuda(), head.cuda()
@@ -235,7 +216,7 @@ def test_cuda_graphs_equal_eager_and_target_greedy():
 def test_fixed_shape_path_of_cuda_graphs_is_lossless_on_cpu():
     """The shapes CUDA graphs replay (full-cache attention widths, caches rounded up to 256 slots),
     run eagerly on the CPU: same tokens as the target's greedy decoding."""
-    model, head = tiny_pair(3)
+    model, head = tiny_pair(3, **PAIR)
     prompt = torch.randint(0, V, (13,)).tolist()
     reference = hf_greedy(model, prompt, 30)
     runtime = Runtime(model, head, TreeShape(3, 3, 8))

@@ -2,58 +2,32 @@
 
 import pytest
 import torch
-from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
+from conftest import TARGET_FAMILIES, tiny_target
 
 from eagle_train.hidden_states import target_hidden_states, target_logits
 from inference.llama import TargetModel
 
-FAMILIES = {
-    "llama": (LlamaConfig, LlamaForCausalLM, {"attention_bias": True}),
-    "mistral": (MistralConfig, MistralForCausalLM, {}),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),  # q/k/v bias
-    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {}),  # q/k norm
-}
-
-
-def tiny_target(family="llama", seed=0):
-    torch.manual_seed(seed)
-    cfg_cls, model_cls, extra = FAMILIES[family]
-    cfg = cfg_cls(
-        vocab_size=96,
-        hidden_size=48,
-        intermediate_size=96,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=12,
-        max_position_embeddings=256,
-        rope_theta=1000.0,
-        tie_word_embeddings=False,
-        **extra,
-    )
-    model = model_cls(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)  # non-trivial norms and biases
-    return model
+TARGET = dict(
+    noise=0.05,  # non-trivial norms and biases
+    vocab_size=96,
+    hidden_size=48,
+    intermediate_size=96,
+    num_hidden_layers=6,
+    head_dim=12,
+    max_position_embeddings=256,
+    rope_theta=1000.0,
+    tie_word_embeddings=False,
+)
+BIAS = {"llama": {"attention_bias": True}}  # q/k/v biases: Qwen2's own; Qwen3 has q/k norms instead
 
 
 def causal(n):
     return torch.ones(n, n, dtype=torch.bool).tril()[None, None]
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", list(TARGET_FAMILIES))
 def test_prompt_forward_equals_hf(family):
-    model = tiny_target(family)
+    model = tiny_target(family, **TARGET, **BIAS.get(family, {}))
     runtime = TargetModel(model)
     runtime.setup_cache(64)
     ids = torch.randint(0, 96, (1, 17))
@@ -70,7 +44,7 @@ def test_prompt_forward_equals_hf(family):
 
 
 def test_tree_verification_and_compaction_equal_hf_on_each_path():
-    model = tiny_target("qwen3", seed=1)
+    model = tiny_target("qwen3", seed=1, **TARGET)
     runtime = TargetModel(model)
     runtime.setup_cache(64)
     prefix = torch.randint(0, 96, (1, 9))
@@ -152,7 +126,7 @@ def test_few_row_linears_keep_the_head_and_its_state_dict():
     from eagle_train.eagle3 import Eagle3Head
     from inference.llama import FewRowLinear, use_few_row_linears
 
-    model = tiny_target()
+    model = tiny_target(**TARGET, **BIAS["llama"])
     head = Eagle3Head(DraftConfig.from_target_config(model.config, draft_vocab_size=32)).eval()
     hidden, ids = torch.randn(1, 3, 48), torch.randint(0, 96, (1, 3))
     pos = torch.arange(3)[None]

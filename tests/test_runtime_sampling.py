@@ -10,9 +10,8 @@ wrong scheme, so it can fail.
 import math
 
 import torch
+from conftest import tiny_pair
 
-from eagle_train.draft_config import DraftConfig
-from eagle_train.eagle3 import Eagle3Head
 from inference.drafting import TreeShape
 from inference.generate import Runtime
 from inference.sampling import Sampler, accept_sampling
@@ -76,34 +75,6 @@ def test_recursive_rejection_sampling_on_trees_emits_the_target_distribution():
     assert chi_square_rejects(run_tree_rounds(p1, p2, q1, q2, 20000, gen, wrong_q=True), expected)
 
 
-def tiny_pair(seed=0, v=6, vd=5):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=v,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8)
-    head = Eagle3Head(DraftConfig.from_target_config(cfg, draft_vocab_size=vd)).eval()
-    for p in head.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    keep = torch.tensor([0, 1, 2, 4, 5])  # target id 3 is outside the draft vocabulary
-    t2d = torch.zeros(v, dtype=torch.bool)
-    t2d[keep] = True
-    head.set_vocab_map(keep - torch.arange(vd), t2d)
-    head.use_target_embedding(model)
-    return model, head
-
-
 @torch.no_grad()
 def exact_first_two(model, prompt, sampler):
     """The target's own joint distribution of the next two tokens under `sampler`'s warping."""
@@ -114,7 +85,15 @@ def exact_first_two(model, prompt, sampler):
 
 # 2 x 2000 generations of a tiny model: about 20 s on the 2-core CPU
 def test_speculative_sampling_runtime_matches_target_distribution_chain_and_tree():
-    model, head = tiny_pair()
+    model, head = tiny_pair(
+        draft_vocab_size=5,
+        draft_ids=[0, 1, 2, 4, 5],  # target id 3 is outside the draft vocabulary
+        lm_head_scale=8,
+        vocab_size=6,
+        num_hidden_layers=3,
+        max_position_embeddings=64,
+        rope_theta=10000.0,
+    )
     prompt = [1, 4, 2, 0, 5]
     sampler = Sampler(temperature=0.9, top_k=5, top_p=0.97)
     expected = exact_first_two(model, prompt, sampler)

@@ -5,21 +5,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from test_eagle3_head import VD, H, V
-from test_eagle3_head import tiny_head as plain_tiny_head
+from conftest import VD, H, V, tiny_head
 
 from eagle_train.eagle3 import Eagle3Head
 from eagle_train.ttt import simulated_acceptance_length, target_distribution, ttt_loss
-
-
-def tiny_head(seed=0) -> Eagle3Head:
-    """test_eagle3_head's tiny head (fp64) with a scattered draft vocabulary."""
-    head = plain_tiny_head(seed)
-    draft_ids = torch.randperm(V)[:VD].sort().values
-    t2d = torch.zeros(V, dtype=torch.bool)
-    t2d[draft_ids] = True
-    head.set_vocab_map(draft_ids - torch.arange(VD), t2d)
-    return head
 
 
 def random_batch(b=2, t=13, seed=0):
@@ -63,7 +52,7 @@ def reference_losses(head, aux, ids, mask, final, lm_head, steps):
 
 
 def test_target_distribution_is_the_target_softmax_on_the_draft_vocab():
-    head = tiny_head()
+    head = tiny_head().double()
     _, _, _, final, lm_head = random_batch()
     probs, in_draft = target_distribution(final, lm_head, head.t2d)
     full = final.float() @ lm_head.float().T
@@ -76,7 +65,7 @@ def test_target_distribution_is_the_target_softmax_on_the_draft_vocab():
 
 
 def test_step0_loss_equals_hand_computed_cross_entropy_of_a_plain_forward():
-    head = tiny_head(1)
+    head = tiny_head(seed=1).double()
     aux, ids, mask, final, lm_head = random_batch(seed=1)
     probs, in_draft = target_distribution(final, lm_head, head.t2d)
     with torch.no_grad():
@@ -90,7 +79,7 @@ def test_step0_loss_equals_hand_computed_cross_entropy_of_a_plain_forward():
 
 @pytest.mark.parametrize("fused_loss", [False, True])
 def test_every_ttt_step_loss_matches_the_cached_runtime_reference(fused_loss):
-    head = tiny_head(2)
+    head = tiny_head(seed=2).double()
     aux, ids, mask, final, lm_head = random_batch(seed=2, t=15)
     probs, in_draft = target_distribution(final, lm_head, head.t2d)
     with torch.no_grad():
@@ -110,7 +99,7 @@ def test_logit_checkpointing_gives_the_same_loss_and_gradients():
     aux, ids, mask, final, lm_head = random_batch(seed=3)
     grads = []
     for checkpoint_logits in (False, True):
-        head = tiny_head(3)
+        head = tiny_head(seed=3).double()
         probs, in_draft = target_distribution(final, lm_head, head.t2d)
         loss, _ = ttt_loss(
             head, aux, ids, mask, probs.double(), in_draft, ttt_length=3, checkpoint_logits=checkpoint_logits
