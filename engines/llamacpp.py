@@ -20,6 +20,7 @@ ones, redo a partially accepted round from a checkpoint; llama.cpp does not coun
 """
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -46,8 +47,12 @@ from engines.rules import Finding
 VERSION = "0.3.36"  # llama-cpp-python's sdist; its vendor/llama.cpp speaks draft-eagle3
 TOOLS = ("llama-completion", "llama-speculative-simple")
 CONVERTER = ("convert_hf_to_gguf.py", "conversion", "gguf-py")  # llama.cpp's own HF -> GGUF converter, kept beside bin/
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"  # AMX tiles need the kernel's leave (arch_prctl); VMs often
+# withhold it, and a native build then dies with SIGILL at its first matmul
 CMAKE_FLAGS = (
     "-DGGML_NATIVE=ON",
+    f"-DCMAKE_C_FLAGS={NO_AMX}",
+    f"-DCMAKE_CXX_FLAGS={NO_AMX}",
     "-DLLAMA_CURL=OFF",
     "-DLLAMA_BUILD_TESTS=OFF",
     "-DLLAMA_BUILD_SERVER=OFF",
@@ -65,7 +70,9 @@ class LlamaCppError(EngineError):
 
 
 def home(version: str = VERSION) -> Path:
-    return cache_dir() / "llamacpp" / version
+    """The build's cache directory, one per version and set of build flags (changed flags build anew)."""
+    flags = hashlib.sha1(" ".join(CMAKE_FLAGS).encode()).hexdigest()[:8]
+    return cache_dir() / "llamacpp" / f"{version}-{flags}"
 
 
 def has_tools(directory: Path) -> bool:

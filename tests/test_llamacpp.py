@@ -173,21 +173,25 @@ def fake_build(tmp_path, monkeypatch, fail_at=None):
     return calls
 
 
-def test_build_once_per_version_into_the_cache(tmp_path, monkeypatch):
+def test_build_once_per_version_and_flags_into_the_cache(tmp_path, monkeypatch):
     calls = fake_build(tmp_path, monkeypatch)
     bin_dir = llamacpp.build("9.9", jobs=2)
-    assert bin_dir == tmp_path / "cache/llamacpp/9.9/bin" and llamacpp.has_tools(bin_dir)
+    assert bin_dir.parent.parent == tmp_path / "cache/llamacpp" and bin_dir.parent.name.startswith("9.9-")
+    assert bin_dir.name == "bin" and llamacpp.has_tools(bin_dir)
     assert "llama-cpp-python==9.9" in calls[0] and calls[2][-2:] == ["-j", "2"]
     assert {p.name for p in bin_dir.parent.iterdir()} == {"bin", "convert", "build.log"}  # the work dir is gone
     assert llamacpp.converter_script("9.9") == bin_dir.parent / "convert" / "convert_hf_to_gguf.py"
     assert llamacpp.build("9.9") == bin_dir and len(calls) == 3  # reused, nothing rerun
+    # other build flags (a build that SIGILLs on this CPU, say) are never taken for this build
+    monkeypatch.setattr(llamacpp, "CMAKE_FLAGS", (*llamacpp.CMAKE_FLAGS, "-DGGML_AVX512=OFF"))
+    assert llamacpp.build("9.9") != bin_dir and len(calls) == 6
 
 
 def test_failed_build_leaves_nothing_that_looks_built(tmp_path, monkeypatch):
     fake_build(tmp_path, monkeypatch, fail_at="--build")
     with pytest.raises(llamacpp.LlamaCppError, match="step failed"):
         llamacpp.build("9.9")
-    home = tmp_path / "cache/llamacpp/9.9"
+    home = llamacpp.home("9.9")
     assert {p.name for p in home.iterdir()} == {"build.log"}
     calls = fake_build(tmp_path, monkeypatch)
     assert llamacpp.has_tools(llamacpp.build("9.9")) and len(calls) == 3  # the next build starts over
