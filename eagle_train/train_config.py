@@ -14,6 +14,7 @@ from pathlib import Path
 
 import yaml
 
+from eagle_train.architectures import check_supported
 from eagle_train.peagle import NUM_DEPTHS
 from eagle_train.store import HIDDEN_FORMAT, check_store_matches, read_manifest, read_vocab_map
 from eagle_train.ttt import TTT_DECAY, TTT_LENGTH
@@ -202,6 +203,7 @@ def validate(cfg: TrainConfig, target_config) -> None:
 
     `target_config` is the target's HF config (`eagle_train.target.load_target_config`).
     """
+    check_supported(target_config, "training")
 
     def need(ok, message):
         if not ok:
