@@ -401,7 +401,7 @@ def build_parser() -> argparse.ArgumentParser:
         dest="aux_layer_ids",
         type=_parse_layers,
         default=default(capture, "aux_layer_ids"),
-        help="comma-separated hidden_states indices; default 2,N//2,N-3",
+        help="comma-separated hidden_states indices; default 2,N//2,N-3 (distinct ones below 7 layers)",
     )
     s.add_argument("--dtype", default=default(capture, "dtype"), choices=list(STORE_DTYPES))
     s.add_argument(
@@ -437,7 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
         dest="aux_layer_ids",
         type=_parse_layers,
         default=default(distil, "aux_layer_ids"),
-        help="comma-separated hidden_states indices; default 2,N//2,N-3",
+        help="comma-separated hidden_states indices; default 2,N//2,N-3 (distinct ones below 7 layers)",
     )
     s.add_argument("--dtype", default=default(distil, "dtype"), choices=list(STORE_DTYPES))
     s.add_argument("--draft-vocab-size", type=int, default=default(distil, "draft_vocab_size"))

@@ -32,7 +32,7 @@ class TrainConfig:
     data_path: str = ""  # hidden-state store (offline) or tokenized dataset (online; a store works too)
     mode: str = "offline"  # offline: hidden states from the store; online: run the target per batch
     method: str = "eagle3"
-    aux_layer_ids: list[int] | None = None  # None: the target's defaults (2, N//2, N-3)
+    aux_layer_ids: list[int] | None = None  # None: hidden_states.default_aux_layer_ids (2, N//2, N-3 from 7 layers)
     draft_vocab_size: int | None = None  # None: the data's vocab map; else its most frequent ids (by its counts)
     init_from: str = ""  # an eagle-train head/checkpoint dir or an engine-layout EAGLE-3 dir
     warm_start: bool = False  # a new EAGLE-3 head's norm and lm_head start as the target's (eagle_train.warm_start)
