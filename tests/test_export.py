@@ -518,3 +518,20 @@ def test_runtime_drafts_the_same_from_the_export_as_from_the_training_checkpoint
     assert reference.output_ids == plain and sum(reference.accepted) >= 5 and 0 in reference.accepted
     for name, run in runs.items():
         assert run.output_ids == reference.output_ids and run.accepted == reference.accepted, name
+
+
+def test_an_export_for_vllm_is_judged_by_vllm_alone(tmp_path, capsys):
+    """Custom aux layers: vLLM reads them from config.json, TensorRT-LLM cannot. With no engine named the
+    export checks (and fails on) every engine its layout is for; with --engine vllm, vLLM decides."""
+    tiny_head(aux_layer_ids=(1, 3, 6)).save_pretrained(tmp_path / "head")
+    export = [str(tmp_path / "head"), "--format", "eagle3", "--dtype", "fp32"]
+    assert cli_exit([*export, "--out", str(tmp_path / "all")]) == 1
+    out = capsys.readouterr().out
+    assert "eagle3_layers_to_capture: [0, 2, 5]" in out
+    assert "problems for: trtllm; OK for vllm, sglang (--engine NAME judges only that one)" in out
+    assert cli_exit([*export, "--out", str(tmp_path / "vllm"), "--engine", "vllm"]) == 0
+    out = capsys.readouterr().out
+    assert "all engines OK" in out and "TensorRT-LLM" not in out
+    assert cli_exit([*export, "--out", str(tmp_path / "trt"), "--engine", "trtllm"]) == 1
+    assert cli_exit([*export, "--out", str(tmp_path / "x"), "--engine", "llamacpp"]) == 2  # not a directory engine
+    assert not (tmp_path / "x").exists()
