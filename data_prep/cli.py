@@ -32,8 +32,9 @@ from data_prep.distil import distil
 from data_prep.readers import SHAREGPT, ReadReport, read_conversations
 from data_prep.regenerate import regenerate, regenerate_batch
 from data_prep.vocab import coverage_line, make_vocab_map
+from eagle_train.architectures import check_supported
 from eagle_train.store import STORE_DTYPES, read_manifest
-from eagle_train.target import SMOLLM2, load_target, load_tokenizer
+from eagle_train.target import SMOLLM2, load_target, load_target_config, load_tokenizer
 from eagle_train.train_config import parse_overrides
 
 SEED = 0  # torch's seed before regenerating (sampling, temperature > 0, draws from it)
@@ -48,12 +49,19 @@ def _parse_layers(text):
     return tuple(int(x) for x in text.split(",")) if text else None
 
 
+def check_trainable(target) -> None:
+    """Refuse, from its config alone, a target training cannot take: what these commands write is
+    training's input, so they refuse before loading weights or reading data, not hours later."""
+    check_supported(load_target_config(target), "training")
+
+
 def _open_target(target, device=None):
     return load_target(target, device=device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 def tokenize(target, data, out, **options) -> dict:
     """`tokenize_dataset(data, out, target, **options)` and its summary."""
+    check_trainable(target)
     start = time.perf_counter()
     manifest, report, vmap = tokenize_dataset(data, out, target, **options)
     print(report.summary())
@@ -89,6 +97,7 @@ def print_mask(target, data, index, template, color, split, max_length, system_p
 def regenerate_answers(target, data, out, *, limit, split, seed, device=None, **options) -> dict:
     """`regenerate(**options)` of up to `limit` conversations of `data` by the target, into the JSONL
     `out`, and its counts."""
+    check_trainable(target)
     if seed is not None:
         torch.manual_seed(seed)
     model, tokenizer = _open_target(target, device)
@@ -107,6 +116,7 @@ def regenerate_answers(target, data, out, *, limit, split, seed, device=None, **
 
 def distil_store(target, data, out, *, limit, split, device=None, **options) -> dict:
     """`distil(**options)`: the target answers up to `limit` first turns of `data`, captured into the store `out`."""
+    check_trainable(target)
     model, tokenizer = _open_target(target, device)
     manifest, stats = distil(model, tokenizer, data, out, target_name=target, limit=limit, split=split, **options)
     seconds = max(stats["seconds"], 1e-9)
@@ -133,6 +143,7 @@ def capture_store(target, data, out, **options) -> dict | None:
     """`capture(**options)` of this process's share of the shards (all of them in one process) and its summary."""
     from accelerate import Accelerator
 
+    check_trainable(target)
     acc = Accelerator(cpu=not torch.cuda.is_available())
     dist = torch.distributed
     backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else "none"
@@ -390,7 +401,7 @@ def build_parser() -> argparse.ArgumentParser:
         dest="aux_layer_ids",
         type=_parse_layers,
         default=default(capture, "aux_layer_ids"),
-        help="comma-separated hidden_states indices; default 2,N//2,N-3",
+        help="comma-separated hidden_states indices; default 2,N//2,N-3 (distinct ones below 7 layers)",
     )
     s.add_argument("--dtype", default=default(capture, "dtype"), choices=list(STORE_DTYPES))
     s.add_argument(
@@ -426,7 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
         dest="aux_layer_ids",
         type=_parse_layers,
         default=default(distil, "aux_layer_ids"),
-        help="comma-separated hidden_states indices; default 2,N//2,N-3",
+        help="comma-separated hidden_states indices; default 2,N//2,N-3 (distinct ones below 7 layers)",
     )
     s.add_argument("--dtype", default=default(distil, "dtype"), choices=list(STORE_DTYPES))
     s.add_argument("--draft-vocab-size", type=int, default=default(distil, "draft_vocab_size"))

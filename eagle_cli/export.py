@@ -18,6 +18,7 @@ THREADED_ENGINES = tuple(name for name, e in ENGINES.items() if e.check_takes_th
 
 EPILOG = """examples:
   eagle-export runs/eagle3/checkpoint-2000 --format eagle3 --out smollm2-eagle3 --target smollm2-135m
+  eagle-export runs/eagle3/checkpoint-2000 --format eagle3 --out smollm2-eagle3 --engine vllm
   eagle-export runs/eagle3/checkpoint-2000 --format speculators --out smollm2-spec --eval-results eval.json
   eagle-export runs/eagle3/checkpoint-2000 --format gguf --out smollm2-eagle3.gguf --target smollm2-135m
   eagle-export --check smollm2-eagle3 --engine all --target smollm2-135m
@@ -28,12 +29,14 @@ formats: eagle3 = the EAGLE reference layout SGLang, TensorRT-LLM, vLLM and Safe
 speculators = vLLM's own format (`vllm serve DIR` needs no other flag; P-EAGLE heads too); peagle =
 a P-EAGLE head for vLLM's parallel drafting; gguf = one file for llama.cpp (`llama-server -m
 TARGET.gguf -md HEAD.gguf --spec-type draft-eagle3`), which needs --target as the target's GGUF (or
-an alias shipping one) for its tokenizer. --check exits 1 when an engine would fail to load the
-directory or would load it and silently draft worse (missing d2t, short context, wrong aux layers,
-RoPE or sizes that disagree with the weights or the target, ...). --engine llamacpp checks a head
-(exported first) or a .gguf live: the file against the target's GGUF and --source, then 4 MT-Bench
-first turns decoded in llama.cpp and in the built-in runtime; it exits 1 when llama.cpp accepts far
-fewer drafts, and 3 (SKIPPED, never a pass) without a llama.cpp build (`eagle-llamacpp build`)."""
+an alias shipping one) for its tokenizer. An export is then checked like --check, for --engine
+alone when given (a layer choice TensorRT-LLM cannot read from config.json fails no vLLM export).
+--check exits 1 when an engine would fail to load the directory or would load it and silently
+draft worse (missing d2t, short context, wrong aux layers, RoPE or sizes that disagree with the
+weights or the target, ...). --engine llamacpp checks a head (exported first) or a .gguf live: the
+file against the target's GGUF and --source, then 4 MT-Bench first turns decoded in llama.cpp and
+in the built-in runtime; it exits 1 when llama.cpp accepts far fewer drafts, and 3 (SKIPPED, never
+a pass) without a llama.cpp build (`eagle-llamacpp build`)."""
 
 
 def parse_args(argv=None):
@@ -88,10 +91,10 @@ def parse_args(argv=None):
     p.add_argument(
         "--engine",
         choices=[*DIRECTORY_ENGINES, "all", *(name for name in ENGINES if name not in DIRECTORY_ENGINES)],
-        help="engine for --check (default: the engines the directory's layout is meant for; "
-        "all = the three that read directories). llamacpp, and vllm given --target, also run the head in the "
-        "engine and compare its acceptance with the built-in runtime's (vllm without vLLM installed: the rule "
-        "check, the live part reported as skipped)",
+        help="engine for --check, and the engine an export is checked for (default: the engines the "
+        "directory's layout is meant for; all = the three that read directories). With --check, llamacpp, "
+        "and vllm given --target, also run the head in the engine and compare its acceptance with the "
+        "built-in runtime's (vllm without vLLM installed: the rule check, the live part reported as skipped)",
     )
     p.add_argument("--source", help="live checks of an exported file: the head it should have been exported from")
     p.add_argument("--threads", type=int, help="--engine llamacpp: llama.cpp's CPU threads (default: its choice)")
@@ -113,6 +116,8 @@ def parse_args(argv=None):
         p.error("--outtype is for --format gguf (other formats take --dtype)")
     if args.import_dir and not args.out:
         p.error("--import needs --out CHECKPOINT")
+    if args.checkpoint and args.engine and (args.format == "gguf" or args.engine not in (*DIRECTORY_ENGINES, "all")):
+        p.error(f"an export is checked for --engine {'|'.join((*DIRECTORY_ENGINES, 'all'))} (not with --format gguf)")
     engine = ENGINES.get(args.engine)
     if engine is not None and engine.check_needs_target and not (args.check and args.target):
         p.error(engine.check_needs_target)
@@ -146,11 +151,22 @@ def target_config(name):
     return load_target_config(name)
 
 
+def engines_asked(engine: str | None) -> list[str] | None:
+    """The engines `--engine` names (all: every directory engine); None: those the layout is meant for."""
+    return list(DIRECTORY_ENGINES) if engine == "all" else [engine] if engine else None
+
+
 def print_reports(reports) -> int:
     for report in reports.values():
         print(report.render())
     bad = [r.engine for r in reports.values() if not r.ok]
-    print(f"\n{'problems for: ' + ', '.join(bad) if bad else 'all engines OK'}")
+    good = [r.engine for r in reports.values() if r.ok]
+    if not bad:
+        print("\nall engines OK")
+    elif good:  # exit 1 is then for some engines only: say how to be judged for the one served
+        print(f"\nproblems for: {', '.join(bad)}; OK for {', '.join(good)} (--engine NAME judges only that one)")
+    else:
+        print(f"\nproblems for: {', '.join(bad)}")
     return 1 if bad else 0
 
 
@@ -174,8 +190,7 @@ def run(args) -> int:
         return run_live_check(args)
     tcfg = target_config(args.target)
     if args.check:
-        engines = list(DIRECTORY_ENGINES) if args.engine == "all" else [args.engine] if args.engine else None
-        return print_reports(check_directory(args.check, engines, tcfg))
+        return print_reports(check_directory(args.check, engines_asked(args.engine), tcfg))
     if args.import_dir:
         out = Path(args.out)
         load_draft_head(args.import_dir, target_config=tcfg).save_pretrained(out / "head")
@@ -195,7 +210,7 @@ def run(args) -> int:
         provenance["eval_results"] = args.eval_results
     out = export_head(head, args.out, args.format, dtype=args.dtype, **provenance)
     print(f"wrote {out}/config.json, model.safetensors, README.md ({args.format}, {args.dtype})\n")
-    return print_reports(check_directory(out, None, tcfg))
+    return print_reports(check_directory(out, engines_asked(args.engine), tcfg))
 
 
 def main(argv=None):

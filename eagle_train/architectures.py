@@ -2,13 +2,14 @@
 
 One table, so that a head is never trained for a target a later stage refuses without saying why:
 a stage that takes fewer types than training holds the reason beside the type. Data preparation
-takes any decoder with `model.model.layers` (`eagle_train.target.check_decoder`) and is not listed.
+writes data only training reads, so each `eagle-prep` command that writes it checks "training"
+first: hours of capture for a target training then refuses are hours lost.
 """
 
 from dataclasses import dataclass
 
 STAGES = {  # stage -> (what it is, the way out of a refusal)
-    "training": ("training a draft head", "train for a target of one of those types"),
+    "training": ("training a draft head", "give a target of one of those types (--target, or target: in the config)"),
     "runtime": (
         "the built-in speculative runtime",
         "evaluate this head in an engine that serves this target (eagle-eval --engine vllm)",

@@ -12,9 +12,27 @@ from contextlib import contextmanager
 import torch
 
 
-def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
-    """Low / mid / high as HF `output_hidden_states` indices (0 = embedding output)."""
+def engine_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
+    """What vLLM, SGLang and TensorRT-LLM capture when a draft config names no aux layers:
+    (2, N//2, N-3), which repeats a layer below 7 layers."""
     return (2, num_layers // 2, num_layers - 3)
+
+
+def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
+    """Low / mid / high as HF `output_hidden_states` indices (0 = embedding output), always distinct.
+
+    From 7 layers the engines' own default (2, N//2, N-3), so exports need not name them; below, where
+    that repeats a layer and vLLM fails on the fc shape, (1, N//2, N-1) ((0, 1, 2) at 3 layers), which
+    exports then write out (`eagle_train.export.layouts.non_default_aux_ids`).
+    """
+    if num_layers < 3:
+        raise ValueError(
+            f"a {num_layers}-layer target has no three distinct layers for the head's low/mid/high inputs: "
+            "an EAGLE-3 head needs a target of at least 3 layers"
+        )
+    if num_layers >= 7:
+        return engine_aux_layer_ids(num_layers)
+    return (0 if num_layers == 3 else 1, num_layers // 2, num_layers - 1)
 
 
 @contextmanager

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import yaml
 
+from eagle_train.architectures import check_supported
 from eagle_train.peagle import NUM_DEPTHS
 from eagle_train.store import HIDDEN_FORMAT, check_store_matches, read_manifest, read_vocab_map
 from eagle_train.ttt import TTT_DECAY, TTT_LENGTH
@@ -31,7 +32,7 @@ class TrainConfig:
     data_path: str = ""  # hidden-state store (offline) or tokenized dataset (online; a store works too)
     mode: str = "offline"  # offline: hidden states from the store; online: run the target per batch
     method: str = "eagle3"
-    aux_layer_ids: list[int] | None = None  # None: the target's defaults (2, N//2, N-3)
+    aux_layer_ids: list[int] | None = None  # None: hidden_states.default_aux_layer_ids (2, N//2, N-3 from 7 layers)
     draft_vocab_size: int | None = None  # None: the data's vocab map; else its most frequent ids (by its counts)
     init_from: str = ""  # an eagle-train head/checkpoint dir or an engine-layout EAGLE-3 dir
     warm_start: bool = False  # a new EAGLE-3 head's norm and lm_head start as the target's (eagle_train.warm_start)
@@ -202,6 +203,7 @@ def validate(cfg: TrainConfig, target_config) -> None:
 
     `target_config` is the target's HF config (`eagle_train.target.load_target_config`).
     """
+    check_supported(target_config, "training")
 
     def need(ok, message):
         if not ok:

@@ -14,7 +14,7 @@ import re
 
 from eagle_train.export.draft_files import DraftFiles
 from eagle_train.export.layouts import detect_layout
-from eagle_train.hidden_states import default_aux_layer_ids
+from eagle_train.hidden_states import engine_aux_layer_ids
 from engines import live, rules
 from engines.rules import EngineReport, is_parallel, stack
 
@@ -59,8 +59,8 @@ class Engine:
         return (self.top[head_name], None) if head_name in self.top else None
 
     def captured_aux(self, config: dict, n_layers: int | None) -> tuple[int, ...] | None:
-        """The target layers (HF hidden_states indices) it captures for this config: the target's defaults."""
-        return default_aux_layer_ids(n_layers) if n_layers else None
+        """The target layers (HF hidden_states indices) it captures for this config: (2, N//2, N-3) unasked."""
+        return engine_aux_layer_ids(n_layers) if n_layers else None
 
     def aux_fix(self, intended: tuple[int, ...]) -> str:
         """How to make it capture the layers the head was trained on."""

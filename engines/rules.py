@@ -28,7 +28,7 @@ from eagle_train.export.layouts import (
     mask_token_ids,
 )
 from eagle_train.head import HEAD_CLASSES, head_from_state
-from eagle_train.hidden_states import default_aux_layer_ids
+from eagle_train.hidden_states import engine_aux_layer_ids
 
 STACKED = (
     (".q_proj.", ".qkv_proj.", "q"),
@@ -170,7 +170,7 @@ def is_parallel(config: dict, meta: dict) -> bool:
 
 def intended_aux(config: dict, n_layers: int | None) -> tuple[int, ...] | None:
     """The aux layers the head was trained on, HF indices: our provenance, else the config's own
-    statement (vLLM key first, SGLang's nested key + 1), else the target's defaults."""
+    statement (vLLM key first, SGLang's nested key + 1), else what the engines capture unasked."""
     ours = (config.get(PROVENANCE_KEY) or {}).get("aux_layer_ids")
     if ours:
         return tuple(ours)
@@ -179,7 +179,7 @@ def intended_aux(config: dict, n_layers: int | None) -> tuple[int, ...] | None:
     nested = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     if nested:
         return tuple(i + 1 for i in nested)
-    return default_aux_layer_ids(n_layers) if n_layers else None
+    return engine_aux_layer_ids(n_layers) if n_layers else None
 
 
 def inspect(eng, files: DraftFiles, target_config=None) -> EngineReport:

@@ -38,7 +38,7 @@ from eagle_train.checkpoint import load_draft_head, locate_head
 from eagle_train.export import export_head
 from eagle_train.export.draft_files import DraftFiles
 from eagle_train.export.layouts import MASK_TOKEN_KEYS, mask_token_ids
-from eagle_train.hidden_states import default_aux_layer_ids
+from eagle_train.hidden_states import engine_aux_layer_ids
 from eagle_train.target import HUB_IDS, load_target_config
 from engines import Engine, EngineError
 from engines.live import EngineFailed, Pooled, d2t_finding, layers_finding
@@ -99,7 +99,7 @@ class Vllm(Engine):
         """The top-level key, else (recent versions) the nested one as is."""
         nested = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
         ids = config.get(VLLM_KEY) or nested
-        return tuple(ids) if ids else default_aux_layer_ids(n_layers) if n_layers else None
+        return tuple(ids) if ids else engine_aux_layer_ids(n_layers) if n_layers else None
 
     def aux_fix(self, intended: tuple[int, ...]) -> str:
         return f'write "{VLLM_KEY}": {list(intended)} in config.json'

@@ -12,14 +12,16 @@ import sys
 
 from eagle_train.peagle_train import PEagleObjective, build_peagle_head, segments_for, validate_peagle
 from eagle_train.target import load_target_config
-from eagle_train.train_config import config_from_command_line
+from eagle_train.train_config import config_from_command_line, validate
 from eagle_train.trainer import train
 
 
 def main(argv=None):
     cfg = config_from_command_line(__doc__, "peagle", argv)
-    try:
-        validate_peagle(cfg, load_target_config(cfg.target))
+    try:  # train() checks validate's part again; here a refusal is one line, not a traceback
+        target_config = load_target_config(cfg.target)
+        validate(cfg, target_config)
+        validate_peagle(cfg, target_config)
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"error: {e}")
     train(cfg, build_peagle_head, PEagleObjective(cfg.num_depths, segments_for(cfg)))

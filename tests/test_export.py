@@ -206,6 +206,20 @@ def test_default_aux_ids_are_left_out_of_the_eagle3_config(exported):
     assert "eagle_aux_hidden_state_layer_ids" not in config and "eagle_config" not in config
 
 
+def test_a_head_for_a_shallow_target_states_its_distinct_aux_ids_and_engines_capture_them(tmp_path):
+    """Below 7 layers the engines' unasked (2, N//2, N-3) repeats a layer; our default does not, so the
+    export names it and vLLM and SGLang capture what the head was trained on."""
+    head = tiny_head(target_model=tiny_target(num_hidden_layers=4), draft_vocab_size=VD)
+    assert head.config.aux_layer_ids == (1, 2, 3)
+    out = export_head(head, tmp_path / "shallow", "eagle3", dtype="bf16")
+    config = json.loads((out / "config.json").read_text())
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    reports = check_directory(out, None, tiny_target_config(num_hidden_layers=4))
+    for engine in ("vllm", "sglang"):
+        assert reports[engine].ok and reports[engine].aux_layers == (1, 2, 3), reports[engine].render()
+    assert any("eagle3_layers_to_capture: [0, 1, 2]" in m for m in errors(reports["trtllm"]))
+
+
 def test_check_flags_a_peagle_export_without_mask_hidden(tmp_path):
     """A P-EAGLE directory laid out by hand as docs/design.md section 6 describes it (eagle3 config + the
     mask token ids, midlayer.* then layers.1.*, own embed_tokens, mask_hidden), from a PEagleHead."""
@@ -483,7 +497,7 @@ def test_runtime_drafts_the_same_from_the_export_as_from_the_training_checkpoint
     prompt = [1, 5, 9, 3]
     plain = Runtime(model, cuda_graphs=False).generate_plain(prompt, 16).output_ids
     vocab = sorted(t for t, _ in Counter(plain + list(range(16))).most_common(4))
-    torch.manual_seed(9)  # a head whose drafts are accepted 0, 1 or 3 at a time on this prompt
+    torch.manual_seed(20)  # a head whose drafts are accepted 0, 1 or 3 at a time on this prompt
     head = Eagle3Head.from_target(model, draft_vocab_size=4)
     for name, p in head.named_parameters():
         if not name.startswith("embed_tokens."):
@@ -504,3 +518,20 @@ def test_runtime_drafts_the_same_from_the_export_as_from_the_training_checkpoint
     assert reference.output_ids == plain and sum(reference.accepted) >= 5 and 0 in reference.accepted
     for name, run in runs.items():
         assert run.output_ids == reference.output_ids and run.accepted == reference.accepted, name
+
+
+def test_an_export_for_vllm_is_judged_by_vllm_alone(tmp_path, capsys):
+    """Custom aux layers: vLLM reads them from config.json, TensorRT-LLM cannot. With no engine named the
+    export checks (and fails on) every engine its layout is for; with --engine vllm, vLLM decides."""
+    tiny_head(aux_layer_ids=(1, 3, 6)).save_pretrained(tmp_path / "head")
+    export = [str(tmp_path / "head"), "--format", "eagle3", "--dtype", "fp32"]
+    assert cli_exit([*export, "--out", str(tmp_path / "all")]) == 1
+    out = capsys.readouterr().out
+    assert "eagle3_layers_to_capture: [0, 2, 5]" in out
+    assert "problems for: trtllm; OK for vllm, sglang (--engine NAME judges only that one)" in out
+    assert cli_exit([*export, "--out", str(tmp_path / "vllm"), "--engine", "vllm"]) == 0
+    out = capsys.readouterr().out
+    assert "all engines OK" in out and "TensorRT-LLM" not in out
+    assert cli_exit([*export, "--out", str(tmp_path / "trt"), "--engine", "trtllm"]) == 1
+    assert cli_exit([*export, "--out", str(tmp_path / "x"), "--engine", "llamacpp"]) == 2  # not a directory engine
+    assert not (tmp_path / "x").exists()

@@ -8,7 +8,12 @@ from conftest import assert_same_forward
 
 from eagle_train import target as target_mod
 from eagle_train.draft_config import target_rope
-from eagle_train.hidden_states import default_aux_layer_ids, target_hidden_states, target_logits
+from eagle_train.hidden_states import (
+    default_aux_layer_ids,
+    engine_aux_layer_ids,
+    target_hidden_states,
+    target_logits,
+)
 from eagle_train.target import (
     SMOLLM2,
     check_decoder,
@@ -115,6 +120,18 @@ def test_not_a_decoder_is_refused(tmp_path):
 def test_default_aux_layers():
     assert default_aux_layer_ids(30) == (2, 15, 27)
     assert default_aux_layer_ids(32) == (2, 16, 29)
+
+
+@pytest.mark.parametrize("n", range(3, 9))
+def test_default_aux_layers_are_three_distinct_layer_inputs_and_the_engines_own_from_7_layers(n):
+    ids = default_aux_layer_ids(n)
+    assert len(set(ids)) == 3 and all(0 <= i < n for i in ids)  # vLLM's fc takes 3 distinct states
+    assert (ids == engine_aux_layer_ids(n)) == (n >= 7)
+
+
+def test_a_target_too_shallow_for_three_distinct_aux_layers_is_refused_in_one_line():
+    with pytest.raises(ValueError, match="2-layer target has no three distinct layers.*at least 3 layers"):
+        default_aux_layer_ids(2)
 
 
 @pytest.mark.parametrize("which", ["smollm2", "tiny_llama"])

@@ -27,7 +27,7 @@ from types import SimpleNamespace
 import torch
 
 from eagle_train.draft_config import DraftConfig, target_rope
-from eagle_train.hidden_states import default_aux_layer_ids
+from eagle_train.hidden_states import engine_aux_layer_ids
 from eagle_train.peagle import NUM_DEPTHS
 from eagle_train.target import HUB_IDS
 
@@ -91,8 +91,9 @@ def servable_target(target: str) -> str:
 
 
 def non_default_aux_ids(cfg: DraftConfig) -> list[int] | None:
+    """The head's aux ids unless they are what the engines capture unasked (our shallow defaults are not)."""
     ids = list(cfg.aux_layer_ids)
-    return None if ids == list(default_aux_layer_ids(cfg.target_num_layers)) else ids
+    return None if ids == list(engine_aux_layer_ids(cfg.target_num_layers)) else ids
 
 
 # ---- eagle3 --------------------------------------------------------------------------------------
@@ -143,7 +144,7 @@ def draft_config_from_llama(llama: dict, top: dict, target_config=None, aux_laye
                 "config.json names no aux layer ids and the target's layer count is unknown: "
                 "pass the target (--target T / target_model=...) so the defaults (2, N//2, N-3) apply"
             )
-        aux = default_aux_layer_ids(n)
+        aux = engine_aux_layer_ids(n)  # what the engines capture for it
     heads = llama["num_attention_heads"]
     theta, scaling = target_rope(
         SimpleNamespace(rope_theta=llama.get("rope_theta", 10000.0), rope_scaling=llama.get("rope_scaling"))
