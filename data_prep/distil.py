@@ -22,7 +22,7 @@ from data_prep.capture import finish_store, pending_shards, start_store
 from data_prep.chat import MAX_LENGTH, with_system_prompt
 from data_prep.readers import read_conversations
 from data_prep.vocab import make_vocab_map
-from eagle_train.hidden_states import default_aux_layer_ids, layer_inputs
+from eagle_train.hidden_states import TargetLogits, cache_argument, default_aux_layer_ids, layer_inputs
 from eagle_train.store import StoreWriter, chat_template_fingerprint, encode_hidden
 from eagle_train.target import end_of_turn_ids
 from eagle_train.vocab_map import DRAFT_VOCAB_SIZE
@@ -49,7 +49,7 @@ def generate_and_capture(model, prompts: list[list[int]], max_new_tokens: int, a
     forward of its own.
     """
     device = next(model.parameters()).device
-    base, lm_head = model.model, model.get_output_embeddings()
+    base, target_logits = model.model, TargetLogits.of(model)
     b, longest = len(prompts), max(len(p) for p in prompts)
     ids = torch.full((b, longest), pad_id, dtype=torch.int64)
     mask = torch.zeros((b, longest), dtype=torch.int64)
@@ -71,14 +71,14 @@ def generate_and_capture(model, prompts: list[list[int]], max_new_tokens: int, a
                 input_ids=step_ids,
                 attention_mask=mask,
                 position_ids=positions,
-                past_key_values=cache,
+                **cache_argument(base, cache),
                 cache_position=slots,
                 use_cache=True,
             )
             finals.append(out.last_hidden_state)
             if len(answers) == max_new_tokens or bool(done.all()):
                 break
-            token = lm_head(out.last_hidden_state[:, -1]).argmax(-1)
+            token = target_logits(out.last_hidden_state[:, -1]).argmax(-1)
             answers.append(token)
             done |= torch.isin(token, eos)
             step_ids = token[:, None]

@@ -1,60 +1,101 @@
-"""Which target architectures each stage takes, keyed by the target config's `model_type`.
+"""Which target architectures each stage takes, read from the target config alone (no weights).
 
-One table, so that a head is never trained for a target a later stage refuses without saying why:
-a stage that takes fewer types than training holds the reason beside the type. Data preparation
-writes data only training reads, so each `eagle-prep` command that writes it checks "training"
-first: hours of capture for a target training then refuses are hours lost.
+Training takes any decoder-only causal LM that transformers builds with its decoder layers at
+`model.model.layers` (the hidden states are those layers' inputs; the target distribution is the
+model's own logits, `hidden_states.TargetLogits`, checked against a forward when the target loads).
+The built-in runtime takes those whose layers all attend over a key/value cache (full or sliding
+window): it verifies drafts through the model's own modules (`inference.hf_target`), and through its
+own faster Llama forward (`inference.llama`) where that is exact. `ARCHITECTURES` holds what is known
+per model_type beyond that rule. Data preparation writes data only training reads, so each
+`eagle-prep` command that writes it checks "training" first: hours of capture for a target training
+then refuses are hours lost.
 """
 
 from dataclasses import dataclass
 
 STAGES = {  # stage -> (what it is, the way out of a refusal)
-    "training": ("training a draft head", "give a target of one of those types (--target, or target: in the config)"),
+    "training": ("training a draft head", "give a decoder-only causal LM (--target, or target: in the config)"),
     "runtime": (
         "the built-in speculative runtime",
         "evaluate this head in an engine that serves this target (eagle-eval --engine vllm)",
     ),
 }
+ATTENTION_LAYERS = {"full_attention", "sliding_attention"}  # the layer_types a KV cache and a mask serve
 
 
 @dataclass(frozen=True)
 class Architecture:
-    """One target model_type: per stage, None where the stage takes it, else why it does not."""
+    """What is known of one target model_type: per stage, why the stage refuses it (None: it takes it),
+    and whether the runtime's own Llama forward computes it exactly."""
 
     training: str | None = None
     runtime: str | None = None
+    fast_runtime: bool = False
 
 
-MOE = "its mixture-of-experts layers have no single dense MLP, the only one the runtime builds"
-NOPE = "it skips RoPE in some layers (no_rope_layers), and the runtime rotates every layer"
-
+LLAMA_FORWARD = Architecture(fast_runtime=True)
 ARCHITECTURES = {
-    "llama": Architecture(),
-    "mistral": Architecture(),
-    "qwen2": Architecture(),
-    "qwen3": Architecture(),
-    "qwen2_moe": Architecture(runtime=MOE),
-    "qwen3_moe": Architecture(runtime=MOE),
-    "mixtral": Architecture(runtime=MOE),
-    "smollm3": Architecture(runtime=NOPE),
+    "llama": LLAMA_FORWARD,
+    "mistral": LLAMA_FORWARD,
+    "qwen2": LLAMA_FORWARD,
+    "qwen3": LLAMA_FORWARD,
 }
 
 
-def supported(stage: str) -> list[str]:
-    """The model_types `stage` takes, sorted."""
-    return sorted(name for name, arch in ARCHITECTURES.items() if getattr(arch, stage) is None)
+def text_config(config):
+    """The language model's config inside a multimodal one (its `text_config`), else `config`."""
+    return getattr(config, "text_config", None) or config
+
+
+def structure_problem(config) -> str | None:
+    """Why transformers' model for `config` is not a decoder-only causal LM with its decoder layers at
+    `model.model.layers`, from the model built on the meta device (no memory, no weights); None if it is."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if getattr(config, "is_encoder_decoder", False):
+        return "it is an encoder-decoder model"
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except (ValueError, KeyError) as err:
+        return f"transformers has no causal LM for it ({str(err).splitlines()[0]})"
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None or len(layers) != getattr(config, "num_hidden_layers", -1):
+        return f"{type(model).__name__} keeps no decoder layers at model.model.layers, where capture reads them"
+    return None
+
+
+def layer_problem(config) -> str | None:
+    """Why a KV cache and an attention mask cannot run every layer of `config` (None: they can)."""
+    others = sorted(set(getattr(config, "layer_types", None) or ()) - ATTENTION_LAYERS)
+    if others:
+        return (
+            f"its {', '.join(others)} layers keep a state a KV cache does not hold (rejected drafts cannot be undone)"
+        )
+    return None
+
+
+def refusal(target_config, stage: str) -> str | None:
+    """Why `stage` does not take the target of `target_config` (None: it does)."""
+    config = text_config(target_config)
+    known = ARCHITECTURES.get(config.model_type)
+    if known is not None:
+        return getattr(known, stage)
+    return structure_problem(config) or (layer_problem(config) if stage == "runtime" else None)
 
 
 def check_supported(target_config, stage: str) -> None:
     """Refuse, in one line naming the reason and the way out, a target that `stage` does not take."""
-    model_type = (getattr(target_config, "text_config", None) or target_config).model_type
-    what, way_out = STAGES[stage]
-    if model_type not in ARCHITECTURES:
-        why = "eagle_train.architectures does not list it"
-    else:
-        why = getattr(ARCHITECTURES[model_type], stage)
+    why = refusal(target_config, stage)
     if why is not None:
+        what, way_out = STAGES[stage]
         raise ValueError(
-            f"{what} does not take target model_type {model_type!r}: {why}. "
-            f"It supports {', '.join(supported(stage))}; {way_out}"
+            f"{what} does not take target model_type {text_config(target_config).model_type!r}: {why}; {way_out}"
         )
+
+
+def fast_runtime(target_config) -> bool:
+    """Whether the runtime's own Llama forward (inference.llama) computes this target exactly."""
+    known = ARCHITECTURES.get(text_config(target_config).model_type)
+    return known is not None and known.fast_runtime

@@ -9,15 +9,18 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eagle_train.architectures import check_supported
+from eagle_train.architectures import check_supported, text_config
 from eagle_train.hidden_states import default_aux_layer_ids
+from eagle_train.layers import ROPE_TYPES
 from eagle_train.vocab_map import DRAFT_VOCAB_SIZE, check_draft_vocab_size
 
 
 def target_rope(cfg) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling) from a target config of transformers 4.x (rope_theta/rope_scaling)
-    or 5.x (rope_parameters). Scaling is None for plain RoPE."""
+    or 5.x (rope_parameters, also per layer type). Scaling is None for plain RoPE."""
     params = getattr(cfg, "rope_parameters", None)
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        params = params["full_attention"]  # per layer type (Gemma 3): the full-attention layers' RoPE
     if isinstance(params, dict) and "rope_theta" in params:
         theta = float(params["rope_theta"])
         scaling = {k: v for k, v in params.items() if k != "rope_theta"}
@@ -29,6 +32,14 @@ def target_rope(cfg) -> tuple[float, dict | None]:
     if scaling.get("rope_type", "default") == "default":
         scaling = None
     return theta, scaling
+
+
+def head_rope(cfg) -> tuple[float, dict | None]:
+    """The RoPE eagle-train gives a head of this target: the target's where `eagle_train.layers` implements
+    its type, else plain RoPE at the target's base. The head's positions are its own (its attention reads
+    only its own keys), and every export states them, so the engines rotate as the head was trained."""
+    theta, scaling = target_rope(cfg)
+    return theta, scaling if (scaling or {}).get("rope_type") in (None, *ROPE_TYPES) else None
 
 
 HEAD_FORMAT = "eagle-train-draft"  # config.json's "format" in a head directory of ours (eagle_train.checkpoint)
@@ -73,20 +84,25 @@ class DraftConfig:
         target: str = "",
         **extra,
     ):
-        """A head sized like one decoder layer of the target (a type `eagle_train.architectures` trains)."""
-        cfg = getattr(cfg, "text_config", None) or cfg
+        """A Llama decoder layer sized like one layer of the target (a type `eagle_train.architectures` trains),
+        whatever the target's own layers are: the engines build every EAGLE-3 head as a Llama layer. Its RoPE
+        is `head_rope`'s."""
+        cfg = text_config(cfg)
         check_supported(cfg, "training")
         n = cfg.num_hidden_layers
-        theta, scaling = target_rope(cfg)
+        theta, scaling = head_rope(cfg)
+        eps = next(
+            (getattr(cfg, k) for k in ("rms_norm_eps", "layer_norm_eps", "norm_epsilon") if hasattr(cfg, k)), None
+        )
         return cls(
             hidden_size=cfg.hidden_size,
             num_attention_heads=cfg.num_attention_heads,
             num_key_value_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
             head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
-            intermediate_size=cfg.intermediate_size,
+            intermediate_size=getattr(cfg, "intermediate_size", None) or 4 * cfg.hidden_size,
             vocab_size=cfg.vocab_size,
             draft_vocab_size=draft_vocab_size,
-            rms_norm_eps=cfg.rms_norm_eps,
+            rms_norm_eps=eps or 1e-6,
             rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=cfg.max_position_embeddings,
@@ -102,7 +118,7 @@ class DraftConfig:
 
     def fit_problems(self, target_config) -> list[str]:
         """What keeps this head from reading `target_config`'s hidden states and vocabulary (none: it fits)."""
-        cfg = getattr(target_config, "text_config", None) or target_config
+        cfg = text_config(target_config)
         n = cfg.num_hidden_layers
         problems = []
         if self.vocab_size != cfg.vocab_size:

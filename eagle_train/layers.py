@@ -25,6 +25,9 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+ROPE_TYPES = ("default", "linear", "llama3")  # what rope_inv_freq implements
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     """Inverse frequencies for the RoPE types Llama-family targets use (default, linear, llama3)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
@@ -43,7 +46,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
         is_mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
         return torch.where(is_mid, mid, scaled).float()
     raise NotImplementedError(
-        f"RoPE type {rope_type!r} is not supported by the draft head (supported: default, linear, llama3)"
+        f"RoPE type {rope_type!r} is not supported by the draft head (supported: {', '.join(ROPE_TYPES)})"
     )
 
 

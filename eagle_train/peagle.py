@@ -21,6 +21,7 @@ import functools
 import torch
 from torch import nn
 
+from eagle_train.architectures import text_config
 from eagle_train.draft_config import DraftConfig
 from eagle_train.head import HEAD_CLASSES, DecoderLayer, DraftHead, KVCache
 
@@ -105,7 +106,7 @@ class PEagleHead(DraftHead):
         **config_kwargs,
     ) -> "PEagleHead":
         """A head for `target_model` whose trainable embedding starts as a copy of the target's."""
-        tcfg = getattr(target_model.config, "text_config", None) or target_model.config
+        tcfg = text_config(target_model.config)
         cfg = DraftConfig.from_target_config(
             target_model.config,
             method="peagle",

@@ -19,6 +19,7 @@ import contextlib
 import torch
 
 from eagle_train import peagle_batch as pb
+from eagle_train.architectures import text_config
 from eagle_train.checkpoint import load_draft_head
 from eagle_train.fused_ce import soft_cross_entropy
 from eagle_train.peagle import PEagleHead, choose_mask_token_id
@@ -58,7 +59,7 @@ def build_peagle_head(cfg, target_model, vocab_map: dict | None) -> PEagleHead:
 
 def validate_peagle(cfg, target_config) -> None:
     """The P-EAGLE keys of a TrainConfig, checked before any compute."""
-    vocab = (getattr(target_config, "text_config", None) or target_config).vocab_size
+    vocab = text_config(target_config).vocab_size
     if cfg.num_depths < 2:
         raise ValueError(f"num_depths (K, drafts per forward) must be >= 2, got {cfg.num_depths}")
     if cfg.num_segments is not None and cfg.num_segments < 1:

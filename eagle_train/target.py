@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from eagle_train.hidden_states import check_target_logits
+
 SMOLLM2 = "smollm2-135m"
 
 # alias -> (python package that ships the file, file name inside it)
@@ -150,7 +152,7 @@ def check_decoder(model) -> None:
 
 
 def load_target(name_or_path: str, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu"):
-    """Load (model, tokenizer), frozen and in eval mode.
+    """Load (model, tokenizer), frozen and in eval mode, its logits rule checked (`check_target_logits`).
 
     dtype defaults to fp32 on CPU and bf16 on CUDA.
     """
@@ -165,6 +167,7 @@ def load_target(name_or_path: str, dtype: torch.dtype | str | None = None, devic
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     check_decoder(model)
     model.to(device).eval().requires_grad_(False)
+    check_target_logits(model)
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token

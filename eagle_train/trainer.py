@@ -42,7 +42,7 @@ from tqdm import tqdm
 from eagle_train.backend import Backend, backend_of, check_resumable, make_accelerator
 from eagle_train.batching import epoch_batches, pack_by_length
 from eagle_train.checkpoint import load_draft_head
-from eagle_train.hidden_states import target_hidden_states
+from eagle_train.hidden_states import TargetLogits, target_hidden_states
 from eagle_train.store import HIDDEN_FORMAT, ShardedSamples, read_manifest, read_vocab_map
 from eagle_train.target import load_target, load_target_config
 from eagle_train.train_config import TrainConfig, validate
@@ -127,7 +127,7 @@ class BatchSource:
         self.online = cfg.mode == "online"
         self.target = target_model if self.online else None  # offline keeps no reference to it
         self.aux_layer_ids = aux_layer_ids
-        self.lm_head_weight = target_model.get_output_embeddings().weight.detach().to(device, torch.float32)
+        self.target_logits = TargetLogits.of(target_model, device, torch.float32)
         self.t2d = t2d.to(device)
         self.device = device
 
@@ -139,7 +139,7 @@ class BatchSource:
             )
         else:
             aux, final = padded["aux_hidden"].to(self.device), padded["final_hidden"].to(self.device)
-        probs, in_draft = target_distribution(final, self.lm_head_weight, self.t2d)
+        probs, in_draft = target_distribution(final, self.target_logits, self.t2d)
         return {
             "input_ids": ids,
             "loss_mask": padded["loss_mask"].to(self.device),

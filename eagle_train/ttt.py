@@ -11,7 +11,6 @@ P-EAGLE reads the same tensors.
 """
 
 import torch
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from eagle_train.fused_ce import soft_cross_entropy
@@ -21,15 +20,16 @@ TTT_DECAY = 0.8  # step i's loss weighs decay**i, the default
 
 
 @torch.no_grad()
-def target_distribution(final_hidden, lm_head_weight, t2d):
+def target_distribution(final_hidden, target_logits, t2d):
     """Target probabilities over the draft vocabulary and where the target's argmax is a draft token.
 
-    final_hidden [B, T, H] (post-norm), lm_head_weight [V, H], t2d bool [V] ->
+    final_hidden [B, T, H] (post-norm), target_logits the target's `hidden_states.TargetLogits` (fp32),
+    t2d bool [V] ->
     (softmax(target_logits[..., t2d]) [B, T, Vd] fp32, in_draft bool [B, T]).
     Draft id j is the j-th True entry of t2d (the draft ids are sorted ascending), which is
     what `d2t` encodes.
     """
-    logits = F.linear(final_hidden.float(), lm_head_weight.float())
+    logits = target_logits(final_hidden.float()).float()
     in_draft = t2d[logits.argmax(-1)]
     probs = torch.softmax(logits[..., t2d], dim=-1)
     return probs, in_draft

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eagle_train.draft_config import DraftConfig, target_rope
+from eagle_train.draft_config import DraftConfig, head_rope, target_rope
 from eagle_train.export.draft_files import DraftFiles
 from eagle_train.export.layouts import (
     MASK_TOKEN_KEYS,
@@ -393,8 +393,11 @@ def check_target(report, eng, llama, cfg, target_config):
         )
         if eng.caps_context_at_draft:
             report.context_length = min(cfg.max_position_embeddings, target_ctx)
+    # a head uses the target's RoPE, or the plain RoPE eagle-train trains for a type its heads do not implement
     theta, scaling = target_rope(target_config)
-    if abs(cfg.rope_theta - theta) > 1e-6 * theta or plain_scaling(cfg.rope_scaling) != plain_scaling(scaling):
+    as_trained = [(theta, scaling), head_rope(target_config)]
+    read = plain_scaling(cfg.rope_scaling)
+    if not any(abs(cfg.rope_theta - t) <= 1e-6 * t and read == plain_scaling(s) for t, s in as_trained):
         report.add(
             "error",
             f"RoPE as {eng.title} reads it (rope_theta {cfg.rope_theta}, rope_scaling "

@@ -20,7 +20,8 @@ import torch
 
 from inference.drafting import Drafter, TreeShape
 from inference.graphs import GraphedStep
-from inference.llama import TargetModel, use_few_row_linears
+from inference.hf_target import target_view
+from inference.llama import use_few_row_linears
 from inference.parallel_drafting import ParallelDrafter
 from inference.prompt_lookup import PromptLookup
 from inference.sampling import Sampler, accept_greedy, accept_sampling
@@ -53,9 +54,9 @@ class Runtime:
         seed: int | None = None,
     ):
         aux_ids = head.config.aux_layer_ids if head is not None else None
-        self.target = TargetModel(hf_model, aux_ids)
+        self.target = target_view(hf_model, aux_ids)
         self.device = self.target.device
-        self.use_graphs = cuda_graphs and self.device.type == "cuda"
+        self.use_graphs = cuda_graphs and self.device.type == "cuda" and self.target.graphable
         self.sampler = sampler
         self.eos = set(int(e) for e in eos_token_ids)
         if seed is not None:

@@ -1,4 +1,4 @@
-"""The target's own forward for speculative decoding (the types `eagle_train.architectures` gives the runtime).
+"""The runtime's own forward of Llama-family targets (`llama_forward_problem` says which), for speed.
 
 Built on the Hugging Face model's weights (shared, not copied) so that verification can do what
 `transformers` does not: write keys/values into a static, preallocated cache at explicit slots,
@@ -11,11 +11,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle_train.architectures import check_supported
+from eagle_train.architectures import fast_runtime, text_config
 from eagle_train.draft_config import target_rope
 from eagle_train.head import KVCache
-from eagle_train.hidden_states import default_aux_layer_ids
-from eagle_train.layers import MLP, RMSNorm, RotaryEmbedding, apply_rope
+from eagle_train.hidden_states import TargetLogits, aux_layer_ids_for
+from eagle_train.layers import MLP, ROPE_TYPES, RMSNorm, RotaryEmbedding, apply_rope
 
 
 def shared_norm(hf_norm) -> RMSNorm:
@@ -105,6 +105,23 @@ class TargetLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def llama_forward_problem(cfg) -> str | None:
+    """Why `TargetModel` would not compute this target exactly (None: it does): it is written for the types
+    `eagle_train.architectures` gives the Llama forward, with SiLU MLPs, full attention and the RoPE types
+    `eagle_train.layers` implements. `inference.hf_target` serves the others through the model's own modules."""
+    if not fast_runtime(cfg):
+        return f"model_type {cfg.model_type!r} is not one eagle_train.architectures gives the Llama forward"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"hidden_act {cfg.hidden_act!r} (only silu)"
+    window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
+    if window and window < cfg.max_position_embeddings:
+        return f"a sliding window of {window} tokens in a context of {cfg.max_position_embeddings} (full attention)"
+    rope_type = (target_rope(cfg)[1] or {}).get("rope_type", "default")
+    if rope_type not in ROPE_TYPES:
+        return f"RoPE type {rope_type!r} (only {', '.join(ROPE_TYPES)})"
+    return None
+
+
 class TargetModel(nn.Module):
     """forward(input_ids [1,n], position_ids [1,n], slots [n], mask [1,1,n,W]) -> (final [1,n,H], aux [1,n,3H]).
 
@@ -114,17 +131,16 @@ class TargetModel(nn.Module):
     layers `aux_layer_ids` (HF `output_hidden_states` indices), the draft head's input.
     """
 
+    graphable = True  # one CUDA graph per shape replays a step (inference.graphs)
+
     def __init__(self, hf_model, aux_layer_ids=None):
         super().__init__()
-        cfg = getattr(hf_model.config, "text_config", None) or hf_model.config
-        check_supported(cfg, "runtime")
-        if getattr(cfg, "hidden_act", "silu") != "silu":
-            raise ValueError(f"target hidden_act {cfg.hidden_act!r} is not supported (only silu)")
+        cfg = text_config(hf_model.config)
+        why = llama_forward_problem(cfg)
+        if why is not None:
+            raise ValueError(f"the runtime's Llama forward does not compute this target: {why}")
         self.config = cfg
-        n = cfg.num_hidden_layers
-        self.aux_layer_ids = tuple(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(n)
-        if any(not 0 <= i < n for i in self.aux_layer_ids):
-            raise ValueError(f"aux layer ids {self.aux_layer_ids} must lie in [0, {n - 1}] for a {n}-layer target")
+        self.aux_layer_ids = aux_layer_ids_for(cfg.num_hidden_layers, aux_layer_ids)
         num_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.num_kv_heads = num_kv
@@ -134,29 +150,22 @@ class TargetModel(nn.Module):
             TargetLayer(layer, cfg.num_attention_heads, num_kv, self.head_dim) for layer in base.layers
         )
         self.norm = shared_norm(base.norm)
-        self.lm_head = hf_model.get_output_embeddings()
+        self.target_logits = TargetLogits.of(hf_model)
         theta, scaling = target_rope(cfg)
-        self.rotary = RotaryEmbedding(self.head_dim, theta, scaling).to(self.lm_head.weight.device)
-        window = getattr(cfg, "sliding_window", None)
-        self.sliding_window = window if window and getattr(cfg, "use_sliding_window", True) else None
+        self.rotary = RotaryEmbedding(self.head_dim, theta, scaling).to(self.device)
         self.max_len = 0
         use_few_row_linears(self)  # swaps our references only: the HF model keeps its own Linears
 
     @property
     def device(self):
-        return self.lm_head.weight.device
+        return self.target_logits.lm_head.weight.device
 
     @property
     def dtype(self):
-        return self.lm_head.weight.dtype
+        return self.target_logits.lm_head.weight.dtype
 
     def setup_cache(self, max_len: int):
         """Preallocate every layer's [1, h_kv, max_len, d] cache (reused when already large enough)."""
-        if self.sliding_window and max_len > self.sliding_window:
-            raise ValueError(
-                f"sequences of {max_len} tokens exceed the target's sliding window ({self.sliding_window}); "
-                "the runtime implements full attention only: use shorter prompts or --max-new-tokens"
-            )
         if max_len > self.config.max_position_embeddings:
             raise ValueError(
                 f"{max_len} tokens exceed the target's context ({self.config.max_position_embeddings}); "
@@ -179,7 +188,7 @@ class TargetModel(nn.Module):
         return self.norm(x), torch.cat([kept[i] for i in self.aux_layer_ids], dim=-1)
 
     def logits(self, final):
-        return self.lm_head(final)
+        return self.target_logits(final)
 
     def compact(self, src_slots: torch.Tensor, dst_slots: torch.Tensor):
         """Move the cache entries of an accepted tree path (src) to consecutive slots (dst)."""

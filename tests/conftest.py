@@ -1,9 +1,32 @@
 """Shared fixtures. Session-scoped ones are built once per test run; add yours below in their own section."""
 
 import math
+from collections import defaultdict
 
 import pytest
 import torch
+
+# ------------------------------------------------------------------------------ the architecture matrix
+# tests/test_every_architecture.py records a figure per model_type and stage; the run ends with the table.
+
+MATRIX: dict[str, dict[str, str]] = defaultdict(dict)
+
+
+def matrix_table() -> list[str]:
+    """MATRIX as a Markdown table: one row per model_type, one column per stage any test recorded."""
+    stages = list(dict.fromkeys(stage for row in MATRIX.values() for stage in row))
+    lines = ["| model_type | " + " | ".join(stages) + " |", "|---" * (len(stages) + 1) + "|"]
+    for model_type in sorted(MATRIX):
+        lines.append(f"| {model_type} | " + " | ".join(MATRIX[model_type].get(s, "-") for s in stages) + " |")
+    return lines
+
+
+def pytest_terminal_summary(terminalreporter):
+    if MATRIX:
+        terminalreporter.section("architectures: every stage, as the tests measured it")
+        for line in matrix_table():
+            terminalreporter.write_line(line)
+
 
 # ------------------------------------------------------------------------------ comparing forwards
 
@@ -127,6 +150,15 @@ def tiny_head(method="eagle3", seed=0, init_std=0.3, draft_ids="random", target_
     if target_model is not None:
         head.attach_embedding(target_model.get_input_embeddings().weight, own=method == "peagle")
     return head
+
+
+def as_target_logits(lm_head_weight):
+    """The TargetLogits of a plain lm_head (no scale, no cap) of these weights, in fp32 as the trainer runs it."""
+    from eagle_train.hidden_states import TargetLogits
+
+    lm_head = torch.nn.Linear(lm_head_weight.shape[1], lm_head_weight.shape[0], bias=False)
+    lm_head.weight.data = lm_head_weight.float()
+    return TargetLogits(lm_head)
 
 
 def tiny_target_config(family="llama", **changes):

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import H, K, V, tiny_head
+from conftest import H, K, V, as_target_logits, tiny_head
 
 from eagle_train import peagle_batch as pb
 from eagle_train.peagle_train import PEagleObjective
@@ -70,7 +70,7 @@ def random_batch(seed=0, b=2, t=23, lengths=(23, 17), lm_head=None):
         loss_mask[i, n:] = False
     lm_head = torch.randn(V, H, generator=g, dtype=torch.double) * 3 if lm_head is None else lm_head
     final = torch.randn(b, t, H, generator=g, dtype=torch.double)
-    probs, in_draft = target_distribution(final, lm_head, tiny_head("peagle", draft_ids=KEPT).t2d)
+    probs, in_draft = target_distribution(final, as_target_logits(lm_head), tiny_head("peagle", draft_ids=KEPT).t2d)
     return dict(
         input_ids=torch.randint(0, V - 1, (b, t), generator=g),
         loss_mask=loss_mask,

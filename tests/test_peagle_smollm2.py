@@ -8,6 +8,7 @@ import torch
 from test_peagle_batch import runner
 from test_peagle_head import parallel_drafts, training_logits
 
+from eagle_train.hidden_states import TargetLogits
 from eagle_train.peagle_train import PEagleObjective, build_peagle_head
 from eagle_train.store import ShardedSamples, read_vocab_map
 from eagle_train.trainer import pad_samples
@@ -26,7 +27,7 @@ def peagle_setup(smollm2, small_store):
     head = build_peagle_head(cfg, model, read_vocab_map(small_store))
     data = ShardedSamples(small_store)
     padded = pad_samples([data[i] for i in range(3)], 128)
-    probs, in_draft = target_distribution(padded["final_hidden"], model.lm_head.weight, head.t2d)
+    probs, in_draft = target_distribution(padded["final_hidden"], TargetLogits.of(model), head.t2d)
     batch = dict(
         input_ids=padded["input_ids"],
         loss_mask=padded["loss_mask"],

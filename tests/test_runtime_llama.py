@@ -4,7 +4,7 @@ import pytest
 import torch
 from conftest import TARGET_FAMILIES, tiny_target
 
-from eagle_train.hidden_states import target_hidden_states, target_logits
+from eagle_train.hidden_states import TargetLogits, target_hidden_states
 from inference.llama import TargetModel
 
 TARGET = dict(
@@ -95,18 +95,24 @@ def test_smollm2_forward_equals_hf_and_target_hidden_states(smollm2):
     assert runtime.aux_layer_ids == (2, 15, 27)
     logits = runtime.logits(final)
     assert (logits - hf.logits).abs().max() < 1e-3
-    assert (logits - target_logits(model, ref_final)).abs().max() < 1e-3
+    assert (logits - TargetLogits.of(model)(ref_final)).abs().max() < 1e-3
     expected = torch.cat([hf.hidden_states[i] for i in (2, 15, 27)], dim=-1)
     assert (aux - expected).abs().max() / expected.abs().max() < 1e-5
     assert (aux - ref_aux).abs().max() / expected.abs().max() < 1e-5
 
 
-def test_unsupported_target_is_refused():
+def test_a_target_the_llama_forward_does_not_compute_is_refused_and_served_by_the_models_own():
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50))
-    with pytest.raises(ValueError, match="supports llama, mistral, qwen2, qwen3"):
-        TargetModel(model)
+    from inference.hf_target import HFTarget, target_view
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50))
+    with pytest.raises(ValueError, match="Llama forward does not compute this target: model_type 'gpt2' is not"):
+        TargetModel(gpt2)
+    windowed = tiny_target("mistral", sliding_window=16)  # a window shorter than the context
+    with pytest.raises(ValueError, match="a sliding window of 16 tokens"):
+        TargetModel(windowed)
+    assert isinstance(target_view(windowed), HFTarget) and isinstance(target_view(tiny_target()), TargetModel)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 40])

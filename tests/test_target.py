@@ -9,10 +9,10 @@ from conftest import assert_same_forward
 from eagle_train import target as target_mod
 from eagle_train.draft_config import target_rope
 from eagle_train.hidden_states import (
+    TargetLogits,
     default_aux_layer_ids,
     engine_aux_layer_ids,
     target_hidden_states,
-    target_logits,
 )
 from eagle_train.target import (
     SMOLLM2,
@@ -152,7 +152,7 @@ def test_hidden_states_equal_output_hidden_states_padded(which, request):
     cfg = model.config
     assert_same_forward(aux[real], torch.cat([hs[low], hs[mid], hs[high]], dim=-1)[real], cfg)
     assert_same_forward(final[real], hs[-1][real], cfg)
-    assert_same_forward(target_logits(model, final)[real], out.logits[real], cfg)
+    assert_same_forward(TargetLogits.of(model)(final)[real], out.logits[real], cfg)
     # and each text alone, unpadded: padding changes nothing beyond the rounding of another batch shape. SmolLM2
     # carries a ~24000-magnitude "massive activation" at the first token, so the bound scales with each row.
     for b in range(len(texts)):

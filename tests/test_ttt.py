@@ -5,9 +5,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import VD, H, V, tiny_head
+from conftest import VD, H, V, as_target_logits, tiny_head
 
 from eagle_train.eagle3 import Eagle3Head
+from eagle_train.hidden_states import TargetLogits
 from eagle_train.ttt import simulated_acceptance_length, target_distribution, ttt_loss
 
 
@@ -54,7 +55,7 @@ def reference_losses(head, aux, ids, mask, final, lm_head, steps):
 def test_target_distribution_is_the_target_softmax_on_the_draft_vocab():
     head = tiny_head().double()
     _, _, _, final, lm_head = random_batch()
-    probs, in_draft = target_distribution(final, lm_head, head.t2d)
+    probs, in_draft = target_distribution(final, as_target_logits(lm_head), head.t2d)
     full = final.float() @ lm_head.float().T
     draft_targets = head.draft_to_target_ids(torch.arange(VD))
     assert torch.allclose(probs, torch.softmax(full[..., draft_targets], -1), atol=1e-6)
@@ -67,7 +68,7 @@ def test_target_distribution_is_the_target_softmax_on_the_draft_vocab():
 def test_step0_loss_equals_hand_computed_cross_entropy_of_a_plain_forward():
     head = tiny_head(seed=1).double()
     aux, ids, mask, final, lm_head = random_batch(seed=1)
-    probs, in_draft = target_distribution(final, lm_head, head.t2d)
+    probs, in_draft = target_distribution(final, as_target_logits(lm_head), head.t2d)
     with torch.no_grad():
         loss, metrics = ttt_loss(head, aux, ids, mask, probs.double(), in_draft, ttt_length=1)
         ((ref_loss, ref_acc, ref_n),) = reference_losses(head, aux, ids, mask, final, lm_head, 1)
@@ -81,7 +82,7 @@ def test_step0_loss_equals_hand_computed_cross_entropy_of_a_plain_forward():
 def test_every_ttt_step_loss_matches_the_cached_runtime_reference(fused_loss):
     head = tiny_head(seed=2).double()
     aux, ids, mask, final, lm_head = random_batch(seed=2, t=15)
-    probs, in_draft = target_distribution(final, lm_head, head.t2d)
+    probs, in_draft = target_distribution(final, as_target_logits(lm_head), head.t2d)
     with torch.no_grad():
         loss, metrics = ttt_loss(
             head, aux, ids, mask, probs.double(), in_draft, ttt_length=4, decay=0.8, fused_loss=fused_loss
@@ -100,7 +101,7 @@ def test_logit_checkpointing_gives_the_same_loss_and_gradients():
     grads = []
     for checkpoint_logits in (False, True):
         head = tiny_head(seed=3).double()
-        probs, in_draft = target_distribution(final, lm_head, head.t2d)
+        probs, in_draft = target_distribution(final, as_target_logits(lm_head), head.t2d)
         loss, _ = ttt_loss(
             head, aux, ids, mask, probs.double(), in_draft, ttt_length=3, checkpoint_logits=checkpoint_logits
         )
@@ -130,7 +131,7 @@ def test_gradients_reach_every_head_parameter_and_nothing_else(smollm2):
     head = Eagle3Head.from_target(model, draft_vocab_size=2048)
     ids = tokenizer("The quick brown fox jumps over the lazy dog, then it runs away.", return_tensors="pt").input_ids
     aux, final = target_hidden_states(model, ids)
-    probs, in_draft = target_distribution(final, model.lm_head.weight, head.t2d)
+    probs, in_draft = target_distribution(final, TargetLogits.of(model), head.t2d)
     mask = torch.ones_like(ids, dtype=torch.bool)
     assert in_draft.any()
     loss, _ = ttt_loss(head, aux, ids, mask, probs, in_draft, ttt_length=3)

@@ -18,6 +18,7 @@ import time
 import torch
 
 from eagle_train.eagle3 import Eagle3Head
+from eagle_train.hidden_states import TargetLogits
 from eagle_train.target import load_target
 from eagle_train.ttt import TTT_LENGTH, target_distribution, ttt_loss
 from eagle_train.vocab_map import DRAFT_VOCAB_SIZE
@@ -55,7 +56,7 @@ def main():
     torch.manual_seed(0)
     head = Eagle3Head.from_target(target, draft_vocab_size=args.draft_vocab_size).float().to(device)
     cfg = head.config
-    lm_head = target.get_output_embeddings().weight
+    target_logits = TargetLogits.of(target, device, torch.float32)
     batch = max(1, args.tokens_per_batch // args.seq_len)
     shape = (batch, args.seq_len)
     aux = torch.randn(*shape, 3 * cfg.target_hidden_size, device=device)
@@ -74,7 +75,7 @@ def main():
     for step in range(args.warmup + args.steps):
         sync()
         t0 = time.perf_counter()
-        probs, in_draft = target_distribution(final, lm_head, head.t2d)
+        probs, in_draft = target_distribution(final, target_logits, head.t2d)
         in_draft = torch.ones_like(in_draft)  # random states rarely pick draft ids; supervise every position
         sync()
         t1 = time.perf_counter()
