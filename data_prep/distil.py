@@ -15,8 +15,9 @@ import time
 from pathlib import Path
 
 import torch
+import transformers
 from tqdm import tqdm
-from transformers import StaticCache
+from transformers import DynamicCache, StaticCache
 
 from data_prep.capture import finish_store, pending_shards, start_store
 from data_prep.chat import MAX_LENGTH, with_system_prompt
@@ -36,6 +37,16 @@ def first_turn_prompt(messages: list[dict]) -> list[dict] | None:
             break
         head.append(m)
     return head if any(m["role"] == "user" and m["content"].strip() for m in head) else None
+
+
+def generation_cache(config, max_len: int):
+    """transformers' static cache (a growing one copies every layer's keys and values at every step), but its
+    growing one for multi-head latent attention before transformers 5, whose static layers give the values the
+    keys' width, which MLA's keys exceed."""
+    latent = getattr(config, "qk_rope_head_dim", None) and getattr(config, "v_head_dim", None)
+    if latent and int(transformers.__version__.split(".")[0]) < 5:
+        return DynamicCache()
+    return StaticCache(config=config, max_cache_len=max_len)
 
 
 @torch.no_grad()
@@ -58,8 +69,7 @@ def generate_and_capture(model, prompts: list[list[int]], max_new_tokens: int, a
         mask[i, longest - len(p) :] = 1
     ids, mask = ids.to(device), mask.to(device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    # a static cache: a growing one copies every layer's keys and values at every step
-    cache = StaticCache(config=model.config, max_cache_len=longest + max_new_tokens + 1)
+    cache = generation_cache(model.config, longest + max_new_tokens + 1)
     slots = torch.arange(longest, device=device)
     finals, answers = [], []
     eos = torch.tensor(sorted(eos_ids), device=device)

@@ -94,6 +94,9 @@ class Engine:
     def check_parallel(self, report: EngineReport, files: DraftFiles, cfg) -> None:
         """Its P-EAGLE rules (only engines with parallel_drafting have any)."""
 
+    def check_target_architecture(self, report: EngineReport, target_config) -> None:
+        """Whether it serves EAGLE-3 heads on the target's architecture (no limit known by default)."""
+
     def inspect(self, files: DraftFiles, target_config=None) -> EngineReport:
         """What it would do with the directory in `files` (no weights are read but d2t)."""
         return rules.inspect(self, files, target_config)

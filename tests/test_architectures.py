@@ -42,11 +42,27 @@ def test_training_refuses_a_model_capture_cannot_read_in_one_line_with_the_reaso
 
 
 def test_the_runtime_refuses_layers_a_kv_cache_cannot_roll_back_and_training_takes_them():
-    hybrid = config("qwen3_next", num_hidden_layers=4)
-    assert "linear_attention" in hybrid.layer_types
+    hybrid = config("lfm2", num_hidden_layers=4, layer_types=["conv", "full_attention", "conv", "full_attention"])
     check_supported(hybrid, "training")
-    with pytest.raises(ValueError, match=r"runtime does not take .*linear_attention layers .*--engine vllm") as err:
+    with pytest.raises(ValueError, match=r"runtime does not take .*'lfm2': its conv layers .*--engine vllm") as err:
         check_supported(hybrid, "runtime")
+    assert "\n" not in str(err.value)
+
+
+def test_a_model_whose_forward_the_slot_cache_cannot_run_is_refused_in_one_line():
+    """Bamba's Mamba layers keep a state of their own: refused from the config where it says so, else by the
+    runtime's check of itself against a plain forward (transformers versions differ)."""
+    from transformers import AutoModelForCausalLM
+
+    from inference.hf_target import HFTarget
+
+    sizes = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+    bamba = config("bamba", num_hidden_layers=4, **sizes)
+    check_supported(bamba, "training")
+    with pytest.raises(
+        ValueError, match=r"runtime (does not take|cannot verify drafts for) target model_type 'bamba'"
+    ) as err:
+        HFTarget(AutoModelForCausalLM.from_config(bamba).eval())
     assert "\n" not in str(err.value)
 
 

@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from eagle_cli.evaluate import main as eval_main
 from eagle_train.export import export_head
+from eagle_train.export.draft_files import DraftFiles
 from eagle_train.target import SMOLLM2
 from engines import ENGINES, vllm
 
@@ -196,3 +197,66 @@ def test_live_broken_exports_fail_naming_the_cause(trained, what):
     assert report.exit_code == 1, report.render()
     causes = " ".join(f.cause for f in report.findings)
     assert {"aux": "wrong extract layers", "rope": "a wrong RoPE base", "d2t": "d2t off by +1"}[what] in causes
+
+
+# ---- the architectures vLLM serves EAGLE-3 heads on -------------------------------------------------
+
+
+@needs_vllm
+def test_the_recorded_eagle3_targets_are_the_installed_vllms():
+    """What --check reads where vLLM is absent is what the installed vLLM says (re-record on a new version)."""
+    recorded = json.loads(vllm.EAGLE3_TARGETS.read_text())
+    installed, source = vllm.eagle3_targets()
+    assert "installed" in source
+    if recorded["vllm"] == vllm.installed_version():
+        assert installed == set(recorded["architectures"])
+    assert {"LlamaForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM"} <= installed
+    assert "MixtralForCausalLM" not in installed
+
+
+def tiny_target_dir(tmp_path, model_type):
+    """A saved tiny random target of `model_type` (tests/test_every_architecture.py) with SmolLM2's tokenizer,
+    at head_dim 32 (vLLM's CPU attention takes no narrower head), and an export of a random head for it."""
+    from conftest import tiny_head
+    from test_every_architecture import tiny_model
+
+    from eagle_train.target import load_tokenizer
+
+    model = tiny_model(model_type, head_dim=32)
+    model.save_pretrained(tmp_path / model_type)
+    load_tokenizer(SMOLLM2).save_pretrained(tmp_path / model_type)
+    head = tiny_head(target_model=model, draft_vocab_size=4096, init_std=0.05)
+    return tmp_path / model_type, export_head(head, tmp_path / f"{model_type}-head", "eagle3", dtype="fp32")
+
+
+@needs_vllm
+@pytest.mark.parametrize(
+    "model_type",
+    [
+        "qwen3_moe",
+        "gpt_oss",
+        pytest.param("phi3", marks=pytest.mark.slow),
+        pytest.param("granite", marks=pytest.mark.slow),
+    ],
+)
+def test_vllm_speculates_losslessly_on_an_architecture_it_serves(tmp_path, model_type):
+    target, export = tiny_target_dir(tmp_path, model_type)
+    conversations = [[QUESTIONS[0]]]
+    plain = vllm.decode(str(target), conversations, 12)
+    spec = vllm.decode(str(target), conversations, 12, vllm.speculative("eagle3", export, 2))
+    (p,), (s,) = plain.conversations[0], spec.conversations[0]
+    assert s.output_ids == p.output_ids and len(set(p.output_ids)) > 2 and s.drafts > 0
+
+
+@needs_vllm
+def test_a_target_vllm_serves_no_head_on_is_refused_in_one_line_before_and_during_a_run(tmp_path):
+    from transformers import AutoConfig
+
+    target, export = tiny_target_dir(tmp_path, "mixtral")
+    report = ENGINES["vllm"].inspect(DraftFiles(export), AutoConfig.from_pretrained(target))
+    assert any("serves no EAGLE-3 head on a MixtralForCausalLM target" in f.message for f in report.findings)
+    with pytest.raises(
+        vllm.VllmError, match=r"^vLLM failed \(exit 1\): the target's model class does not implement"
+    ) as err:
+        vllm.decode(str(target), [[QUESTIONS[0]]], 8, vllm.speculative("eagle3", export, 2))
+    assert "\n" not in str(err.value)
