@@ -1,7 +1,9 @@
 """Shared fixtures. Session-scoped ones are built once per test run; add yours below in their own section."""
 
 import math
+import os
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,10 +24,13 @@ def matrix_table() -> list[str]:
 
 
 def pytest_terminal_summary(terminalreporter):
+    """Print the matrix; with EAGLE_MATRIX_MARKDOWN=FILE also write it there (scripts/supported_models.py)."""
     if MATRIX:
         terminalreporter.section("architectures: every stage, as the tests measured it")
         for line in matrix_table():
             terminalreporter.write_line(line)
+        if os.environ.get("EAGLE_MATRIX_MARKDOWN"):
+            Path(os.environ["EAGLE_MATRIX_MARKDOWN"]).write_text("\n".join(matrix_table()) + "\n")
 
 
 # ------------------------------------------------------------------------------ comparing forwards
