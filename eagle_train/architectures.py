@@ -58,8 +58,9 @@ def structure_problem(config) -> str | None:
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
-    except (ValueError, KeyError) as err:
-        return f"transformers has no causal LM for it ({str(err).splitlines()[0]})"
+    except Exception as err:  # whatever transformers raises, the answer is the same: it builds no model from this
+        first = (str(err).splitlines() or [""])[0][:200]
+        return f"transformers builds no causal LM from this config ({type(err).__name__}: {first})"
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None or len(layers) != getattr(config, "num_hidden_layers", -1):
         return f"{type(model).__name__} keeps no decoder layers at model.model.layers, where capture reads them"

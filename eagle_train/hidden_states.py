@@ -133,8 +133,8 @@ def check_target_logits(model, num_tokens: int = 8) -> None:
     distribution would load and accept little. One forward of a few tokens."""
     device = model.get_output_embeddings().weight.device
     ids = torch.arange(num_tokens, device=device)[None] % model.get_output_embeddings().weight.shape[0]
-    want = model(input_ids=ids).logits.float()
-    got = TargetLogits.of(model)(model.model(input_ids=ids).last_hidden_state).float()
+    want = model(input_ids=ids, use_cache=False).logits.float()
+    got = TargetLogits.of(model)(model.model(input_ids=ids, use_cache=False).last_hidden_state).float()
     scale = want.abs().max().clamp(min=1.0)
     tolerance = max(1e-3, 4 * torch.finfo(model.get_output_embeddings().weight.dtype).eps) * scale
     if got.shape != want.shape or (got - want).abs().max() > tolerance:

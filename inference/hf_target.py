@@ -9,12 +9,11 @@ Every number is the model's; `target_view` picks the faster view where it is exa
 """
 
 import torch
-from torch import nn
 from transformers.cache_utils import Cache
 
 from eagle_train.architectures import check_supported, text_config
 from eagle_train.hidden_states import TargetLogits, aux_layer_ids_for, cache_argument, layer_inputs
-from inference.llama import TargetModel, llama_forward_problem
+from inference.llama import TargetModel, TargetView, llama_forward_problem
 
 
 class SlotCache(Cache):
@@ -51,7 +50,7 @@ class SlotCache(Cache):
                 cache.index_copy_(2, dst_slots, cache.index_select(2, src_slots))
 
 
-class HFTarget(nn.Module):
+class HFTarget(TargetView):
     """The same calls as `inference.llama.TargetModel`: forward(input_ids [1,n], position_ids [1,n], slots [n],
     mask [1,1,n,W] bool) -> (final [1,n,H], aux [1,n,3H]), logits, setup_cache, compact."""
 
@@ -110,26 +109,10 @@ class HFTarget(nn.Module):
                 f"to {scale:.3g}); evaluate the head in an engine that serves this target (eagle-eval --engine vllm)"
             )
 
-    @property
-    def device(self):
-        return self.target_logits.lm_head.weight.device
-
-    @property
-    def dtype(self):
-        return self.target_logits.lm_head.weight.dtype
-
-    def setup_cache(self, max_len: int):
-        """A cache of `max_len` slots for every layer (reused when already large enough)."""
-        if max_len > self.config.max_position_embeddings:
-            raise ValueError(
-                f"{max_len} tokens exceed the target's context ({self.config.max_position_embeddings}); "
-                "use shorter prompts or fewer --max-new-tokens"
-            )
-        if max_len <= self.max_len:
-            return
+    def allocate(self, max_len: int):
+        """A slot cache for every layer, and the position each slot holds (for sliding windows)."""
         self.cache = SlotCache(self.config.num_hidden_layers, max_len)
         self.slot_positions = torch.arange(max_len, device=self.device)
-        self.max_len = max_len
 
     def attention_masks(self, position_ids, visible):
         """The model's 4D additive masks from the runtime's boolean one: per layer type (a dict) for models
@@ -162,16 +145,13 @@ class HFTarget(nn.Module):
             )
         return out.last_hidden_state, torch.cat([captured[i][0] for i in self.aux_layer_ids], dim=-1)
 
-    def logits(self, final):
-        return self.target_logits(final)
-
     def compact(self, src_slots: torch.Tensor, dst_slots: torch.Tensor):
         """Move the cache entries of an accepted tree path (src) to consecutive slots (dst)."""
         self.cache.compact(src_slots, dst_slots)
         self.slot_positions[dst_slots] = self.slot_positions[src_slots]
 
 
-def target_view(hf_model, aux_layer_ids=None) -> nn.Module:
+def target_view(hf_model, aux_layer_ids=None) -> TargetView:
     """The runtime's Llama forward where it is exact for this target (faster on the CPU), else `HFTarget`."""
     if llama_forward_problem(text_config(hf_model.config)) is None:
         return TargetModel(hf_model, aux_layer_ids)

@@ -122,7 +122,37 @@ def llama_forward_problem(cfg) -> str | None:
     return None
 
 
-class TargetModel(nn.Module):
+class TargetView(nn.Module):
+    """What the runtime's two views of the target share (this module's `TargetModel`, `inference.hf_target`'s
+    `HFTarget`): the device and dtype of the target's logits, and a cache sized once for the longest sequence.
+    Each view has `config`, `target_logits`, `max_len`, `allocate(max_len)` and `forward`."""
+
+    graphable = True  # one CUDA graph per shape replays a step (inference.graphs)
+
+    @property
+    def device(self):
+        return self.target_logits.lm_head.weight.device
+
+    @property
+    def dtype(self):
+        return self.target_logits.lm_head.weight.dtype
+
+    def setup_cache(self, max_len: int):
+        """A cache of `max_len` slots (reused when already large enough)."""
+        if max_len > self.config.max_position_embeddings:
+            raise ValueError(
+                f"{max_len} tokens exceed the target's context ({self.config.max_position_embeddings}); "
+                "use shorter prompts or fewer --max-new-tokens"
+            )
+        if max_len > self.max_len:
+            self.allocate(max_len)
+            self.max_len = max_len
+
+    def logits(self, final):
+        return self.target_logits(final)
+
+
+class TargetModel(TargetView):
     """forward(input_ids [1,n], position_ids [1,n], slots [n], mask [1,1,n,W]) -> (final [1,n,H], aux [1,n,3H]).
 
     `mask[..., j]` says whether a query sees cache slot j (True = visible); its width W bounds the
@@ -130,8 +160,6 @@ class TargetModel(nn.Module):
     is post-norm (what the lm_head reads, see `logits`); `aux` concatenates the inputs of decoder
     layers `aux_layer_ids` (HF `output_hidden_states` indices), the draft head's input.
     """
-
-    graphable = True  # one CUDA graph per shape replays a step (inference.graphs)
 
     def __init__(self, hf_model, aux_layer_ids=None):
         super().__init__()
@@ -156,26 +184,10 @@ class TargetModel(nn.Module):
         self.max_len = 0
         use_few_row_linears(self)  # swaps our references only: the HF model keeps its own Linears
 
-    @property
-    def device(self):
-        return self.target_logits.lm_head.weight.device
-
-    @property
-    def dtype(self):
-        return self.target_logits.lm_head.weight.dtype
-
-    def setup_cache(self, max_len: int):
-        """Preallocate every layer's [1, h_kv, max_len, d] cache (reused when already large enough)."""
-        if max_len > self.config.max_position_embeddings:
-            raise ValueError(
-                f"{max_len} tokens exceed the target's context ({self.config.max_position_embeddings}); "
-                "use shorter prompts or fewer --max-new-tokens"
-            )
-        if max_len <= self.max_len:
-            return
+    def allocate(self, max_len: int):
+        """Every layer's [1, h_kv, max_len, d] cache."""
         for layer in self.layers:
             layer.cache = KVCache(1, self.num_kv_heads, max_len, self.head_dim, self.dtype, self.device)
-        self.max_len = max_len
 
     def forward(self, input_ids, position_ids, slots, mask):
         x = self.embed_tokens(input_ids)
@@ -186,9 +198,6 @@ class TargetModel(nn.Module):
                 kept[i] = x
             x = layer(x, cos, sin, slots, mask)
         return self.norm(x), torch.cat([kept[i] for i in self.aux_layer_ids], dim=-1)
-
-    def logits(self, final):
-        return self.target_logits(final)
 
     def compact(self, src_slots: torch.Tensor, dst_slots: torch.Tensor):
         """Move the cache entries of an accepted tree path (src) to consecutive slots (dst)."""
