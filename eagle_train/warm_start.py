@@ -23,5 +23,21 @@ def warm_start_from_target(head, target_model) -> None:
             f"fit the head's lm_head {tuple(head.lm_head.weight.shape)}: the head was built for another "
             "target"
         )
+    check_plain_rms_norm(target_model.model.norm, head)
     head.lm_head.weight.copy_(lm_head[target_ids.to(lm_head.device)])
     head.norm.weight.copy_(norm)
+
+
+def check_plain_rms_norm(target_norm, head) -> None:
+    """Refuse, in one line, a target whose final norm is not x / rms(x) * weight (Gemma's x / rms(x) * (1 + weight),
+    a LayerNorm): its weight copied into the head's RMSNorm would start the head from another function."""
+    x = torch.randn(4, head.norm.weight.shape[0], generator=torch.Generator().manual_seed(0))
+    x = x.to(target_norm.weight.device, target_norm.weight.dtype)
+    plain = (
+        x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + head.norm.eps) * target_norm.weight.float()
+    )
+    if not torch.allclose(target_norm(x).float(), plain, rtol=1e-2, atol=1e-4):
+        raise ValueError(
+            f"warm_start copies the target's final norm weight into the head's RMSNorm, but this target's "
+            f"{type(target_norm).__name__} does not scale by that weight alone: train without warm_start"
+        )

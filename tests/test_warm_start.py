@@ -75,3 +75,14 @@ def test_warm_start_is_refused_where_it_means_nothing(tiny_llama, bad):
     model, _ = tiny_llama
     with pytest.raises(ValueError, match="warm_start"):
         validate(TrainConfig(warm_start=True, **bad), model.config)
+
+
+def test_a_target_whose_final_norm_is_not_a_plain_rms_norm_is_refused():
+    """Gemma 2 normalises by (1 + weight): copying its weight would start the head from another function."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    sizes = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    gemma = Gemma2ForCausalLM(Gemma2Config(vocab_size=1200, num_hidden_layers=3, **sizes)).eval()
+    with pytest.raises(ValueError, match=r"Gemma2RMSNorm does not scale by that weight alone: train without") as err:
+        warm_start_from_target(new_head(gemma), gemma)
+    assert "\n" not in str(err.value)
