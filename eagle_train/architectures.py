@@ -68,12 +68,11 @@ def structure_problem(config) -> str | None:
 
 
 def layer_problem(config) -> str | None:
-    """Why a KV cache and an attention mask cannot run every layer of `config` (None: they can)."""
+    """Why a KV cache and an attention mask cannot run every layer of `config` (None: they can). A layer with a
+    state of its own (linear attention, convolution, SSM) cannot undo a rejected draft by overwriting a slot."""
     others = sorted(set(getattr(config, "layer_types", None) or ()) - ATTENTION_LAYERS)
     if others:
-        return (
-            f"its {', '.join(others)} layers keep a state a KV cache does not hold (rejected drafts cannot be undone)"
-        )
+        return f"its {', '.join(others)} layers are not the full or sliding-window attention its cache and masks serve"
     return None
 
 
