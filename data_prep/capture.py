@@ -23,6 +23,7 @@ import torch
 from tqdm import tqdm
 
 from eagle_train.batching import pack_by_length
+from eagle_train.files import write_json
 from eagle_train.hidden_states import default_aux_layer_ids, target_hidden_states
 from eagle_train.store import (
     HIDDEN_FORMAT,
@@ -38,7 +39,6 @@ from eagle_train.store import (
     shard_name,
     shard_sample_ids,
     target_identity,
-    write_json_atomic,
 )
 
 
@@ -128,7 +128,7 @@ def start_store(
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         if existing is None:
-            write_json_atomic(out / MANIFEST, header)
+            write_json(out / MANIFEST, header)
     barrier()
     return header
 

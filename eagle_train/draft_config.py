@@ -5,11 +5,11 @@ config.json layouts are written by `eagle_train.export`.
 """
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from eagle_train.architectures import check_supported, text_config
+from eagle_train.files import write_json
 from eagle_train.hidden_states import default_aux_layer_ids
 from eagle_train.layers import ROPE_TYPES
 from eagle_train.vocab_map import DRAFT_VOCAB_SIZE, check_draft_vocab_size
@@ -155,5 +155,4 @@ class DraftConfig:
         return cls(**{k: v for k, v in d.items() if k in names})
 
     def save(self, directory) -> None:
-        with open(Path(directory) / "config.json", "w") as f:
-            json.dump({"format": HEAD_FORMAT, **self.to_dict()}, f, indent=2)
+        write_json(Path(directory) / "config.json", {"format": HEAD_FORMAT, **self.to_dict()})

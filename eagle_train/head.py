@@ -11,10 +11,10 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
 from eagle_train.draft_config import DraftConfig
+from eagle_train.files import write_safetensors
 from eagle_train.layers import MLP, Attention, RMSNorm, RotaryEmbedding
 from eagle_train.vocab_map import t2d_from_d2t
 
@@ -130,7 +130,7 @@ class DraftHead(nn.Module):
         directory.mkdir(parents=True, exist_ok=True)
         self.config.save(directory)
         tensors = {k: v.detach().contiguous().cpu() for k, v in self.saved_state_dict().items()}
-        save_file(tensors, directory / "model.safetensors")
+        write_safetensors(directory / "model.safetensors", tensors)
 
     def draft_to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
+from eagle_train.files import write_json, write_safetensors
 from eagle_train.hidden_states import default_aux_layer_ids
 
 HIDDEN_FORMAT = "eagle-hidden-states"
@@ -113,25 +113,9 @@ def pack_shard(samples: list[dict], sample_ids: list[int], dtype: str = "bfloat1
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-# safetensors creates files readable by their owner only; shards get the mode any new file gets
-# (read for the group and others under the usual umask 022), so a team can share a store.
-SHARD_MODE = 0o666 & ~_umask()  # read once, at import: changing the umask is not thread-safe
-
-
 def write_shard(path: str | Path, index: int, tensors: dict[str, torch.Tensor], rank: int = 0) -> Path:
     """Write one shard atomically (temp file + rename); the writing process's rank goes in its metadata."""
-    final = Path(path) / shard_name(index)
-    tmp = final.with_name(f".tmp-{os.getpid()}-{final.name}")
-    save_file(tensors, str(tmp), metadata={"rank": str(rank)})
-    os.chmod(tmp, SHARD_MODE)
-    os.replace(tmp, final)
-    return final
+    return write_safetensors(Path(path) / shard_name(index), tensors, metadata={"rank": str(rank)})
 
 
 class StoreWriter:
@@ -196,13 +180,6 @@ def shard_sample_ids(path: str | Path) -> list[int]:
         return f.get_tensor("sample_ids").tolist()
 
 
-def write_json_atomic(path: str | Path, obj: dict) -> None:
-    path = Path(path)
-    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
-
-
 def finalize_manifest(path: str | Path, header: dict) -> dict:
     """Write `manifest.json` listing every finished shard; `header` holds format, target, dtype...
 
@@ -225,18 +202,18 @@ def finalize_manifest(path: str | Path, header: dict) -> dict:
         "shard_naming": "shard-NNNNN by global index; process r of W writes the indices k % W == r",
         "shards": shards,
     }
-    write_json_atomic(Path(path) / MANIFEST, manifest)
+    write_json(Path(path) / MANIFEST, manifest)
     return manifest
 
 
 def write_vocab_map(path: str | Path, d2t: torch.Tensor, t2d: torch.Tensor, counts: torch.Tensor) -> None:
-    save_file(
+    write_safetensors(
+        Path(path) / VOCAB_MAP,
         {
             "d2t": d2t.to(torch.int64).contiguous(),
             "t2d": t2d.to(torch.bool).contiguous(),
             "counts": counts.to(torch.int64).contiguous(),
         },
-        str(Path(path) / VOCAB_MAP),
     )
 
 

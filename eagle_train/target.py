@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from eagle_train.files import share_directory
 from eagle_train.hidden_states import check_target_logits
 
 SMOLLM2 = "smollm2-135m"
@@ -72,6 +73,7 @@ def _convert_gguf(gguf: Path) -> str:
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        share_directory(tmp)  # safetensors writes owner-only files; every user of the machine reads this cache
         try:
             tmp.rename(out)
         except OSError:  # another process finished first; its copy is as good as ours

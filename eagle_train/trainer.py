@@ -35,13 +35,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
 from torch import nn
 from tqdm import tqdm
 
 from eagle_train.backend import Backend, backend_of, check_resumable, make_accelerator
 from eagle_train.batching import epoch_batches, pack_by_length
 from eagle_train.checkpoint import load_draft_head
+from eagle_train.files import write_json, write_safetensors
 from eagle_train.hidden_states import TargetLogits, target_hidden_states
 from eagle_train.store import HIDDEN_FORMAT, ShardedSamples, read_manifest, read_vocab_map
 from eagle_train.target import load_target, load_target_config
@@ -261,7 +261,7 @@ def save_checkpoint(run: "Run") -> Path:
             for k, v in full.items()
             if k.removeprefix("head.") in saved
         }
-        save_file(tensors, path / "head" / "model.safetensors")
+        write_safetensors(path / "head" / "model.safetensors", tensors)
         torch.save(scheduler.state_dict(), path / "scheduler.pt")
         if not sharded_optim:
             torch.save(optimizer.state_dict(), path / "optimizer.pt")
@@ -271,7 +271,7 @@ def save_checkpoint(run: "Run") -> Path:
     torch.save(rng_state(), path / f"rng-rank{accelerator.process_index}.pt")
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        (path / "trainer_state.json").write_text(json.dumps({**state, "config": cfg.to_dict()}, indent=2))
+        write_json(path / "trainer_state.json", {**state, "config": cfg.to_dict()})
         for old in checkpoint_dirs(cfg.output_dir)[: -cfg.keep_checkpoints]:
             shutil.rmtree(old)
     accelerator.wait_for_everyone()

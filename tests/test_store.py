@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from eagle_train.files import write_json
 from eagle_train.store import (
     HIDDEN_FORMAT,
     MANIFEST,
@@ -18,7 +19,6 @@ from eagle_train.store import (
     read_manifest,
     read_vocab_map,
     shard_name,
-    write_json_atomic,
     write_vocab_map,
 )
 
@@ -138,7 +138,7 @@ def test_tokenized_dataset_and_vocab_map(tmp_path):
 def test_unfinished_or_foreign_directories_are_refused(tmp_path):
     with pytest.raises(FileNotFoundError, match="no manifest.json"):
         ShardedSamples(tmp_path)
-    write_json_atomic(tmp_path / MANIFEST, {"format": HIDDEN_FORMAT, "complete": False})
+    write_json(tmp_path / MANIFEST, {"format": HIDDEN_FORMAT, "complete": False})
     with pytest.raises(ValueError, match="has not finished"):
         ShardedSamples(tmp_path)
     (tmp_path / MANIFEST).write_text(json.dumps({"format": "something-else", "complete": True}))

@@ -8,16 +8,15 @@ llama.cpp's single-file GGUF is written by `eagle_train.export.gguf.export_gguf`
 makes of a directory is the engines package's to say (`engines.check_directory`).
 """
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from eagle_train.draft_config import DraftConfig
 from eagle_train.export.card import write_model_card
 from eagle_train.export.draft_files import DraftFiles
 from eagle_train.export.layouts import DTYPES, INTEGER_TENSORS, LAYOUTS, detect_layout, layout
+from eagle_train.files import write_json, write_safetensors
 from eagle_train.vocab_map import t2d_from_d2t
 
 __all__ = ["export_head", "read_export", "LAYOUTS"]
@@ -72,8 +71,8 @@ def export_head(head, out_dir, format: str = "eagle3", dtype="bf16", **provenanc
         tensors[lay.to_file(name)] = (t if name in INTEGER_TENSORS else t.to(dtype)).contiguous()
     card_fields = {k: provenance.pop(k) for k in ("eval_results",) if k in provenance}
     config = lay.write_config(head.config, dtype, provenance)
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    write_json(out / "config.json", config)
+    write_safetensors(out / "model.safetensors", tensors, metadata={"format": "pt"})
     write_model_card(out, config, lay.name, dtype, **card_fields)
     return out
 

@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 from eagle_train.export.layouts import PROVENANCE_KEY, servable_target
+from eagle_train.files import write_text
 
 SERVE = {
     "eagle3": """```bash
@@ -84,5 +85,5 @@ def write_model_card(out: Path, config: dict, layout_name: str, dtype, eval_resu
         "",
     ]
     path = out / "README.md"
-    path.write_text("\n".join(lines))
+    write_text(path, "\n".join(lines))
     return path
