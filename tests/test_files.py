@@ -32,9 +32,11 @@ def test_heads_exports_and_vocab_maps_get_the_mode_a_new_file_gets(tmp_path):
 
 
 def test_a_directory_transformers_wrote_is_made_shareable(tmp_path):
-    """What the target cache does after save_pretrained, whose safetensors file is owner-only."""
+    """What the target cache does after save_pretrained, whose safetensors file recent safetensors versions write
+    owner-only (0.4.3, the floor, does not: the files are made owner-only here to stand for them)."""
     tiny_target().save_pretrained(tmp_path / "target")
-    assert mode(tmp_path / "target" / "model.safetensors") == 0o600
+    for path in (tmp_path / "target").iterdir():
+        os.chmod(path, 0o600)
     share_directory(tmp_path / "target")
     assert {mode(p) for p in (tmp_path / "target").iterdir()} == {FILE_MODE}
 
