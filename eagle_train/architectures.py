@@ -5,13 +5,10 @@ Training takes any decoder-only causal LM that transformers builds with its deco
 model's own logits, `hidden_states.TargetLogits`, checked against a forward when the target loads).
 The built-in runtime takes those whose layers all attend over a key/value cache (full or sliding
 window): it verifies drafts through the model's own modules (`inference.hf_target`), and through its
-own faster Llama forward (`inference.llama`) where that is exact. `ARCHITECTURES` holds what is known
-per model_type beyond that rule. Data preparation writes data only training reads, so each
-`eagle-prep` command that writes it checks "training" first: hours of capture for a target training
-then refuses are hours lost.
+own faster Llama forward (`inference.llama`) where that is exact. Data preparation writes data only
+training reads, so each `eagle-prep` command that writes it checks "training" first: hours of capture
+for a target training then refuses are hours lost.
 """
-
-from dataclasses import dataclass
 
 STAGES = {  # stage -> (what it is, the way out of a refusal)
     "training": ("training a draft head", "give a decoder-only causal LM (--target, or target: in the config)"),
@@ -21,25 +18,6 @@ STAGES = {  # stage -> (what it is, the way out of a refusal)
     ),
 }
 ATTENTION_LAYERS = {"full_attention", "sliding_attention"}  # the layer_types a KV cache and a mask serve
-
-
-@dataclass(frozen=True)
-class Architecture:
-    """What is known of one target model_type: per stage, why the stage refuses it (None: it takes it),
-    and whether the runtime's own Llama forward computes it exactly."""
-
-    training: str | None = None
-    runtime: str | None = None
-    fast_runtime: bool = False
-
-
-LLAMA_FORWARD = Architecture(fast_runtime=True)
-ARCHITECTURES = {
-    "llama": LLAMA_FORWARD,
-    "mistral": LLAMA_FORWARD,
-    "qwen2": LLAMA_FORWARD,
-    "qwen3": LLAMA_FORWARD,
-}
 
 
 def text_config(config):
@@ -79,9 +57,6 @@ def layer_problem(config) -> str | None:
 def refusal(target_config, stage: str) -> str | None:
     """Why `stage` does not take the target of `target_config` (None: it does)."""
     config = text_config(target_config)
-    known = ARCHITECTURES.get(config.model_type)
-    if known is not None:
-        return getattr(known, stage)
     return structure_problem(config) or (layer_problem(config) if stage == "runtime" else None)
 
 
@@ -93,9 +68,3 @@ def check_supported(target_config, stage: str) -> None:
         raise ValueError(
             f"{what} does not take target model_type {text_config(target_config).model_type!r}: {why}; {way_out}"
         )
-
-
-def fast_runtime(target_config) -> bool:
-    """Whether the runtime's own Llama forward (inference.llama) computes this target exactly."""
-    known = ARCHITECTURES.get(text_config(target_config).model_type)
-    return known is not None and known.fast_runtime

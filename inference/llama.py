@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle_train.architectures import fast_runtime, text_config
+from eagle_train.architectures import text_config
 from eagle_train.draft_config import target_rope
 from eagle_train.head import KVCache
 from eagle_train.hidden_states import TargetLogits, aux_layer_ids_for
@@ -105,12 +105,15 @@ class TargetLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+LLAMA_FORWARD_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # the model_types TargetModel is written for
+
+
 def llama_forward_problem(cfg) -> str | None:
-    """Why `TargetModel` would not compute this target exactly (None: it does): it is written for the types
-    `eagle_train.architectures` gives the Llama forward, with SiLU MLPs, full attention and the RoPE types
-    `eagle_train.layers` implements. `inference.hf_target` serves the others through the model's own modules."""
-    if not fast_runtime(cfg):
-        return f"model_type {cfg.model_type!r} is not one eagle_train.architectures gives the Llama forward"
+    """Why `TargetModel` would not compute this target exactly (None: it does): it is written for
+    LLAMA_FORWARD_TYPES with SiLU MLPs, full attention and the RoPE types `eagle_train.layers` implements.
+    `inference.hf_target` serves the others through the model's own modules."""
+    if cfg.model_type not in LLAMA_FORWARD_TYPES:
+        return f"model_type {cfg.model_type!r} is none of {', '.join(LLAMA_FORWARD_TYPES)}"
     if getattr(cfg, "hidden_act", "silu") != "silu":
         return f"hidden_act {cfg.hidden_act!r} (only silu)"
     window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None

@@ -107,7 +107,9 @@ def test_a_target_the_llama_forward_does_not_compute_is_refused_and_served_by_th
     from inference.hf_target import HFTarget, target_view
 
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50))
-    with pytest.raises(ValueError, match="Llama forward does not compute this target: model_type 'gpt2' is not"):
+    with pytest.raises(
+        ValueError, match="Llama forward does not compute this target: model_type 'gpt2' is none of llama"
+    ):
         TargetModel(gpt2)
     windowed = tiny_target("mistral", sliding_window=16)  # a window shorter than the context
     with pytest.raises(ValueError, match="a sliding window of 16 tokens"):
