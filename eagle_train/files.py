@@ -20,26 +20,22 @@ def _umask() -> int:
 FILE_MODE = 0o666 & ~_umask()  # read once, at import: changing the umask is not thread-safe
 
 
-def _temp(path: Path) -> Path:
-    return path.with_name(f".tmp-{os.getpid()}-{path.name}")
+def _write(path: str | Path, write) -> Path:
+    """`write(temp path)`, then the temp file gets FILE_MODE and replaces `path`."""
+    path = Path(path)
+    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
+    write(tmp)
+    os.chmod(tmp, FILE_MODE)
+    os.replace(tmp, path)
+    return path
 
 
 def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict | None = None) -> Path:
-    path = Path(path)
-    tmp = _temp(path)
-    save_file(tensors, str(tmp), metadata=metadata)
-    os.chmod(tmp, FILE_MODE)
-    os.replace(tmp, path)
-    return path
+    return _write(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
 
 def write_text(path: str | Path, text: str) -> Path:
-    path = Path(path)
-    tmp = _temp(path)
-    tmp.write_text(text)
-    os.chmod(tmp, FILE_MODE)
-    os.replace(tmp, path)
-    return path
+    return _write(path, lambda tmp: tmp.write_text(text))
 
 
 def write_json(path: str | Path, obj, indent: int = 2) -> Path:
