@@ -36,8 +36,11 @@ from eagle_train.store import (
     encode_hidden,
     finalize_manifest,
     list_shards,
+    recorded_sha256,
+    shard_damage,
     shard_name,
     shard_sample_ids,
+    target_fingerprint,
     target_identity,
 )
 
@@ -68,16 +71,27 @@ def pad_batch(samples: list[dict], pad_id: int, device) -> tuple[torch.Tensor, t
     return ids.to(device), mask.to(device)
 
 
-def capture_batch(model, samples: list[dict], aux_layer_ids, pad_id: int, dtype: str | None = None) -> list[dict]:
+def capture_batch(
+    model, samples: list[dict], aux_layer_ids, pad_id: int, dtype: str | None = None, sample_ids=None
+) -> list[dict]:
     """One padded forward; per-sample dicts of input_ids, loss_mask and the hidden states, on the CPU,
     already in the store's form `dtype` (`encode_hidden`: cast or fp8-quantized on the target's device;
-    None keeps the model's dtype).
+    None keeps the model's dtype). Hidden states with inf or nan are refused, naming `sample_ids`.
 
     Each tensor crosses to the host in one copy per batch, not one per sample (each is a GPU sync).
     """
     device = next(model.parameters()).device
     ids, mask = pad_batch(samples, pad_id, device)
     aux, final = target_hidden_states(model, ids, mask, aux_layer_ids)
+    finite = torch.isfinite(aux).all(-1) & torch.isfinite(final).all(-1)
+    broken = (mask.bool() & ~finite).any(-1).tolist()
+    if any(broken):
+        names = [sample_ids[b] if sample_ids is not None else b for b, bad in enumerate(broken) if bad]
+        raise ValueError(
+            f"the target computed non-finite hidden states (inf or nan) for samples {names} of the tokenized "
+            f"dataset, and a store must hold finite ones: leave those samples out (does the target overflow in "
+            f"{model.dtype}?)"
+        )
     b, t = ids.shape
     if dtype is None:
         encoded = {"aux_hidden": aux, "final_hidden": final}
@@ -97,18 +111,20 @@ def _read_header(out: Path) -> dict | None:
 
 
 def start_store(
-    out: Path, header: dict, config, target_name: str, aux_layer_ids, dtype: str, world_size=1, rank=0, barrier=None
+    out: Path, header: dict, model, target_name: str, aux_layer_ids, dtype: str, world_size=1, rank=0, barrier=None
 ) -> dict:
     """Check `out` against the store this run would write and write its unfinished manifest; return the header.
 
     `header` holds what the writer knows (tokenizer, template, max_length, source, plan); the
-    target, aux layers and dtype are added here. An existing store of another target, aux layer
-    set, dtype, source or plan is refused, so a resume can only continue the same store.
+    target (with its weights' fingerprint), aux layers and dtype are added here. An existing store
+    of another target, aux layer set, dtype, source or plan is refused, so a resume can only
+    continue the same store.
     """
     barrier = barrier or (lambda: None)
+    config, fingerprint = model.config, target_fingerprint(model)
     header = {
         "format": HIDDEN_FORMAT,
-        "target": {**target_identity(config), "given": target_name},
+        "target": {**target_identity(config), "given": target_name, "fingerprint": fingerprint},
         "aux_layer_ids": list(aux_layer_ids),
         "dtype": dtype,
         **header,
@@ -117,7 +133,7 @@ def start_store(
     }
     existing = _read_header(out)
     if existing is not None:
-        check_store_matches(existing, config, aux_layer_ids)
+        check_store_matches(existing, config, aux_layer_ids, fingerprint)
         for key in ("dtype", "plan", "source"):
             if existing.get(key) != header[key]:
                 raise ValueError(
@@ -135,11 +151,19 @@ def start_store(
 
 def pending_shards(out: Path, planned: dict[int, list[int]]) -> list[int]:
     """The planned shards (index -> sample ids) not yet in `out`, in order; a shard already there
-    must hold exactly its planned samples."""
+    must hold exactly its planned samples. A shard whose bytes no longer match the checksum written
+    beside it is damaged: it is deleted, said so, and pending again."""
     done = {k for k, _ in list_shards(out)}
     for k in sorted(done & planned.keys()):
-        if shard_sample_ids(out / shard_name(k)) != planned[k]:
-            raise ValueError(f"{out / shard_name(k)} holds other samples than this plan; write into a new directory")
+        shard = out / shard_name(k)
+        recorded = recorded_sha256(shard)
+        damage = shard_damage(shard, recorded) if recorded else None
+        if damage:
+            print(f"{shard} is damaged ({damage}): computing it again")
+            shard.unlink()
+            done.discard(k)
+        elif shard_sample_ids(shard) != planned[k]:
+            raise ValueError(f"{shard} holds other samples than this plan; write into a new directory")
     return [k for k in sorted(planned) if k not in done]
 
 
@@ -198,7 +222,7 @@ def capture(
             "source_tokens": source.manifest["num_tokens"],
         },
     }
-    header = start_store(out, header, model.config, target_name, ids, dtype, world_size, rank, barrier)
+    header = start_store(out, header, model, target_name, ids, dtype, world_size, rank, barrier)
 
     todo = pending_shards(out, {k: [i for b in plan[k] for i in b] for k in range(rank, len(plan), world_size)})
     lengths = source.lengths()
@@ -215,7 +239,7 @@ def capture(
         for k in todo:
             captured = []
             for batch in plan[k]:
-                captured += capture_batch(model, [source.tokens(i) for i in batch], ids, pad_id, dtype)
+                captured += capture_batch(model, [source.tokens(i) for i in batch], ids, pad_id, dtype, batch)
                 bar.update(sum(lengths[i] for i in batch))
             writer.add_shard(k, captured, [i for batch in plan[k] for i in batch])
     bar.close()

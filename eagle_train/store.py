@@ -14,6 +14,13 @@ Shards are named `shard-NNNNN.safetensors` by a global shard index. Several capt
 take a rank-strided share of the indices (rank r writes k with k % world_size == r), so their
 files never clash and the store looks the same whatever the process count. Every shard is written
 to a temp name and renamed, so a killed run leaves only whole shards behind.
+
+Nothing wrong gets through silently. Each shard's sha256, taken from the bytes as they are
+written, goes beside it (`shard-NNNNN.sha256`, what `sha256sum -c` reads) and into the manifest;
+a reader checks a shard the first time it opens it, and a rerun of the capture recomputes a
+damaged shard. Hidden states that are not finite are refused when captured and when read. The
+manifest records a fingerprint of the target's weights, so a store is never trained against
+another model of the same shape.
 """
 
 import bisect
@@ -26,9 +33,10 @@ import threading
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save as serialize
 
-from eagle_train.files import write_json, write_safetensors
+from eagle_train.files import write_bytes, write_json, write_safetensors, write_text
 from eagle_train.hidden_states import default_aux_layer_ids
 
 HIDDEN_FORMAT = "eagle-hidden-states"
@@ -39,6 +47,7 @@ VOCAB_MAP = "vocab_map.safetensors"
 SHARD_RE = re.compile(r"^shard-(\d{5,})\.safetensors$")
 STORE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float8_e4m3fn": torch.float8_e4m3fn}
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+RECAPTURE = "rerun the eagle-prep command that made the store: it recomputes missing and damaged shards only"
 
 
 def shard_name(index: int) -> str:
@@ -59,6 +68,27 @@ def target_identity(config) -> dict:
         "hidden_size": config.hidden_size,
         "vocab_size": config.vocab_size,
     }
+
+
+def target_fingerprint(model, values: int = 4096) -> str:
+    """A short hash of evenly spaced values of the target's input embedding, lm_head and final norm.
+
+    Two checkpoints of one architecture differ there unless they hold the same weights (a fine-tune
+    that froze all three is the blind spot). Values are rounded to bfloat16 first, so the hash is
+    the same whichever dtype (fp32 or bf16) and device the target was loaded in.
+    """
+    digest = hashlib.sha256()
+    weights = [model.get_input_embeddings().weight, model.get_output_embeddings().weight]
+    norm = getattr(getattr(model, "model", None), "norm", None)
+    weights += [norm.weight] if getattr(norm, "weight", None) is not None else []
+    for k, w in enumerate(weights):
+        if any(w is other for other in weights[:k]):  # tied embeddings
+            continue
+        flat = w.detach().flatten()
+        n = min(values, flat.numel())
+        picks = (torch.arange(n) * (flat.numel() - 1) // max(n - 1, 1)).to(flat.device)
+        digest.update(flat[picks].to(torch.bfloat16).view(torch.int16).cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 def _target_name(name_or_path: str) -> str:
@@ -113,9 +143,17 @@ def pack_shard(samples: list[dict], sample_ids: list[int], dtype: str = "bfloat1
     return {k: v.contiguous() for k, v in out.items()}
 
 
+def checksum_path(shard: Path) -> Path:
+    return shard.with_suffix(".sha256")
+
+
 def write_shard(path: str | Path, index: int, tensors: dict[str, torch.Tensor], rank: int = 0) -> Path:
-    """Write one shard atomically (temp file + rename); the writing process's rank goes in its metadata."""
-    return write_safetensors(Path(path) / shard_name(index), tensors, metadata={"rank": str(rank)})
+    """Write one shard atomically, its sha256 (of the bytes written, no second read) beside it first,
+    so every shard on disk has its checksum; the writing process's rank goes in its metadata."""
+    data = serialize(tensors, metadata={"rank": str(rank)})
+    shard = Path(path) / shard_name(index)
+    write_text(checksum_path(shard), f"{hashlib.sha256(data).hexdigest()}  {shard.name}\n")
+    return write_bytes(shard, data)
 
 
 class StoreWriter:
@@ -176,8 +214,51 @@ def list_shards(path: str | Path) -> list[tuple[int, str]]:
 
 
 def shard_sample_ids(path: str | Path) -> list[int]:
-    with safe_open(str(path), framework="pt") as f:
+    with open_shard(path) as f:
         return f.get_tensor("sample_ids").tolist()
+
+
+def open_shard(path: str | Path):
+    """`safe_open`, with a damaged or truncated file named in one line."""
+    try:
+        return safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"store shard {path} is unreadable ({e}): {RECAPTURE}") from None
+
+
+def file_sha256(path: str | Path) -> str:
+    """sha256 of a file, read in blocks (shards can be larger than memory)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 23):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def recorded_sha256(shard: Path) -> str | None:
+    """The checksum written beside `shard` when it was written (None for shards of older stores)."""
+    file = checksum_path(shard)
+    return file.read_text().split()[0] if file.is_file() else None
+
+
+def shard_damage(shard: Path, sha256: str) -> str | None:
+    """Why `shard` is not the file whose checksum was recorded, or None when it is."""
+    if not shard.is_file():
+        return "it is missing"
+    if file_sha256(shard) != sha256:
+        return "its sha256 differs from the one recorded when it was written (its bytes changed since)"
+    return None
+
+
+def check_finite(hidden: dict[str, torch.Tensor], where: str) -> None:
+    """Refuse hidden states holding inf or nan: a store hands training only what a target computed."""
+    for name, x in hidden.items():
+        finite = torch.isfinite(x.float() if x.dtype == torch.float8_e4m3fn else x)
+        if not finite.all():
+            bad = int((~finite).sum())
+            raise ValueError(
+                f"{where}: {bad} non-finite values (inf or nan) in {name}; a store must hold finite hidden states"
+            )
 
 
 def finalize_manifest(path: str | Path, header: dict) -> dict:
@@ -188,11 +269,14 @@ def finalize_manifest(path: str | Path, header: dict) -> dict:
     """
     shards = []
     for _, name in list_shards(path):
-        with safe_open(str(Path(path) / name), framework="pt") as f:
+        shard = Path(path) / name
+        with open_shard(shard) as f:
             n = f.get_slice("sample_ids").get_shape()[0]
             t = f.get_slice("input_ids").get_shape()[0]
             rank = int((f.metadata() or {}).get("rank", 0))
-        shards.append({"file": name, "samples": n, "tokens": t, "rank": rank})
+        sha256 = recorded_sha256(shard) or file_sha256(shard)
+        shards.append({"file": name, "samples": n, "tokens": t, "rank": rank, "sha256": sha256})
+        shards[-1]["bytes"] = shard.stat().st_size
     manifest = {
         **header,
         "version": VERSION,
@@ -229,10 +313,11 @@ def read_vocab_map(path: str | Path) -> dict[str, torch.Tensor]:
 # --------------------------------------------------------------------------------------- checking
 
 
-def check_store_matches(manifest: dict, target_config, aux_layer_ids=None) -> None:
+def check_store_matches(manifest: dict, target_config, aux_layer_ids=None, fingerprint: str | None = None) -> None:
     """Raise ValueError when a store was captured from another target or another aux layer set.
 
-    `aux_layer_ids=None` means the target's defaults. Tokenized datasets carry no hidden states
+    `aux_layer_ids=None` means the target's defaults. `fingerprint` (`target_fingerprint` of the
+    loaded target) is compared when both sides have one. Tokenized datasets carry no hidden states
     and only need the same vocabulary size.
     """
     want = target_identity(target_config)
@@ -250,6 +335,13 @@ def check_store_matches(manifest: dict, target_config, aux_layer_ids=None) -> No
             f"({want['num_hidden_layers']} layers, hidden {want['hidden_size']}, vocab {want['vocab_size']}): "
             f"{'; '.join(diff)}. Capture a new store with this target (eagle-prep capture --target ...) "
             "or train with the target that made the store."
+        )
+    recorded = have.get("fingerprint")
+    if manifest.get("format") == HIDDEN_FORMAT and fingerprint and recorded and recorded != fingerprint:
+        raise ValueError(
+            f"store made by target {have.get('given') or have.get('name')!r} (weights fingerprint {recorded}) "
+            f"does not match the target loaded now, {want['name']!r} (weights fingerprint {fingerprint}): same "
+            "architecture, other weights. Capture a new store with this target or train with the one that made it."
         )
     if manifest.get("format") == HIDDEN_FORMAT:
         ids = list(aux_layer_ids if aux_layer_ids is not None else default_aux_layer_ids(want["num_hidden_layers"]))
@@ -282,6 +374,10 @@ class ShardedSamples:
     Each item is a dict of `input_ids` int64 [T] and `loss_mask` bool [T], plus `aux_hidden`
     [T, 3H] and `final_hidden` [T, H] in `dtype` for a hidden-state store. Only the sample's own
     byte range is read (safetensors slices over an mmap), so items cost what they hold.
+
+    A shard is checked against the manifest's checksum when first opened (its one full read, which
+    leaves it in the page cache for the reads that follow); `verified` lives in shared memory, so
+    DataLoader workers, started anew each epoch, check each shard once per run, not once per epoch.
     """
 
     def __init__(self, path: str | Path, dtype: torch.dtype = torch.float32):
@@ -290,9 +386,17 @@ class ShardedSamples:
         self.has_hidden = self.manifest["format"] == HIDDEN_FORMAT
         self.files = [self.path / s["file"] for s in self.manifest["shards"]]
         self.offsets = []
-        for file in self.files:
-            with safe_open(str(file), framework="pt") as f:
-                self.offsets.append(f.get_tensor("sample_offsets").tolist())
+        for file, entry in zip(self.files, self.manifest["shards"]):
+            if not file.is_file():
+                raise FileNotFoundError(f"store shard {file} is missing: {RECAPTURE}")
+            with open_shard(file) as f:
+                offsets = f.get_tensor("sample_offsets").tolist()
+            if len(offsets) != entry["samples"] + 1 or offsets[-1] != entry["tokens"] or offsets != sorted(offsets):
+                raise ValueError(
+                    f"store shard {file} is damaged (its sample offsets are not the manifest's): {RECAPTURE}"
+                )
+            self.offsets.append(offsets)
+        self.verified = torch.zeros(len(self.files), dtype=torch.bool).share_memory_()
         self.starts = [0]
         for off in self.offsets:
             self.starts.append(self.starts[-1] + len(off) - 1)
@@ -312,8 +416,17 @@ class ShardedSamples:
         if self._pid != os.getpid():  # forked into a DataLoader worker: open our own maps
             self._handles, self._pid = {}, os.getpid()
         if k not in self._handles:
-            self._handles[k] = safe_open(str(self.files[k]), framework="pt")
+            self._verify(k)
+            self._handles[k] = open_shard(self.files[k])
         return self._handles[k]
+
+    def _verify(self, k: int) -> None:
+        entry = self.manifest["shards"][k]
+        if not self.verified[k] and "sha256" in entry:  # stores written before checksums have none
+            damage = shard_damage(self.files[k], entry["sha256"])
+            if damage:
+                raise ValueError(f"store shard {self.files[k]} is damaged: {damage}; {RECAPTURE}")
+        self.verified[k] = True
 
     def _locate(self, i: int):
         if not -len(self) <= i < len(self):
@@ -321,11 +434,12 @@ class ShardedSamples:
         i %= len(self)
         k = bisect.bisect_right(self.starts, i) - 1
         j = i - self.starts[k]
-        return self._handle(k), self.offsets[k][j], self.offsets[k][j + 1]
+        return k, self.offsets[k][j], self.offsets[k][j + 1]
 
     def tokens(self, i: int) -> dict[str, torch.Tensor]:
         """Sample i's `input_ids` and `loss_mask` only (no hidden-state reads)."""
-        f, a, b = self._locate(i)
+        k, a, b = self._locate(i)
+        f = self._handle(k)
         return {
             "input_ids": f.get_slice("input_ids")[a:b].to(torch.int64),
             "loss_mask": f.get_slice("loss_mask")[a:b].to(torch.bool),
@@ -334,7 +448,8 @@ class ShardedSamples:
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         item = self.tokens(i)
         if self.has_hidden:
-            f, a, b = self._locate(i)
+            k, a, b = self._locate(i)
+            f = self._handle(k)
             for name in ("aux_hidden", "final_hidden"):
                 x = f.get_slice(name)[a:b]
                 if x.dtype == torch.float8_e4m3fn:
@@ -342,4 +457,6 @@ class ShardedSamples:
                     t, d = x.shape
                     x = (x.float().view(t, scale.shape[1], -1) * scale.unsqueeze(-1)).view(t, d)
                 item[name] = x.to(self.dtype)
+            where = f"store shard {self.files[k]}, sample {i} of the store"
+            check_finite({name: item[name] for name in ("aux_hidden", "final_hidden")}, where)
         return item

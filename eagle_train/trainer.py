@@ -43,7 +43,14 @@ from eagle_train.batching import epoch_batches, pack_by_length
 from eagle_train.checkpoint import load_draft_head
 from eagle_train.files import write_json, write_safetensors
 from eagle_train.hidden_states import TargetLogits, target_hidden_states
-from eagle_train.store import HIDDEN_FORMAT, ShardedSamples, read_manifest, read_vocab_map
+from eagle_train.store import (
+    HIDDEN_FORMAT,
+    ShardedSamples,
+    check_store_matches,
+    read_manifest,
+    read_vocab_map,
+    target_fingerprint,
+)
 from eagle_train.target import load_target, load_target_config
 from eagle_train.train_config import TrainConfig, validate
 from eagle_train.ttt import simulated_acceptance_length, target_distribution
@@ -376,11 +383,13 @@ def build_model(cfg: TrainConfig, build_head, resume_from: Path | None, device) 
         head = build_head(cfg, target_model, vocab_map)
     aux_ids = list(head.config.aux_layer_ids)
     manifest = read_manifest(cfg.data_path)
-    if manifest["format"] == HIDDEN_FORMAT and not online and manifest["aux_layer_ids"] != aux_ids:
-        raise ValueError(
-            f"the head reads aux layers {aux_ids} but {cfg.data_path} holds {manifest['aux_layer_ids']}: "
-            "train online or capture a store with the head's layers"
-        )
+    if manifest["format"] == HIDDEN_FORMAT and not online:
+        if manifest["aux_layer_ids"] != aux_ids:
+            raise ValueError(
+                f"the head reads aux layers {aux_ids} but {cfg.data_path} holds {manifest['aux_layer_ids']}: "
+                "train online or capture a store with the head's layers"
+            )
+        check_store_matches(manifest, target_model.config, aux_ids, target_fingerprint(target_model))
     head.float()
     return head, BatchSource(cfg, target_model, head.t2d, aux_ids, device)
 
@@ -600,6 +609,20 @@ def warn_idle_cores(accelerator, world: int) -> None:
         )
 
 
+SUPERVISION_STEPS = 10  # steps of this invocation after which a run that supervised nothing stops
+
+
+def check_supervised(history: list[dict], data_path, last: bool) -> None:
+    """Stop a run whose first steps supervised no position: its loss is 0 and it would learn nothing."""
+    checked = len(history) == SUPERVISION_STEPS or (last and len(history) < SUPERVISION_STEPS)
+    if checked and sum(m.get("count_0", 0) for m in history) == 0:
+        raise ValueError(
+            f"{len(history)} steps supervised no position: no trained token of {data_path} is both loss-masked "
+            "(within max_length) and a next token of the target inside the draft vocabulary. Check the loss masks "
+            "(eagle-prep show-mask), max_length, and that the data's vocab map and store come from this target"
+        )
+
+
 def train(cfg: TrainConfig, build_head, objective) -> dict:
     """Run (or resume) training; returns {"history", "eval_before", "eval_after", "checkpoint", "world_size"}.
 
@@ -634,6 +657,7 @@ def train(cfg: TrainConfig, build_head, objective) -> dict:
         for group in groups:
             metrics = optimizer_step(run, objective, group, stream)
             result["history"].append(metrics)
+            check_supervised(result["history"], cfg.data_path, last=state["step"] >= end)
             reporter.log(state["step"], metrics, "train")
             show_step(bar, metrics, run)
             if cfg.eval_every and state["step"] % cfg.eval_every == 0 and state["step"] < run.total_steps:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -212,3 +213,39 @@ def test_two_processes_under_accelerate_make_one_store(smollm2, small_tokenized,
     assert [s["rank"] for s in manifest["shards"]] == [k % 2 for k in range(len(manifest["shards"]))]
     # each process runs on half the threads, so fp32 reductions round differently than in one process
     assert_equivalent_store(out, small_store, smollm2[0].config)
+
+
+def test_a_rerun_recomputes_only_a_damaged_shard(smollm2, small_tokenized, small_store, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "s"
+    shutil.copytree(small_store, out)
+    shard = out / shard_name(1)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2 : len(data) // 2 + 4096] = b"\xff" * 4096
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="shard-00001.safetensors is damaged"):
+        [ShardedSamples(out)[i] for i in range(len(ShardedSamples(out)))]
+    real, calls = capture_mod.target_hidden_states, []
+    monkeypatch.setattr(capture_mod, "target_hidden_states", lambda *a, **k: calls.append(1) or real(*a, **k))
+    manifest, stats = run_capture(smollm2, small_tokenized, out)
+    plan = plan_shards(ShardedSamples(small_tokenized).lengths(), 160, 100)
+    assert stats["shards"] == 1 and len(calls) == len(plan[1])  # shard 1's batches only
+    assert f"{shard} is damaged (its sha256 differs" in capsys.readouterr().out
+    assert_same_store(out, small_store)
+
+
+def test_non_finite_hidden_states_are_refused_at_capture(smollm2, small_tokenized, tmp_path, monkeypatch):
+    real = capture_mod.target_hidden_states
+
+    def overflowing(model, ids, mask, layers):
+        aux, final = real(model, ids, mask, layers)
+        lengths = mask.sum(1)
+        final[0, int(lengths[0]) - 1, 3] = float("inf")  # the last real token of the batch's first sample
+        if len(lengths) > 1 and lengths[-1] < ids.shape[1]:
+            aux[-1, -1] = float("nan")  # padding is never stored: not a refusal
+        return aux, final
+
+    monkeypatch.setattr(capture_mod, "target_hidden_states", overflowing)
+    first = plan_shards(ShardedSamples(small_tokenized).lengths(), 160, 100)[0][0][0]
+    with pytest.raises(ValueError, match=rf"non-finite hidden states \(inf or nan\) for samples \[{first}\] of the"):
+        run_capture(smollm2, small_tokenized, tmp_path / "s")
+    assert not list((tmp_path / "s").glob("shard-*"))

@@ -1,5 +1,7 @@
 """The hidden-state store format: round trips, fp8, vocab map, and refusing another target's store."""
 
+import copy
+import hashlib
 import json
 import pickle
 from types import SimpleNamespace
@@ -19,6 +21,8 @@ from eagle_train.store import (
     read_manifest,
     read_vocab_map,
     shard_name,
+    target_fingerprint,
+    target_identity,
     write_vocab_map,
 )
 
@@ -92,7 +96,7 @@ def test_shards_get_the_mode_of_any_new_file(tmp_path):
     write_store(tmp_path, fake_samples([3, 4]), "bfloat16", per_shard=1)
     (tmp_path / "plain.txt").write_text("x")
     expected = (tmp_path / "plain.txt").stat().st_mode & 0o777
-    assert [p.stat().st_mode & 0o777 for p in sorted(tmp_path.glob("shard-*"))] == [expected, expected]
+    assert [p.stat().st_mode & 0o777 for p in sorted(tmp_path.glob("shard-*"))] == [expected] * 4  # and checksums
 
 
 def test_fp8_halves_the_bytes(tmp_path):
@@ -163,3 +167,84 @@ def test_check_store_matches(small_store, smollm2):
         check_store_matches(manifest, config("HuggingFaceTB/SmolLM2-135M-Base"))  # same shapes, other model
     with pytest.raises(ValueError, match=r"aux layers \[2, 15, 27\].*\[3, 15, 26\]"):
         check_store_matches(manifest, smollm2[0].config, aux_layer_ids=(3, 15, 26))
+
+
+def damage(path, offset_from_end=None, size=4096, byte=None):
+    """Flip (or set to `byte`) `size` bytes in the middle of a file, or `offset_from_end` bytes before its end."""
+    data = bytearray(path.read_bytes())
+    start = len(data) // 2 if offset_from_end is None else len(data) - offset_from_end
+    for k in range(start, start + size):
+        data[k] = byte if byte is not None else data[k] ^ 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_each_shard_carries_its_sha256_beside_it_and_in_the_manifest(tmp_path):
+    manifest = write_store(tmp_path, fake_samples([5, 9, 3]), "bfloat16")
+    for entry in manifest["shards"]:
+        shard = tmp_path / entry["file"]
+        digest = hashlib.sha256(shard.read_bytes()).hexdigest()
+        assert entry["sha256"] == digest and entry["bytes"] == shard.stat().st_size
+        assert shard.with_suffix(".sha256").read_text() == f"{digest}  {shard.name}\n"  # `sha256sum -c` reads it
+
+
+def test_a_damaged_shard_is_refused_on_first_read_naming_it(tmp_path):
+    write_store(tmp_path, fake_samples([50, 60, 70, 80]), "bfloat16")
+    damage(tmp_path / shard_name(1))  # inside the hidden states: every tensor still parses
+    data = ShardedSamples(tmp_path)
+    assert data[0]["input_ids"].shape == (50,)  # shard 0 is whole
+    with pytest.raises(ValueError, match=r"shard-00001.safetensors is damaged: its sha256 differs.*rerun"):
+        data[2]
+    with pytest.raises(ValueError, match="shard-00001.safetensors is damaged"):
+        data.tokens(3)  # token reads are checked too
+
+
+def test_truncated_or_missing_shards_are_named_in_one_line(tmp_path):
+    write_store(tmp_path, fake_samples([50, 60, 70, 80, 90, 10]), "bfloat16")
+    shard = tmp_path / shard_name(1)
+    whole = shard.read_bytes()
+    for cut in (whole[:-100], whole[:50], whole + b"\0"):  # the data or the header cut short, bytes appended
+        shard.write_bytes(cut)
+        with pytest.raises(ValueError, match=r"shard-00001.safetensors is unreadable \(.*\): rerun the eagle-prep"):
+            ShardedSamples(tmp_path)
+    (tmp_path / shard_name(2)).unlink()
+    shard.unlink()
+    with pytest.raises(FileNotFoundError, match="shard-00001.safetensors is missing"):
+        ShardedSamples(tmp_path)
+
+
+def test_dataloader_workers_check_each_shard_once_per_run(tmp_path):
+    """Workers start anew each epoch; what one of them checked stays checked for the parent and the next ones."""
+    write_store(tmp_path, fake_samples([5, 9, 3, 7]), "bfloat16")
+    data = ShardedSamples(tmp_path)
+    assert not data.verified.any()
+    loader = torch.utils.data.DataLoader(data, batch_size=None, num_workers=1, multiprocessing_context="fork")
+    assert len(list(loader)) == 4
+    assert data.verified.all()
+
+
+def test_non_finite_hidden_states_are_refused_on_read(tmp_path):
+    samples = fake_samples([5, 9, 3])
+    samples[1]["aux_hidden"][4, 7] = float("inf")
+    write_store(tmp_path, samples, "bfloat16")
+    data = ShardedSamples(tmp_path)
+    data[0]
+    with pytest.raises(ValueError, match=r"shard-00000.safetensors, sample 1 .*1 non-finite values .* in aux_hidden"):
+        data[1]
+
+
+def test_the_fingerprint_names_the_weights_whatever_the_dtype(tiny_llama):
+    from conftest import tiny_target
+
+    model = tiny_llama[0]
+    fingerprint = target_fingerprint(model)
+    assert target_fingerprint(copy.deepcopy(model).to(torch.bfloat16)) == fingerprint  # fp32 is bf16-exact here
+    assert target_fingerprint(tiny_target(seed=1, **model.config.to_diff_dict())) != fingerprint
+    manifest = {
+        "format": HIDDEN_FORMAT,
+        "aux_layer_ids": [1, 2, 3],
+        "target": {**target_identity(model.config), "given": "runs/a/tiny", "fingerprint": fingerprint},
+    }
+    check_store_matches(manifest, model.config, fingerprint=fingerprint)
+    check_store_matches(manifest, model.config)  # nothing to compare: the config checks only
+    with pytest.raises(ValueError, match=r"'runs/a/tiny' \(weights fingerprint \w+\) .* other weights"):
+        check_store_matches(manifest, model.config, fingerprint="0123456789abcdef")

@@ -220,3 +220,26 @@ def test_a_resume_the_checkpoint_cannot_give_is_refused_before_the_target_loads(
         ValueError, match="saved by one process or DDP and this launch is FSDP: resume it with 1 process"
     ):
         check_resumable(whole, 2, "fsdp")
+
+
+def test_a_store_of_other_weights_in_the_same_shape_is_refused(tiny_llama, tiny_llama_dir, small_tokenized, tmp_path):
+    """Same architecture, same directory name, other weights: only the fingerprint tells them apart."""
+    from conftest import tiny_target
+
+    from data_prep.capture import capture
+
+    model, tokenizer = tiny_llama
+    capture(model, small_tokenized, tmp_path / "store", target_name=str(tiny_llama_dir), progress=False)
+    other = tmp_path / "elsewhere" / tiny_llama_dir.name
+    tiny_target(seed=1, **model.config.to_diff_dict()).save_pretrained(other)
+    tokenizer.save_pretrained(other)
+    with pytest.raises(ValueError, match=r"weights fingerprint \w+\) does not match .* \(weights fingerprint \w+\)"):
+        run(config(tmp_path / "store", tmp_path / "run", f"target={other}"))
+    assert not list((tmp_path / "run").glob("checkpoint-*"))
+
+
+def test_a_run_that_supervises_nothing_stops(train_store, tmp_path):
+    """max_length=8 keeps the system prompt only: no loss-masked token is left to train."""
+    with pytest.raises(ValueError, match=r"3 steps supervised no position: .* max_length"):
+        run(config(train_store, tmp_path, "max_length=8", "max_steps=3"))
+    assert not list(tmp_path.glob("checkpoint-*")) and not (tmp_path / "final").exists()
