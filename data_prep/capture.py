@@ -14,7 +14,6 @@ The forward is `eagle_train.hidden_states.target_hidden_states`, the same functi
 training calls, so offline and online data cannot differ.
 """
 
-import json
 import shutil
 import time
 from pathlib import Path
@@ -36,6 +35,7 @@ from eagle_train.store import (
     encode_hidden,
     finalize_manifest,
     list_shards,
+    parse_manifest,
     recorded_sha256,
     shard_damage,
     shard_name,
@@ -107,7 +107,7 @@ def capture_batch(
 
 def _read_header(out: Path) -> dict | None:
     file = out / MANIFEST
-    return json.loads(file.read_text()) if file.is_file() else None
+    return parse_manifest(file) if file.is_file() else None
 
 
 def start_store(

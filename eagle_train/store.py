@@ -306,8 +306,23 @@ def read_vocab_map(path: str | Path) -> dict[str, torch.Tensor]:
     file = Path(path) / VOCAB_MAP if Path(path).is_dir() else Path(path)
     if not file.is_file():
         raise FileNotFoundError(f"no {VOCAB_MAP} in {path}; make one with `eagle-prep vocab`")
-    with safe_open(str(file), framework="pt") as f:
-        return {k: f.get_tensor(k) for k in ("d2t", "t2d", "counts")}
+    remake = f"remake it with `eagle-prep vocab --data {file.parent}`"
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            vmap = {k: f.get_tensor(k) for k in ("d2t", "t2d", "counts")}
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{file} is unreadable ({e}): {remake}") from None
+    ids, t2d = vmap["d2t"] + torch.arange(len(vmap["d2t"])), vmap["t2d"]  # draft id k is target id k + d2t[k]
+    consistent = (
+        len(vmap["counts"]) == len(t2d)
+        and bool((ids[1:] > ids[:-1]).all())
+        and (len(ids) == 0 or 0 <= int(ids[0]) <= int(ids[-1]) < len(t2d))
+        and int(t2d.sum()) == len(ids)
+        and bool(t2d[ids].all())
+    )
+    if not consistent:
+        raise ValueError(f"{file} is damaged (its d2t, t2d and counts disagree): {remake}")
+    return vmap
 
 
 # --------------------------------------------------------------------------------------- checking
@@ -356,11 +371,25 @@ def check_store_matches(manifest: dict, target_config, aux_layer_ids=None, finge
 # --------------------------------------------------------------------------------------- reading
 
 
+def parse_manifest(file: Path) -> dict:
+    """The JSON of a manifest, finished or not; a damaged one is named in one line."""
+    try:
+        manifest = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        manifest = f"not JSON: {e}"
+    if not isinstance(manifest, dict):
+        raise ValueError(
+            f"{file} is damaged ({str(manifest)[:80]}): delete it and rerun the eagle-prep command that made "
+            f"{file.parent}, which keeps the shards that match their checksums"
+        )
+    return manifest
+
+
 def read_manifest(path: str | Path) -> dict:
     file = Path(path) / MANIFEST
     if not file.is_file():
         raise FileNotFoundError(f"{path} is not a store or tokenized dataset: no {MANIFEST}")
-    manifest = json.loads(file.read_text())
+    manifest = parse_manifest(file)
     if manifest.get("format") not in (HIDDEN_FORMAT, TOKENIZED_FORMAT):
         raise ValueError(f"{file}: unknown format {manifest.get('format')!r}")
     if not manifest.get("complete", False):

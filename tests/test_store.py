@@ -128,8 +128,9 @@ def test_tokenized_dataset_and_vocab_map(tmp_path):
     with StoreWriter(tmp_path) as w:
         w.add_shard(0, samples, [0, 1])
     finalize_manifest(tmp_path, {"format": "eagle-tokenized", "target": {"vocab_size": 1000}})
-    d2t = torch.tensor([0, 4, 8]), torch.zeros(1000, dtype=torch.bool)
-    write_vocab_map(tmp_path, d2t[0], d2t[1], torch.arange(1000))
+    t2d = torch.zeros(1000, dtype=torch.bool)
+    t2d[[0, 5, 10]] = True
+    write_vocab_map(tmp_path, torch.tensor([0, 4, 8]), t2d, torch.arange(1000))
     data = ShardedSamples(tmp_path)
     assert not data.has_hidden and set(data[1]) == {"input_ids", "loss_mask"} and len(data[1]["input_ids"]) == 6
     vmap = read_vocab_map(tmp_path)
@@ -248,3 +249,25 @@ def test_the_fingerprint_names_the_weights_whatever_the_dtype(tiny_llama):
     check_store_matches(manifest, model.config)  # nothing to compare: the config checks only
     with pytest.raises(ValueError, match=r"'runs/a/tiny' \(weights fingerprint \w+\) .* other weights"):
         check_store_matches(manifest, model.config, fingerprint="0123456789abcdef")
+
+
+def test_a_damaged_manifest_or_vocab_map_is_named_in_one_line(tmp_path):
+    write_store(tmp_path, fake_samples([5, 9]), "bfloat16")
+    manifest = tmp_path / MANIFEST
+    for text in ("", manifest.read_text()[:40], "[1, 2]"):
+        manifest.write_text(text)
+        with pytest.raises(ValueError, match=r"manifest.json is damaged \(.*\): delete it and rerun"):
+            ShardedSamples(tmp_path)
+    d2t = torch.tensor([0, 3, 6])  # target ids 0, 4, 8
+    t2d = torch.zeros(10, dtype=torch.bool)
+    t2d[[0, 4, 8]] = True
+    write_vocab_map(tmp_path, d2t, t2d, torch.arange(10))
+    assert read_vocab_map(tmp_path)["d2t"].tolist() == [0, 3, 6]
+    for bad_d2t, bad_t2d in ((torch.tensor([0, 3, 8]), t2d), (torch.tensor([0, 6, 3]), t2d), (d2t, ~t2d)):
+        write_vocab_map(tmp_path, bad_d2t, bad_t2d, torch.arange(10))
+        with pytest.raises(ValueError, match=r"vocab_map.safetensors is damaged .*: remake it with `eagle-prep vocab"):
+            read_vocab_map(tmp_path)
+    vmap = tmp_path / "vocab_map.safetensors"
+    vmap.write_bytes(vmap.read_bytes()[:-3])
+    with pytest.raises(ValueError, match=r"vocab_map.safetensors is unreadable \(.*\): remake it"):
+        read_vocab_map(tmp_path)
