@@ -10,6 +10,8 @@ import json
 from collections import Counter
 from pathlib import Path
 
+from eagle_train.paths import check_local, hub_error
+
 ROLES = {
     "system": "system",
     "human": "user",
@@ -175,11 +177,14 @@ def _iter_raw(source: str, split: str):
             ds = ds[split]
         yield from ds
         return
-    if source.startswith(("/", ".", "~")):
-        raise FileNotFoundError(f"data source {source!r} does not exist")
+    check_local("data", source)
     import datasets  # a hub dataset name
 
-    yield from datasets.load_dataset(source, split=split, streaming=True)
+    try:
+        rows = datasets.load_dataset(source, split=split, streaming=True)
+    except OSError as e:  # ConnectionError, and DatasetNotFoundError (a FileNotFoundError)
+        raise hub_error("data", source, e, local="a local file or directory") from e
+    yield from rows
 
 
 def read_conversations(source: str, limit: int | None = None, report: ReadReport | None = None, split: str = "train"):

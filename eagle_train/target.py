@@ -17,6 +17,7 @@ import torch
 
 from eagle_train.files import share_directory
 from eagle_train.hidden_states import check_target_logits
+from eagle_train.paths import check_local, hub_error
 
 SMOLLM2 = "smollm2-135m"
 
@@ -91,10 +92,8 @@ def target_gguf(name_or_path: str) -> Path | None:
         return _alias_path(name)
     if not name.endswith(".gguf"):
         return None
-    path = Path(name).expanduser()
-    if not path.is_file():
-        raise FileNotFoundError(f"GGUF target {name!r} does not exist")
-    return path
+    check_local("target", name)
+    return Path(name).expanduser()
 
 
 def resolve_target(name_or_path: str) -> str:
@@ -107,10 +106,10 @@ def resolve_target(name_or_path: str) -> str:
     if path.exists():
         if not path.is_dir():
             raise ValueError(f"target {name!r} is a file but not a .gguf; give a model directory or a .gguf file")
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"target {name!r} holds no config.json: not a Hugging Face model directory")
         return str(path)
-    # Looks like a path (absolute, ./ or ~) but is not there: say so instead of asking the hub.
-    if name.startswith(("/", ".", "~")) or name.count("/") > 1:
-        raise FileNotFoundError(f"target {name!r} does not exist")
+    check_local("target", name)
     if "/" not in name:
         raise ValueError(
             f"unknown target {name!r}: not a local path, not an 'org/name' hub id and not an alias "
@@ -119,17 +118,28 @@ def resolve_target(name_or_path: str) -> str:
     return name
 
 
+def _from_pretrained(cls, name_or_path: str, path: str, **kwargs):
+    """`cls.from_pretrained(path)`, where `path` is what `resolve_target` made of `name_or_path`; a hub id the
+    Hub client cannot fetch is one line naming the target."""
+    try:
+        return cls.from_pretrained(path, **kwargs)
+    except OSError as e:
+        if Path(path).is_dir():
+            raise
+        raise hub_error("target", str(name_or_path), e) from e
+
+
 def load_target_config(name_or_path: str):
     """The target's config only (cheap; no weights)."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(resolve_target(name_or_path))
+    return _from_pretrained(AutoConfig, name_or_path, resolve_target(name_or_path))
 
 
 def load_tokenizer(name_or_path: str):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(resolve_target(name_or_path))
+    return _from_pretrained(AutoTokenizer, name_or_path, resolve_target(name_or_path))
 
 
 def end_of_turn_ids(model, tokenizer) -> set[int]:
@@ -166,11 +176,11 @@ def load_target(name_or_path: str, dtype: torch.dtype | str | None = None, devic
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     path = resolve_target(name_or_path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model = _from_pretrained(AutoModelForCausalLM, name_or_path, path, dtype=dtype)
     check_decoder(model)
     model.to(device).eval().requires_grad_(False)
     check_target_logits(model)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = _from_pretrained(AutoTokenizer, name_or_path, path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer

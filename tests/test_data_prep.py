@@ -100,6 +100,31 @@ def test_empty_and_broken_files_are_clear_errors(tmp_path):
         read_all(tmp_path / "missing.jsonl")
 
 
+@pytest.mark.parametrize(
+    "name, hint",
+    [
+        ("data/nope.jsonl", "a name ending in .jsonl is a file, not a hub id"),
+        ("runs/conversations", "with no local 'runs/' directory"),
+        ("./nope", "no such file or directory"),
+    ],
+)
+def test_missing_local_looking_data_fails_at_once_naming_it(tmp_path, monkeypatch, name, hint):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    with pytest.raises(FileNotFoundError) as e:
+        read_all(name)
+    assert str(e.value).startswith(f"data {name!r} does not exist (") and hint in str(e.value)
+
+
+def test_data_only_the_hub_could_hold_is_one_line_when_it_cannot_be_fetched(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError) as e:
+        read_all("no-such-org/no-such-dataset")
+    message = str(e.value)
+    assert message.startswith("could not load data 'no-such-org/no-such-dataset' from the Hugging Face Hub: ")
+    assert "give a local file or directory" in message and "\n" not in message
+
+
 def test_truncated_json_array_keeps_the_whole_records(tmp_path):
     text = json.dumps([SHAREGPT_RECORD, SHAREGPT_RECORD])
     (tmp_path / "cut.json").write_text(text[: len(text) - 20])  # cut inside the second record
