@@ -7,6 +7,7 @@ the cached directory reloads in well under a second.
 """
 
 import hashlib
+import importlib.metadata
 import importlib.util
 import os
 import shutil
@@ -47,11 +48,28 @@ def _alias_path(alias: str) -> Path:
     return path
 
 
+# Conversions by one major version of transformers are not another's: a 5.x cache's tokenizer_config.json names a
+# tokenizer class 4.x lacks, and 4.x's converted tokenizer prepends a BOS that 5.x's does not (same weights).
+CONVERTER = f"tf{importlib.metadata.version('transformers').split('.')[0]}"
+SAMPLED_BLOCKS, BLOCK = 9, 1 << 20
+
+
+def gguf_content_key(gguf: Path) -> str:
+    """What names a GGUF's conversion, wherever the file lies (each virtualenv has its own copy of an alias's
+    file): its size and a sha256 of 1 MiB blocks spread evenly over it, the first and the last included (a full
+    hash would read all of a multi-GB file on every load), and the converting transformers' major version."""
+    size = gguf.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with gguf.open("rb") as f:
+        for i in range(SAMPLED_BLOCKS):
+            f.seek(max(size - BLOCK, 0) * i // (SAMPLED_BLOCKS - 1))
+            digest.update(f.read(BLOCK))
+    return f"{digest.hexdigest()[:12]}-{CONVERTER}"
+
+
 def _convert_gguf(gguf: Path) -> str:
-    """Dequantise a GGUF file once into `<cache>/targets/<stem>-<hash>` and return that dir."""
-    gguf = gguf.resolve()
-    key = hashlib.sha256(f"{gguf}:{gguf.stat().st_size}".encode()).hexdigest()[:12]
-    out = cache_dir() / "targets" / f"{gguf.stem}-{key}"
+    """Dequantise a GGUF file once per machine into `<cache>/targets/<stem>-<content key>` and return that dir."""
+    out = cache_dir() / "targets" / f"{gguf.stem}-{gguf_content_key(gguf)}"
     if (out / "config.json").is_file():
         return str(out)
     from transformers import AutoModelForCausalLM, AutoTokenizer

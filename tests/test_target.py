@@ -143,6 +143,32 @@ def test_gguf_conversion_is_cached_and_atomic(tmp_path, monkeypatch, tiny_llama)
     assert calls == ["fake.gguf", "fake.gguf"]  # the killed try and the one real conversion
 
 
+def test_one_conversion_per_gguf_content_not_per_path(tmp_path, monkeypatch, tiny_llama):
+    """Every virtualenv ships its own copy of an alias's GGUF: copies share one conversion; another file of the
+    same size, or another major version of transformers, gets its own."""
+    import transformers
+
+    model, tokenizer = tiny_llama
+    monkeypatch.setenv("EAGLE_TRAIN_CACHE", str(tmp_path / "cache"))
+    calls = []
+    monkeypatch.setattr(
+        transformers.AutoModelForCausalLM, "from_pretrained", lambda path, gguf_file, **k: calls.append(path) or model
+    )
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: tokenizer)
+    content = bytes(range(256)) * (3 * 4096 + 7)  # three MiB and a bit: blocks sampled at the start, inside and end
+    for venv in ("venv-a", "venv-b"):
+        (tmp_path / venv).mkdir()
+        (tmp_path / venv / "model.gguf").write_bytes(content)
+    first = resolve_target(str(tmp_path / "venv-a" / "model.gguf"))
+    assert resolve_target(str(tmp_path / "venv-b" / "model.gguf")) == first and len(calls) == 1
+    changed = bytearray(content)
+    changed[len(content) // 2] ^= 1  # inside a sampled block (here they cover the file)
+    (tmp_path / "venv-b" / "model.gguf").write_bytes(bytes(changed))
+    assert resolve_target(str(tmp_path / "venv-b" / "model.gguf")) != first and len(calls) == 2
+    monkeypatch.setattr(target_mod, "CONVERTER", "tf4")
+    assert resolve_target(str(tmp_path / "venv-a" / "model.gguf")) != first and len(calls) == 3
+
+
 def test_not_a_decoder_is_refused(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
