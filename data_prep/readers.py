@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagle_train.paths import check_local, hub_error
+from eagle_train.unreadable import unreadable
 
 ROLES = {
     "system": "system",
@@ -181,10 +182,14 @@ def _numbered(records):
 
 
 def _iter_parquet(path: Path):
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
-        yield from batch.to_pylist()
+    try:
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+            yield from batch.to_pylist()
+    except pa.ArrowException as e:
+        raise unreadable(path, "data", e, "copy or download it again") from e
 
 
 def _iter_raw(source: str, split: str):

@@ -19,6 +19,7 @@ import torch
 from eagle_train.files import share_directory
 from eagle_train.hidden_states import check_target_logits
 from eagle_train.paths import check_local, hub_error
+from eagle_train.unreadable import check_safetensors, open_gguf
 
 SMOLLM2 = "smollm2-135m"
 
@@ -72,6 +73,7 @@ def _convert_gguf(gguf: Path) -> str:
     out = cache_dir() / "targets" / f"{gguf.stem}-{gguf_content_key(gguf)}"
     if (out / "config.json").is_file():
         return str(out)
+    open_gguf(gguf, "target GGUF", "re-download it")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -194,6 +196,8 @@ def load_target(name_or_path: str, dtype: torch.dtype | str | None = None, devic
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     path = resolve_target(name_or_path)
+    for weights in sorted(Path(path).glob("*.safetensors")):  # none for a hub id
+        check_safetensors(weights, "target weights", "re-download or re-convert it")
     model = _from_pretrained(AutoModelForCausalLM, name_or_path, path, dtype=dtype)
     check_decoder(model)
     model.to(device).eval().requires_grad_(False)

@@ -117,6 +117,7 @@ def test_gguf_conversion_is_cached_and_atomic(tmp_path, monkeypatch, tiny_llama)
     monkeypatch.setenv("EAGLE_TRAIN_CACHE", str(tmp_path / "cache"))
     gguf = tmp_path / "fake.gguf"
     gguf.write_bytes(b"GGUF stand-in")
+    monkeypatch.setattr(target_mod, "open_gguf", lambda *args: None)  # a stand-in, not a GGUF to check
     calls = []
 
     def from_pretrained(path, gguf_file=None, **kwargs):
@@ -155,6 +156,7 @@ def test_one_conversion_per_gguf_content_not_per_path(tmp_path, monkeypatch, tin
         transformers.AutoModelForCausalLM, "from_pretrained", lambda path, gguf_file, **k: calls.append(path) or model
     )
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: tokenizer)
+    monkeypatch.setattr(target_mod, "open_gguf", lambda *args: None)  # stand-ins, not GGUFs to check
     content = bytes(range(256)) * (3 * 4096 + 7)  # three MiB and a bit: blocks sampled at the start, inside and end
     for venv in ("venv-a", "venv-b"):
         (tmp_path / venv).mkdir()
