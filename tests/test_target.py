@@ -167,7 +167,7 @@ def test_one_conversion_per_gguf_content_not_per_path(tmp_path, monkeypatch, tin
     changed[len(content) // 2] ^= 1  # inside a sampled block (here they cover the file)
     (tmp_path / "venv-b" / "model.gguf").write_bytes(bytes(changed))
     assert resolve_target(str(tmp_path / "venv-b" / "model.gguf")) != first and len(calls) == 2
-    monkeypatch.setattr(target_mod, "CONVERTER", "tf4")
+    monkeypatch.setattr(target_mod, "CONVERTER", "tf-another-major")
     assert resolve_target(str(tmp_path / "venv-a" / "model.gguf")) != first and len(calls) == 3
 
 
