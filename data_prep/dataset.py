@@ -42,13 +42,13 @@ def _init_worker(tokenizer, max_length, system_prompt):
 
 
 def _tokenize_or_skip(conv):
-    """A sample as numpy arrays (cheap to send between processes), or the SkipSample reason."""
+    """A sample as numpy arrays (cheap to send between processes), or (the SkipSample reason, the conversation's id)."""
     try:
         sample = tokenize_conversation(
             _WORKER["tokenizer"], conv["messages"], _WORKER["max_length"], _WORKER["system_prompt"]
         )
     except SkipSample as e:
-        return str(e)
+        return str(e), conv["id"]
     return {k: v.numpy() for k, v in sample.items()}
 
 
@@ -89,9 +89,10 @@ def tokenize_dataset(
         results = map(_tokenize_or_skip, convs)
     with StoreWriter(out) as writer:
         for result in results:
-            if isinstance(result, str):
+            if isinstance(result, tuple):
+                reason, conversation_id = result
                 report.kept -= 1
-                report.skip(result)
+                report.skip(reason, f"conversation {conversation_id}")
                 continue
             sample = {k: torch.from_numpy(v) for k, v in result.items()}
             samples.append(sample)

@@ -8,7 +8,11 @@ silently and never by crashing the run halfway through a large file.
 import importlib.util
 import json
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
+
+from eagle_train.paths import check_local, hub_error
+from eagle_train.unreadable import unreadable
 
 ROLES = {
     "system": "system",
@@ -22,24 +26,37 @@ ROLES = {
     "model": "assistant",
 }
 SHAREGPT = "sharegpt"
-_BAD_JSON = object()  # marks a JSONL line that did not parse
-_TRUNCATED = object()  # marks a JSON file cut off inside its last record
+
+
+@dataclass(frozen=True)
+class _Unreadable:
+    """Stands for a record the file holds but that could not be read, and says why."""
+
+    reason: str
+
+
+_BAD_JSON = _Unreadable("invalid JSON line")
+_NOT_UTF8 = _Unreadable("line is not UTF-8")
+_TRUNCATED = _Unreadable("last record cut off (file truncated)")
 
 
 class ReadReport:
-    """How many records were read and kept, and why the others were skipped."""
+    """How many records were read and kept, why the others were skipped, and where each reason first occurred,
+    so that one bad line in a large file can be found."""
 
     def __init__(self):
         self.read = 0
         self.kept = 0
         self.skipped: Counter = Counter()
+        self.first: dict[str, str] = {}  # reason -> where it first occurred: "line 7", "record 3", "conversation c7"
 
-    def skip(self, reason: str) -> None:
+    def skip(self, reason: str, where: str) -> None:
         self.skipped[reason] += 1
+        self.first.setdefault(reason, where)
 
     def summary(self) -> str:
         lines = [f"read {self.read} records, kept {self.kept}, skipped {sum(self.skipped.values())}"]
-        lines += [f"  skipped {n}: {reason}" for reason, n in self.skipped.most_common()]
+        lines += [f"  skipped {n}: {reason} (first: {self.first[reason]})" for reason, n in self.skipped.most_common()]
         return "\n".join(lines)
 
 
@@ -93,9 +110,20 @@ def normalize(record, index: int):
     return {"id": str(rid) if rid is not None else str(index), "messages": messages}
 
 
+def _read_utf8(path: Path) -> str:
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"{path} is not UTF-8: byte 0x{data[e.start]:02x} at offset {e.start} cannot be decoded; "
+            "re-encode the file as UTF-8"
+        ) from e
+
+
 def _iter_json_array(path: Path):
     """Stream the elements of a top-level JSON array without building the whole list."""
-    text = path.read_text(encoding="utf-8")
+    text = _read_utf8(path)
     decoder = json.JSONDecoder()
     i = len(text) - len(text.lstrip())
     if i == len(text):
@@ -128,30 +156,46 @@ def _iter_json_array(path: Path):
 
 
 def _iter_jsonl(path: Path):
+    """(where, record) per non-blank line: a line that is not UTF-8 or not JSON is one unreadable record, not
+    the end of the file."""
     empty = True
-    with path.open(encoding="utf-8") as f:
-        for line in f:
-            if not line.strip():
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, 1):
+            if not raw.strip():
                 continue
             empty = False
             try:
-                yield json.loads(line)
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                yield f"line {number}", _NOT_UTF8
+                continue
+            try:
+                yield f"line {number}", json.loads(line)
             except json.JSONDecodeError:
-                yield _BAD_JSON
+                yield f"line {number}", _BAD_JSON
     if empty:
         raise ValueError(f"{path} is empty")
 
 
+def _numbered(records):
+    return ((f"record {index}", record) for index, record in enumerate(records))
+
+
 def _iter_parquet(path: Path):
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
-        yield from batch.to_pylist()
+    try:
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+            yield from batch.to_pylist()
+    except pa.ArrowException as e:
+        raise unreadable(path, "data", e, "copy or download it again") from e
 
 
 def _iter_raw(source: str, split: str):
+    """(where, record) for every record of `source`: "line N" in a JSONL file, "record N" (from 0) elsewhere."""
     if source == SHAREGPT:
-        yield from _iter_json_array(sharegpt_path())
+        yield from _numbered(_iter_json_array(sharegpt_path()))
         return
     path = Path(source).expanduser()
     if path.is_file():
@@ -161,9 +205,9 @@ def _iter_raw(source: str, split: str):
         if suffix == ".jsonl":
             yield from _iter_jsonl(path)
         elif suffix == ".json":
-            yield from _iter_json_array(path)
+            yield from _numbered(_iter_json_array(path))
         elif suffix == ".parquet":
-            yield from _iter_parquet(path)
+            yield from _numbered(_iter_parquet(path))
         else:
             raise ValueError(f"{path}: unsupported file type {suffix!r} (use .json, .jsonl or .parquet)")
         return
@@ -173,13 +217,16 @@ def _iter_raw(source: str, split: str):
         ds = datasets.load_from_disk(str(path))
         if isinstance(ds, datasets.DatasetDict):
             ds = ds[split]
-        yield from ds
+        yield from _numbered(ds)
         return
-    if source.startswith(("/", ".", "~")):
-        raise FileNotFoundError(f"data source {source!r} does not exist")
+    check_local("data", source)
     import datasets  # a hub dataset name
 
-    yield from datasets.load_dataset(source, split=split, streaming=True)
+    try:
+        rows = datasets.load_dataset(source, split=split, streaming=True)
+    except OSError as e:  # ConnectionError, and DatasetNotFoundError (a FileNotFoundError)
+        raise hub_error("data", source, e, local="a local file or directory") from e
+    yield from _numbered(rows)
 
 
 def read_conversations(source: str, limit: int | None = None, report: ReadReport | None = None, split: str = "train"):
@@ -188,18 +235,13 @@ def read_conversations(source: str, limit: int | None = None, report: ReadReport
     Stops after `limit` usable conversations. Skipped records are counted in `report`.
     """
     report = report if report is not None else ReadReport()
-    for index, record in enumerate(_iter_raw(source, split)):
+    for index, (where, record) in enumerate(_iter_raw(source, split)):
         if limit is not None and report.kept >= limit:
             return
         report.read += 1
-        if record is _BAD_JSON:
-            conv = "invalid JSON line"
-        elif record is _TRUNCATED:
-            conv = "last record cut off (file truncated)"
-        else:
-            conv = normalize(record, index)
+        conv = record.reason if isinstance(record, _Unreadable) else normalize(record, index)
         if isinstance(conv, str):
-            report.skip(conv)
+            report.skip(conv, where)
             continue
         report.kept += 1
         yield conv

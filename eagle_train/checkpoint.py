@@ -18,6 +18,7 @@ from eagle_train.export import read_export
 from eagle_train.export.gguf import read_gguf_head
 from eagle_train.export.layouts import detect_layout
 from eagle_train.head import DraftHead, head_from_state
+from eagle_train.unreadable import HEAD_FIX, check_safetensors
 
 HEAD, TRAINING_CHECKPOINT, RUN, GGUF = "head", "training-checkpoint", "run", "gguf"
 
@@ -69,6 +70,7 @@ def load_draft_head(path, target_model=None, target_config=None) -> DraftHead:
             raise ValueError(f"{path}: a GGUF head does not record the target's layer count; pass the target")
         cfg, state = read_gguf_head(found.path, target_config)
     elif found.ours:
+        check_safetensors(found.path / "model.safetensors", "head weights", HEAD_FIX)
         cfg, state = DraftConfig.from_dict(found.config), load_file(found.path / "model.safetensors")
     else:
         cfg, state = read_export(found.path, target_config)

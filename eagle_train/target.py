@@ -7,6 +7,7 @@ the cached directory reloads in well under a second.
 """
 
 import hashlib
+import importlib.metadata
 import importlib.util
 import os
 import shutil
@@ -17,6 +18,8 @@ import torch
 
 from eagle_train.files import share_directory
 from eagle_train.hidden_states import check_target_logits
+from eagle_train.paths import check_local, hub_error
+from eagle_train.unreadable import check_safetensors, open_gguf
 
 SMOLLM2 = "smollm2-135m"
 
@@ -46,13 +49,31 @@ def _alias_path(alias: str) -> Path:
     return path
 
 
+# Conversions by one major version of transformers are not another's: a 5.x cache's tokenizer_config.json names a
+# tokenizer class 4.x lacks, and 4.x's converted tokenizer prepends a BOS that 5.x's does not (same weights).
+CONVERTER = f"tf{importlib.metadata.version('transformers').split('.')[0]}"
+SAMPLED_BLOCKS, BLOCK = 9, 1 << 20
+
+
+def gguf_content_key(gguf: Path) -> str:
+    """What names a GGUF's conversion, wherever the file lies (each virtualenv has its own copy of an alias's
+    file): its size and a sha256 of 1 MiB blocks spread evenly over it, the first and the last included (a full
+    hash would read all of a multi-GB file on every load), and the converting transformers' major version."""
+    size = gguf.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with gguf.open("rb") as f:
+        for i in range(SAMPLED_BLOCKS):
+            f.seek(max(size - BLOCK, 0) * i // (SAMPLED_BLOCKS - 1))
+            digest.update(f.read(BLOCK))
+    return f"{digest.hexdigest()[:12]}-{CONVERTER}"
+
+
 def _convert_gguf(gguf: Path) -> str:
-    """Dequantise a GGUF file once into `<cache>/targets/<stem>-<hash>` and return that dir."""
-    gguf = gguf.resolve()
-    key = hashlib.sha256(f"{gguf}:{gguf.stat().st_size}".encode()).hexdigest()[:12]
-    out = cache_dir() / "targets" / f"{gguf.stem}-{key}"
+    """Dequantise a GGUF file once per machine into `<cache>/targets/<stem>-<content key>` and return that dir."""
+    out = cache_dir() / "targets" / f"{gguf.stem}-{gguf_content_key(gguf)}"
     if (out / "config.json").is_file():
         return str(out)
+    open_gguf(gguf, "target GGUF", "re-download it")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -91,10 +112,8 @@ def target_gguf(name_or_path: str) -> Path | None:
         return _alias_path(name)
     if not name.endswith(".gguf"):
         return None
-    path = Path(name).expanduser()
-    if not path.is_file():
-        raise FileNotFoundError(f"GGUF target {name!r} does not exist")
-    return path
+    check_local("target", name)
+    return Path(name).expanduser()
 
 
 def resolve_target(name_or_path: str) -> str:
@@ -107,10 +126,10 @@ def resolve_target(name_or_path: str) -> str:
     if path.exists():
         if not path.is_dir():
             raise ValueError(f"target {name!r} is a file but not a .gguf; give a model directory or a .gguf file")
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"target {name!r} holds no config.json: not a Hugging Face model directory")
         return str(path)
-    # Looks like a path (absolute, ./ or ~) but is not there: say so instead of asking the hub.
-    if name.startswith(("/", ".", "~")) or name.count("/") > 1:
-        raise FileNotFoundError(f"target {name!r} does not exist")
+    check_local("target", name)
     if "/" not in name:
         raise ValueError(
             f"unknown target {name!r}: not a local path, not an 'org/name' hub id and not an alias "
@@ -119,17 +138,28 @@ def resolve_target(name_or_path: str) -> str:
     return name
 
 
+def _from_pretrained(cls, name_or_path: str, path: str, **kwargs):
+    """`cls.from_pretrained(path)`, where `path` is what `resolve_target` made of `name_or_path`; a hub id the
+    Hub client cannot fetch is one line naming the target."""
+    try:
+        return cls.from_pretrained(path, **kwargs)
+    except OSError as e:
+        if Path(path).is_dir():
+            raise
+        raise hub_error("target", str(name_or_path), e) from e
+
+
 def load_target_config(name_or_path: str):
     """The target's config only (cheap; no weights)."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(resolve_target(name_or_path))
+    return _from_pretrained(AutoConfig, name_or_path, resolve_target(name_or_path))
 
 
 def load_tokenizer(name_or_path: str):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(resolve_target(name_or_path))
+    return _from_pretrained(AutoTokenizer, name_or_path, resolve_target(name_or_path))
 
 
 def end_of_turn_ids(model, tokenizer) -> set[int]:
@@ -166,11 +196,13 @@ def load_target(name_or_path: str, dtype: torch.dtype | str | None = None, devic
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     path = resolve_target(name_or_path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    for weights in sorted(Path(path).glob("*.safetensors")):  # none for a hub id
+        check_safetensors(weights, "target weights", "re-download or re-convert it")
+    model = _from_pretrained(AutoModelForCausalLM, name_or_path, path, dtype=dtype)
     check_decoder(model)
     model.to(device).eval().requires_grad_(False)
     check_target_logits(model)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = _from_pretrained(AutoTokenizer, name_or_path, path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer

@@ -8,6 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
+# No machine that runs the tests reaches the Hub: a name left to it fails at once instead of after the Hub
+# client's retries. Set before transformers and huggingface_hub are imported, which read it once.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
 # ------------------------------------------------------------------------------ the architecture matrix
 # tests/test_every_architecture.py records a figure per model_type and stage; the run ends with the table.
 

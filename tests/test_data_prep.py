@@ -100,11 +100,75 @@ def test_empty_and_broken_files_are_clear_errors(tmp_path):
         read_all(tmp_path / "missing.jsonl")
 
 
+@pytest.mark.parametrize(
+    "name, hint",
+    [
+        ("data/nope.jsonl", "a name ending in .jsonl is a file, not a hub id"),
+        ("runs/conversations", "with no local 'runs/' directory"),
+        ("./nope", "no such file or directory"),
+    ],
+)
+def test_missing_local_looking_data_fails_at_once_naming_it(tmp_path, monkeypatch, name, hint):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    with pytest.raises(FileNotFoundError) as e:
+        read_all(name)
+    assert str(e.value).startswith(f"data {name!r} does not exist (") and hint in str(e.value)
+
+
+def test_data_only_the_hub_could_hold_is_one_line_when_it_cannot_be_fetched(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError) as e:
+        read_all("no-such-org/no-such-dataset")
+    message = str(e.value)
+    assert message.startswith("could not load data 'no-such-org/no-such-dataset' from the Hugging Face Hub: ")
+    assert "give a local file or directory" in message and "\n" not in message
+
+
 def test_truncated_json_array_keeps_the_whole_records(tmp_path):
     text = json.dumps([SHAREGPT_RECORD, SHAREGPT_RECORD])
     (tmp_path / "cut.json").write_text(text[: len(text) - 20])  # cut inside the second record
     convs, report = read_all(tmp_path / "cut.json")
     assert len(convs) == 1 and report.skipped == {"last record cut off (file truncated)": 1}
+
+
+def test_undecodable_lines_are_counted_like_malformed_ones_and_each_reason_says_where_it_first_occurred(tmp_path):
+    """One byte that is not UTF-8 costs its line, not the run; the summary says which line to look at."""
+    good = json.dumps(SHAREGPT_RECORD).encode()
+    latin1 = json.dumps({**SHAREGPT_RECORD, "id": "café"}, ensure_ascii=False).encode("latin-1")
+    lines = [b"", good, latin1, good, b"{not json", latin1, json.dumps({"text": "x"}).encode(), good]
+    (tmp_path / "mixed.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    convs, report = read_all(tmp_path / "mixed.jsonl")
+    assert len(convs) == report.kept == 3 and report.read == 7
+    assert report.skipped == {
+        "line is not UTF-8": 2,
+        "invalid JSON line": 1,
+        "no 'conversations' or 'messages' field": 1,
+    }
+    assert report.first == {
+        "line is not UTF-8": "line 3",  # file lines, the blank first one included
+        "invalid JSON line": "line 5",
+        "no 'conversations' or 'messages' field": "line 7",
+    }
+    assert "  skipped 2: line is not UTF-8 (first: line 3)" in report.summary().splitlines()
+
+
+def test_a_json_file_that_is_not_utf8_is_one_line_naming_the_file_and_the_byte(tmp_path):
+    text = json.dumps([SHAREGPT_RECORD, {**SHAREGPT_RECORD, "id": "café"}], ensure_ascii=False)
+    (tmp_path / "latin1.json").write_bytes(text.encode("latin-1"))
+    offset = text.index("é")
+    with pytest.raises(ValueError) as e:
+        read_all(tmp_path / "latin1.json")
+    assert str(e.value) == (
+        f"{tmp_path / 'latin1.json'} is not UTF-8: byte 0xe9 at offset {offset} cannot be decoded; "
+        "re-encode the file as UTF-8"
+    )
+
+
+def test_json_records_are_located_by_index(tmp_path):
+    (tmp_path / "a.json").write_text(json.dumps([SHAREGPT_RECORD, {"text": "x"}, {"text": "y"}]))
+    _, report = read_all(tmp_path / "a.json")
+    assert report.first == {"no 'conversations' or 'messages' field": "record 1"}
 
 
 def test_wrong_schema_file_fails_tokenize_with_the_reasons(tmp_path, smollm2):
@@ -365,9 +429,21 @@ def test_tokenize_limit_counts_usable_samples_and_workers_change_nothing(convers
         )
         assert manifest["num_samples"] == report.kept == 4  # 4 usable samples, whatever was skipped before
         assert report.skipped["no assistant turn"] == 2 and report.read == 6  # not what workers read ahead
+        assert report.first["no assistant turn"] == "line 1"
         results.append(ShardedSamples(out))
     a, b = results
     assert all(
         torch.equal(a[i]["input_ids"], b[i]["input_ids"]) and torch.equal(a[i]["loss_mask"], b[i]["loss_mask"])
         for i in range(4)
     )
+
+
+def test_a_conversation_tokenization_skips_is_named_by_its_id_in_the_summary(conversations_jsonl, smollm2, tmp_path):
+    long = json.dumps(
+        {"id": "long", "messages": [{"role": "user", "content": "word " * 200}, *CONVERSATIONS[0]["messages"][-1:]]}
+    )
+    (tmp_path / "d.jsonl").write_text("\n".join([conversations_jsonl.read_text().strip(), long]) + "\n")
+    _, report, _ = tokenize_dataset(
+        str(tmp_path / "d.jsonl"), tmp_path / "out", SMOLLM2, max_length=64, tokenizer=smollm2[1]
+    )
+    assert report.first["no assistant tokens within max_length"] == "conversation long"

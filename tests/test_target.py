@@ -20,6 +20,7 @@ from eagle_train.target import (
     end_of_turn_ids,
     load_target,
     load_target_config,
+    load_tokenizer,
     resolve_target,
 )
 
@@ -69,7 +70,43 @@ def test_missing_package_says_how_to_install(monkeypatch):
 
 def test_hub_ids_and_local_dirs_pass_through(tmp_path):
     assert resolve_target("meta-llama/Llama-3.1-8B-Instruct") == "meta-llama/Llama-3.1-8B-Instruct"
+    (tmp_path / "config.json").write_text("{}")
     assert resolve_target(str(tmp_path)) == str(tmp_path)
+
+
+def test_a_directory_without_config_json_is_not_a_target(tmp_path):
+    with pytest.raises(FileNotFoundError, match="holds no config.json"):
+        resolve_target(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "name, hint",
+    [
+        ("runs/mymodel", "a hub id would be 'org/name' with no local 'runs/' directory"),
+        ("org/name/extra", "with one '/'"),
+        ("org/model.safetensors", "a name ending in .safetensors is a file"),
+        ("./mymodel", "no such file or directory"),
+    ],
+)
+def test_a_missing_local_looking_target_fails_at_once_naming_it(tmp_path, monkeypatch, name, hint):
+    """`runs/mymodel` looks like a hub id 'org/name', but `runs/` is a directory here: a path, refused at once
+    instead of asking the Hub (which waits through retries, then raises a traceback)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    monkeypatch.setattr(target_mod, "_from_pretrained", None)  # the Hub is never asked
+    for load in (resolve_target, load_target_config, load_target):
+        with pytest.raises(FileNotFoundError) as e:
+            load(name)
+        assert str(e.value).startswith(f"target {name!r} does not exist (") and hint in str(e.value)
+
+
+def test_an_unreachable_hub_id_is_one_line_naming_the_target():
+    for load in (load_target_config, load_tokenizer, load_target):
+        with pytest.raises(FileNotFoundError) as e:
+            load("no-such-org/no-such-model")
+        message = str(e.value)
+        assert message.startswith("could not load target 'no-such-org/no-such-model' from the Hugging Face Hub: ")
+        assert "give a local directory" in message and "\n" not in message
 
 
 def test_gguf_conversion_is_cached_and_atomic(tmp_path, monkeypatch, tiny_llama):
@@ -80,6 +117,7 @@ def test_gguf_conversion_is_cached_and_atomic(tmp_path, monkeypatch, tiny_llama)
     monkeypatch.setenv("EAGLE_TRAIN_CACHE", str(tmp_path / "cache"))
     gguf = tmp_path / "fake.gguf"
     gguf.write_bytes(b"GGUF stand-in")
+    monkeypatch.setattr(target_mod, "open_gguf", lambda *args: None)  # a stand-in, not a GGUF to check
     calls = []
 
     def from_pretrained(path, gguf_file=None, **kwargs):
@@ -104,6 +142,33 @@ def test_gguf_conversion_is_cached_and_atomic(tmp_path, monkeypatch, tiny_llama)
     second = resolve_target(str(gguf))
     assert first == second and first.startswith(str(targets / "fake-"))
     assert calls == ["fake.gguf", "fake.gguf"]  # the killed try and the one real conversion
+
+
+def test_one_conversion_per_gguf_content_not_per_path(tmp_path, monkeypatch, tiny_llama):
+    """Every virtualenv ships its own copy of an alias's GGUF: copies share one conversion; another file of the
+    same size, or another major version of transformers, gets its own."""
+    import transformers
+
+    model, tokenizer = tiny_llama
+    monkeypatch.setenv("EAGLE_TRAIN_CACHE", str(tmp_path / "cache"))
+    calls = []
+    monkeypatch.setattr(
+        transformers.AutoModelForCausalLM, "from_pretrained", lambda path, gguf_file, **k: calls.append(path) or model
+    )
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: tokenizer)
+    monkeypatch.setattr(target_mod, "open_gguf", lambda *args: None)  # stand-ins, not GGUFs to check
+    content = bytes(range(256)) * (3 * 4096 + 7)  # three MiB and a bit: blocks sampled at the start, inside and end
+    for venv in ("venv-a", "venv-b"):
+        (tmp_path / venv).mkdir()
+        (tmp_path / venv / "model.gguf").write_bytes(content)
+    first = resolve_target(str(tmp_path / "venv-a" / "model.gguf"))
+    assert resolve_target(str(tmp_path / "venv-b" / "model.gguf")) == first and len(calls) == 1
+    changed = bytearray(content)
+    changed[len(content) // 2] ^= 1  # inside a sampled block (here they cover the file)
+    (tmp_path / "venv-b" / "model.gguf").write_bytes(bytes(changed))
+    assert resolve_target(str(tmp_path / "venv-b" / "model.gguf")) != first and len(calls) == 2
+    monkeypatch.setattr(target_mod, "CONVERTER", "tf-another-major")
+    assert resolve_target(str(tmp_path / "venv-a" / "model.gguf")) != first and len(calls) == 3
 
 
 def test_not_a_decoder_is_refused(tmp_path):

@@ -9,6 +9,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from eagle_train.unreadable import HEAD_FIX, check_safetensors
+
 SAFETENSORS_DTYPES = {
     "F64": torch.float64,
     "F32": torch.float32,
@@ -52,6 +54,7 @@ class DraftFiles:
                 self._bin.update(torch.load(f, map_location="cpu", weights_only=True))
                 self.meta.update({k: (tuple(v.shape), v.dtype, f) for k, v in self._bin.items()})
                 continue
+            check_safetensors(f, "head weights", HEAD_FIX)
             with safe_open(f, "pt") as handle:
                 for k in handle.keys():
                     s = handle.get_slice(k)

@@ -30,6 +30,7 @@ from eagle_train.draft_config import DraftConfig
 from eagle_train.export import check_vocab_map
 from eagle_train.layers import rope_inv_freq
 from eagle_train.target import target_gguf
+from eagle_train.unreadable import HEAD_FIX, open_gguf
 
 ARCH = "eagle3"
 # The head's matmul weights under llama.cpp's names; they take the export type.
@@ -80,7 +81,7 @@ def read_target(target) -> GGUFReader:
             f"the gguf export needs the target as a GGUF file (--target TARGET.gguf), not {target!r}: "
             "llama.cpp serves the target from one and the head copies its tokenizer"
         )
-    return GGUFReader(path)
+    return open_gguf(path, "target GGUF", "re-download it")
 
 
 def check_head(head, target: GGUFReader) -> None:
@@ -241,7 +242,7 @@ class HeadFile:
 
 
 def read_gguf(path) -> HeadFile:
-    reader = GGUFReader(path)
+    reader = open_gguf(path, "draft head GGUF", HEAD_FIX)
     arch = field_value(reader.fields["general.architecture"]).decode()
     if arch != ARCH:
         raise ValueError(f"{path} is a {arch!r} GGUF, not an {ARCH!r} draft head")

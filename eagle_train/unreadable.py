@@ -1,0 +1,32 @@
+"""Files read whole by the toolkit that may have been cut short (a copy interrupted, a full disk) or damaged: the
+failure is one line naming the file and the fix, not the reading library's traceback about a header or a shape."""
+
+from pathlib import Path
+
+from safetensors import SafetensorError, safe_open
+
+HEAD_FIX = "copy it again from where it was written, or write it again"
+
+
+def unreadable(path, what: str, error: Exception, fix: str) -> ValueError:
+    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return ValueError(f"{path} ({what}) is unreadable (truncated or damaged: {reason}): {fix}")
+
+
+def check_safetensors(path: str | Path, what: str, fix: str) -> None:
+    """Open `path`'s header: safetensors checks there that the tensors it lists cover the file exactly."""
+    try:
+        with safe_open(str(path), "pt"):
+            pass
+    except SafetensorError as e:
+        raise unreadable(path, what, e, fix) from e
+
+
+def open_gguf(path: str | Path, what: str, fix: str):
+    """A GGUFReader of `path`; a file cut short fails in its parser as an IndexError or a reshape ValueError."""
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(path)
+    except (ValueError, IndexError, KeyError) as e:
+        raise unreadable(path, what, e, fix) from e
