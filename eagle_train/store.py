@@ -38,6 +38,7 @@ from safetensors.torch import save as serialize
 
 from eagle_train.files import write_bytes, write_json, write_safetensors, write_text
 from eagle_train.hidden_states import default_aux_layer_ids
+from eagle_train.unreadable import unreadable
 
 HIDDEN_FORMAT = "eagle-hidden-states"
 TOKENIZED_FORMAT = "eagle-tokenized"
@@ -94,7 +95,7 @@ def target_fingerprint(model, values: int = 4096) -> str:
 def _target_name(name_or_path: str) -> str:
     """A location-independent name: the hub id's or directory's last part, without our cache hash."""
     name = Path(str(name_or_path).rstrip("/")).name
-    return re.sub(r"-[0-9a-f]{12}$", "", name)
+    return re.sub(r"-[0-9a-f]{12}(-tf\d+)?$", "", name)
 
 
 # --------------------------------------------------------------------------------------- writing
@@ -223,7 +224,7 @@ def open_shard(path: str | Path):
     try:
         return safe_open(str(path), framework="pt")
     except (SafetensorError, OSError) as e:
-        raise ValueError(f"store shard {path} is unreadable ({e}): {RECAPTURE}") from None
+        raise unreadable(path, "store shard", e, RECAPTURE) from None
 
 
 def file_sha256(path: str | Path) -> str:
@@ -311,7 +312,7 @@ def read_vocab_map(path: str | Path) -> dict[str, torch.Tensor]:
         with safe_open(str(file), framework="pt") as f:
             vmap = {k: f.get_tensor(k) for k in ("d2t", "t2d", "counts")}
     except (SafetensorError, OSError) as e:
-        raise ValueError(f"{file} is unreadable ({e}): {remake}") from None
+        raise unreadable(file, "vocab map", e, remake) from None
     ids, t2d = vmap["d2t"] + torch.arange(len(vmap["d2t"])), vmap["t2d"]  # draft id k is target id k + d2t[k]
     consistent = (
         len(vmap["counts"]) == len(t2d)

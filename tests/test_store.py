@@ -205,7 +205,7 @@ def test_truncated_or_missing_shards_are_named_in_one_line(tmp_path):
     whole = shard.read_bytes()
     for cut in (whole[:-100], whole[:50], whole + b"\0"):  # the data or the header cut short, bytes appended
         shard.write_bytes(cut)
-        with pytest.raises(ValueError, match=r"shard-00001.safetensors is unreadable \(.*\): rerun the eagle-prep"):
+        with pytest.raises(ValueError, match=r"shard-00001.safetensors \(store shard\) is unreadable \(.*\): rerun"):
             ShardedSamples(tmp_path)
     (tmp_path / shard_name(2)).unlink()
     shard.unlink()
@@ -269,5 +269,5 @@ def test_a_damaged_manifest_or_vocab_map_is_named_in_one_line(tmp_path):
             read_vocab_map(tmp_path)
     vmap = tmp_path / "vocab_map.safetensors"
     vmap.write_bytes(vmap.read_bytes()[:-3])
-    with pytest.raises(ValueError, match=r"vocab_map.safetensors is unreadable \(.*\): remake it"):
+    with pytest.raises(ValueError, match=r"vocab_map.safetensors \(vocab map\) is unreadable \(.*\): remake it"):
         read_vocab_map(tmp_path)
