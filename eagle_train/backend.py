@@ -8,6 +8,7 @@ loaded, where a step's gradient norm comes from, and which resumes are refused.
 """
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -42,8 +43,9 @@ class Backend:
         return torch.load(checkpoint / f"optimizer-rank{rank}.pt", map_location="cpu", weights_only=False)
 
     def grad_norm(self, accelerator, model, params, max_grad_norm: float):
-        """The step's gradient norm, clipping to `max_grad_norm` (None when the run does not clip)."""
-        return accelerator.clip_grad_norm_(params, max_grad_norm) if max_grad_norm > 0 else None
+        """The step's gradient norm over all processes, clipping to `max_grad_norm` when > 0 (the norm is
+        what tells a step with nan or inf gradients, so it is taken when the run does not clip too)."""
+        return accelerator.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else math.inf)
 
 
 class FSDP(Backend):

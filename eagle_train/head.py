@@ -176,6 +176,22 @@ class HeadClasses(Mapping):
 HEAD_CLASSES = HeadClasses(("eagle_train.eagle3", "eagle_train.peagle"))
 
 
+def non_finite_values(tensors: dict[str, torch.Tensor]) -> str:
+    """What is not finite and where, e.g. "nan in fc.weight, and inf in lm_head.weight"; empty when every floating
+    tensor is finite. The one test a head passes before it is saved or loaded: a head that diverged drafts garbage."""
+    found = {}
+    for name, t in tensors.items():
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            kinds = [kind for kind, bad in (("nan", t.isnan().any()), ("inf", t.isinf().any())) if bad]
+            found.setdefault(" and ".join(kinds), []).append(name)
+    shown = 3
+
+    def listed(names):
+        return ", ".join(names[:shown]) + (f" and {len(names) - shown} more tensors" if len(names) > shown else "")
+
+    return ", and ".join(f"{kinds} in {listed(names)}" for kinds, names in found.items())
+
+
 def head_from_state(cfg: DraftConfig, state: dict[str, torch.Tensor], target_embedding=None, source="") -> DraftHead:
     """The head of `cfg.method` holding `state` (head tensor names), in fp32.
 
@@ -183,6 +199,7 @@ def head_from_state(cfg: DraftConfig, state: dict[str, torch.Tensor], target_emb
     `d2t` when absent, and a full-vocabulary head without `d2t` gets the identity map. An embedding
     in `state` that the head class does not save is the head's own (a head trained elsewhere with its
     own); otherwise a borrowing head takes `target_embedding` (the target's), when given.
+    A head holding nan or inf anywhere is refused: it diverged or was trained on broken data.
     """
     head = HEAD_CLASSES[cfg.method](cfg)
     state = dict(state)
@@ -202,6 +219,12 @@ def head_from_state(cfg: DraftConfig, state: dict[str, torch.Tensor], target_emb
             )
         if name == "d2t" and t.is_floating_point():
             raise ValueError(f"{source}: d2t is {t.dtype}; offsets must be integers (re-export it as int64)")
+    bad = non_finite_values(state)
+    if bad:
+        raise ValueError(
+            f"{source} holds non-finite values ({bad}): this head was trained on broken data or diverged; "
+            "do not deploy it"
+        )
     if "t2d" not in state:
         state["t2d"] = t2d_from_d2t(state["d2t"].long(), cfg.vocab_size)
     head.load_state_dict(

@@ -4,9 +4,12 @@ One flat dataclass (like torchtune's recipe configs, minus the indirection): eve
 has is a field below, so an unknown key is a typo and is refused with the list of valid keys.
 """
 
+import contextlib
 import dataclasses
 import importlib.util
+import math
 import os
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -21,6 +24,11 @@ from eagle_train.ttt import TTT_DECAY, TTT_LENGTH
 from eagle_train.vocab_map import check_draft_vocab_size
 
 METHODS = ("eagle3", "peagle")
+EVERY_OFF = {
+    "save_every": "only at the end",
+    "eval_every": "before and after training only",
+    "log_every": "no step lines",
+}
 MODES = ("offline", "online")
 REPORT_TO = ("tensorboard", "wandb", "none")
 
@@ -166,11 +174,20 @@ def load_train_config(
     return make_config(values)
 
 
+@contextlib.contextmanager
+def one_line_refusals():
+    """In a training script, a refusal (ValueError, FileNotFoundError: a bad config, broken data, a run that
+    diverged) ends the process with `error: ...` and exit status 1: one line, never a traceback."""
+    try:
+        yield
+    except (ValueError, FileNotFoundError) as e:
+        sys.exit(f"error: {e}")
+
+
 def config_from_command_line(description: str, method: str, argv=None) -> TrainConfig:
     """`--config FILE key=value ...` of a training script, for heads of `method`; exits with the
     error on a bad file, key or method."""
     import argparse
-    import sys
 
     parser = argparse.ArgumentParser(
         description=description,
@@ -180,10 +197,8 @@ def config_from_command_line(description: str, method: str, argv=None) -> TrainC
     parser.add_argument("--config", help=f"YAML run config (e.g. configs/{method}_smollm2.yaml)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     args = parser.parse_args(argv)
-    try:
+    with one_line_refusals():
         cfg = load_train_config(args.config, args.overrides, defaults={"method": method})
-    except (ValueError, FileNotFoundError) as e:
-        sys.exit(f"error: {e}")
     if cfg.method != method:
         sys.exit(
             f"error: method={cfg.method}: this script trains {method} heads "
@@ -236,15 +251,24 @@ def validate(cfg: TrainConfig, target_config) -> None:
     )
     need(cfg.stop_after_step >= 0, f"stop_after_step must be >= 0 (0: run to the end), got {cfg.stop_after_step}")
     need(0 <= cfg.eval_fraction < 1, f"eval_fraction must be in [0, 1), got {cfg.eval_fraction}")
-    need(cfg.learning_rate > 0, f"learning_rate must be > 0, got {cfg.learning_rate}")
+    need(0 < cfg.learning_rate < math.inf, f"learning_rate must be a number > 0, got {cfg.learning_rate}")
+    need(cfg.weight_decay >= 0, f"weight_decay must be >= 0, got {cfg.weight_decay}")
+    need(cfg.warmup_steps >= 0, f"warmup_steps must be >= 0 (0: no warmup), got {cfg.warmup_steps}")
+    need(cfg.max_steps >= 0, f"max_steps must be >= 0 (0: run num_epochs), got {cfg.max_steps}")
+    for key in ("save_every", "eval_every", "log_every"):
+        need(getattr(cfg, key) >= 0, f"{key} must be >= 0 (0: {EVERY_OFF[key]}), got {getattr(cfg, key)}")
+    need(
+        cfg.num_workers >= 0,
+        f"num_workers must be >= 0 (0: load batches in the training process), got {cfg.num_workers}",
+    )
     need(0 <= cfg.min_lr_ratio <= 1, f"min_lr_ratio must be in [0, 1], got {cfg.min_lr_ratio}")
     need(
         len(cfg.adam_betas) == 2 and all(0 <= b < 1 for b in cfg.adam_betas),
         f"adam_betas must be two numbers in [0, 1), got {cfg.adam_betas}",
     )
     need(cfg.max_grad_norm >= 0, "max_grad_norm must be >= 0 (0 disables clipping)")
-    need(cfg.num_epochs >= 1 or cfg.max_steps > 0, "set num_epochs >= 1 or max_steps > 0")
-    need(cfg.keep_checkpoints >= 1, "keep_checkpoints must be >= 1")
+    need(cfg.num_epochs >= 1, f"num_epochs must be >= 1 (max_steps > 0 overrides it), got {cfg.num_epochs}")
+    need(cfg.keep_checkpoints >= 1, f"keep_checkpoints must be >= 1, got {cfg.keep_checkpoints}")
     need(
         not cfg.warm_start or (cfg.method == "eagle3" and not cfg.init_from),
         "warm_start starts a new EAGLE-3 head from the target's norm and lm_head: not with method peagle, "

@@ -21,6 +21,13 @@ to the W processes (A = gradient accumulation). The data position saved in a che
 number of samples consumed, so a resumed run, with any process count, continues where it stopped.
 Micro-batches are right-padded without a key mask: attention is causal, so real positions never
 see the padding, and padded positions are never supervised.
+
+Garbage stops the run at once: a step whose loss or gradient norm (both pooled over the processes, so
+every process sees the same) is not finite raises before the optimizer applies it, naming the step,
+the store samples of the micro-batches at fault and the last good checkpoint; skipping such steps
+would hide broken data or a learning rate that diverges. No checkpoint or final head is ever written
+with nan or inf in it. (DeepSpeed steps inside backward: there the check comes after its step, and
+the run still stops before saving it.)
 """
 
 import contextlib
@@ -30,18 +37,21 @@ import os
 import random
 import shutil
 import time
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm import tqdm
 
 from eagle_train.backend import Backend, backend_of, check_resumable, make_accelerator
 from eagle_train.batching import epoch_batches, pack_by_length
 from eagle_train.checkpoint import load_draft_head
-from eagle_train.files import write_json, write_safetensors
+from eagle_train.files import write_json, write_safetensors, write_text
+from eagle_train.head import non_finite_values
 from eagle_train.hidden_states import TargetLogits, target_hidden_states
 from eagle_train.store import (
     HIDDEN_FORMAT,
@@ -208,26 +218,87 @@ def cosine_with_warmup(warmup: int, total: int, min_ratio: float):
 
 def checkpoint_dirs(output_dir) -> list[Path]:
     """Finished checkpoints (trainer_state.json is written last), oldest first."""
-    found = [p for p in Path(output_dir).glob("checkpoint-*") if (p / "trainer_state.json").is_file()]
-    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+    found = [
+        p
+        for p in Path(output_dir).glob("checkpoint-*")
+        if p.name.removeprefix("checkpoint-").isdigit() and (p / "trainer_state.json").is_file()
+    ]
+    return sorted(found, key=lambda p: int(p.name.removeprefix("checkpoint-")))
 
 
-def resolve_resume(cfg: TrainConfig) -> Path | None:
-    """The checkpoint to continue, or None for a fresh run (whose output_dir must hold no checkpoints)."""
+def checkpoint_damage(path: Path) -> str:
+    """Why `path` cannot be resumed ("" when it can): a file a resume reads is missing, empty, truncated
+    or not what it should be. Cheap: safetensors headers and the zip directories torch.save writes last."""
+    state_file = path / "trainer_state.json"
+    if not state_file.is_file():
+        return "it has no trainer_state.json (its save did not finish)"
+    try:
+        saved = json.loads(state_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return f"trainer_state.json is {'empty' if state_file.stat().st_size == 0 else 'not JSON'}"
+    position = ("step", "epoch", "epoch_samples", "samples_consumed", "tokens_consumed", "num_processes")
+    if not isinstance(saved, dict) or not all(isinstance(saved.get(k), int) for k in position):
+        return "trainer_state.json lacks the step and data position"
+    for name in ("head/config.json", "head/model.safetensors"):
+        if not (path / name).is_file():
+            return f"{name} is missing"
+    try:
+        json.loads((path / "head" / "config.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return "head/config.json is not JSON"
+    try:
+        with safe_open(str(path / "head" / "model.safetensors"), framework="pt"):
+            pass
+    except SafetensorError as e:
+        return f"head/model.safetensors is truncated or unreadable ({e})"
+    ranks = range(saved["num_processes"])
+    whole = saved.get("optimizer_layout", "whole") == "whole"
+    optimizer = ["optimizer.pt"] if whole else [f"optimizer-rank{r}.pt" for r in ranks]
+    for name in ["scheduler.pt", *optimizer, *(f"rng-rank{r}.pt" for r in ranks)]:
+        if not (path / name).is_file():
+            return f"{name} is missing"
+        if not zipfile.is_zipfile(path / name):
+            return f"{name} is truncated or unreadable"
+    return ""
+
+
+def resolve_resume(cfg: TrainConfig) -> tuple[Path | None, list[str]]:
+    """The checkpoint to continue (None for a fresh run, whose output_dir must hold no checkpoints), and a
+    line for each damaged newer checkpoint resume=auto passed over."""
     if cfg.resume == "auto":
-        found = checkpoint_dirs(cfg.output_dir)
-        return found[-1] if found else None
+        skipped = []
+        for path in reversed(checkpoint_dirs(cfg.output_dir)):
+            damage = checkpoint_damage(path)
+            if not damage:
+                return path, skipped
+            skipped.append(f"skipping {path}: {damage}")
+        if skipped:
+            raise ValueError(
+                f"no checkpoint in {cfg.output_dir} can be resumed ({'; '.join(skipped)}): move them away to "
+                "start afresh, or choose another output_dir"
+            )
+        return None, []
     if cfg.resume:
         path = Path(cfg.resume)
-        if not (path / "trainer_state.json").is_file():
-            raise FileNotFoundError(f"{path} is not a finished checkpoint (no trainer_state.json)")
-        return path
+        damage = checkpoint_damage(path)
+        if damage:
+            raise ValueError(
+                f"resume checkpoint {path} cannot be resumed: {damage}; resume from an earlier checkpoint-<step> "
+                "(resume=auto takes the newest one that is whole)"
+            )
+        return path, []
     if checkpoint_dirs(cfg.output_dir):
         raise ValueError(
             f"output_dir {cfg.output_dir} holds checkpoints of an earlier run: continue it with "
             "resume=auto, or choose another output_dir"
         )
-    return None
+    return None, []
+
+
+def last_good_checkpoint(cfg: TrainConfig) -> str:
+    """Where a stopped run can be taken up, for its error message."""
+    found = checkpoint_dirs(cfg.output_dir)
+    return f"the last good checkpoint is {found[-1]}" if found else "no checkpoint was saved"
 
 
 def rng_state() -> dict:
@@ -258,16 +329,24 @@ def save_checkpoint(run: "Run") -> Path:
     path = Path(cfg.output_dir) / f"checkpoint-{state['step']}"
     full = accelerator.get_state_dict(model)  # gathers FSDP/ZeRO-3 shards; every process must call it
     sharded_optim = run.backend.sharded
+    head = accelerator.unwrap_model(model).head
+    tensors, bad = {}, ""
     if accelerator.is_main_process:
-        (path / "head").mkdir(parents=True, exist_ok=True)
-        head = accelerator.unwrap_model(model).head
-        head.config.save(path / "head")
         saved = head.saved_state_dict()  # EAGLE-3 leaves the frozen target embedding out, P-EAGLE keeps its own
         tensors = {
             k.removeprefix("head."): v.detach().contiguous().cpu()
             for k, v in full.items()
             if k.removeprefix("head.") in saved
         }
+        bad = non_finite_values(tensors)
+    if accelerator.reduce(torch.tensor([float(bool(bad))], device=accelerator.device), "sum").item():
+        raise ValueError(
+            f"step {state['step']}: the head holds non-finite values ({bad or 'see the main process'}) after "
+            f"the step: not saving {path.name}; lower learning_rate ({last_good_checkpoint(cfg)})"
+        )
+    if accelerator.is_main_process:
+        (path / "head").mkdir(parents=True, exist_ok=True)
+        head.config.save(path / "head")
         write_safetensors(path / "head" / "model.safetensors", tensors)
         torch.save(scheduler.state_dict(), path / "scheduler.pt")
         if not sharded_optim:
@@ -289,14 +368,31 @@ def save_checkpoint(run: "Run") -> Path:
 
 
 class Reporter:
-    """Console lines, a metrics.jsonl in output_dir, and TensorBoard or wandb (main process only)."""
+    """Console lines, a metrics.jsonl in output_dir, and TensorBoard or wandb (main process only).
 
-    def __init__(self, cfg: TrainConfig, accelerator):
-        self.main = accelerator.is_main_process
+    metrics.jsonl holds each step once per split: the lines an earlier invocation logged after the step
+    this one starts from (all of them for a fresh run) are dropped. Nothing is written, output_dir
+    included, before the first line is logged, so a run that fails first leaves no empty directory.
+    """
+
+    def __init__(self, cfg: TrainConfig, accelerator, start_step: int | None):
+        """`start_step`: the resumed checkpoint's step, None for a fresh run."""
+        self.cfg, self.main = cfg, accelerator.is_main_process
         self.tb = self.wandb = None
+        self.opened = False
         self.jsonl = Path(cfg.output_dir) / "metrics.jsonl"
-        if not self.main:
-            return
+        if self.main and self.jsonl.is_file():
+            through = -1 if start_step is None else start_step
+            kept = [line for line in self.jsonl.read_text().splitlines() if logged_step(line) <= through]
+            if kept:
+                write_text(self.jsonl, "".join(line + "\n" for line in kept))
+            else:
+                self.jsonl.unlink()
+
+    def open(self):
+        cfg = self.cfg
+        self.opened = True
+        Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
         if cfg.report_to == "tensorboard":
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -316,6 +412,8 @@ class Reporter:
     def log(self, step: int, metrics: dict, prefix: str):
         if not self.main:
             return
+        if not self.opened:
+            self.open()
         with open(self.jsonl, "a") as f:
             f.write(json.dumps({"step": step, "split": prefix, **metrics}) + "\n")
         if self.tb is not None:
@@ -329,6 +427,14 @@ class Reporter:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def logged_step(line: str) -> float:
+    """The step of a metrics.jsonl line; inf for a line a kill cut short, which is dropped with the later ones."""
+    try:
+        return json.loads(line)["step"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return math.inf
 
 
 def summary(metrics: dict, steps: int = 3) -> str:
@@ -528,6 +634,8 @@ def optimizer_step(run: Run, objective, group: list[list[int]], stream) -> dict:
         with sync:
             per_batch.append(objective(run.model, run.source(padded), backward))
     grad_norm = run.backend.grad_norm(accelerator, run.model, run.params, cfg.max_grad_norm)
+    metrics = pool_metrics(per_batch, accelerator)
+    refuse_non_finite_step(run, metrics["loss"], grad_norm, group, [m["loss"] for m in per_batch])
     run.optimizer.step()
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
@@ -537,11 +645,35 @@ def optimizer_step(run: Run, objective, group: list[list[int]], stream) -> dict:
     state["epoch_samples"] += sum(len(b) for b in group)
     state["samples_consumed"] += sum(len(b) for b in group)
     state["tokens_consumed"] += tokens
-    metrics = pool_metrics(per_batch, accelerator)
     metrics.update(lr=run.scheduler.get_last_lr()[0], tokens_per_s=tokens / (time.perf_counter() - start))
     if grad_norm is not None:
         metrics["grad_norm"] = float(grad_norm)
     return metrics
+
+
+def refuse_non_finite_step(run: Run, loss: float, grad_norm, group: list[list[int]], my_losses: list) -> None:
+    """Stop before the optimizer applies a step whose pooled loss or global gradient norm is not finite.
+    Every process sees the same values, so all stop together; they then pool which micro-batches had a
+    non-finite loss (`my_losses`: this process's, in the order it ran its share of `group`)."""
+    grad_norm = None if grad_norm is None else float(grad_norm)
+    problems = [f"loss is {loss}"] if not math.isfinite(loss) else []
+    if grad_norm is not None and not math.isfinite(grad_norm):
+        problems.append(f"the gradient norm is {grad_norm}")
+    if not problems:
+        return
+    accelerator = run.accelerator
+    world, rank = accelerator.num_processes, accelerator.process_index
+    at_fault = torch.zeros(len(group), device=accelerator.device)
+    for j, batch_loss in zip(range(rank, len(group), world), my_losses):
+        at_fault[j] = float(not math.isfinite(float(batch_loss)))
+    at_fault = accelerator.reduce(at_fault, "sum").cpu()
+    blamed = [b for b, bad in zip(group, at_fault) if bad] or group  # a gradient alone does not say which
+    samples = sorted(i for b in blamed for i in b)
+    shown = ", ".join(map(str, samples[:10])) + (f" ... ({len(samples)} in all)" if len(samples) > 10 else "")
+    raise ValueError(
+        f"step {run.state['step'] + 1}: {' and '.join(problems)} (samples {shown} of {run.cfg.data_path}, "
+        f"in store order): the data holds broken values or learning_rate is too high; {last_good_checkpoint(run.cfg)}"
+    )
 
 
 def evaluate(run: Run, objective, reporter: Reporter, when: str) -> dict | None:
@@ -630,13 +762,14 @@ def train(cfg: TrainConfig, build_head, objective) -> dict:
     the schedule stays that of the whole run, and `resume=auto` continues it.
     """
     validate(cfg, load_target_config(cfg.target))  # before any compute
-    resume_from = resolve_resume(cfg)
+    resume_from, skipped = resolve_resume(cfg)
     run = set_up(cfg, build_head, resume_from)
+    for line in skipped:
+        run.accelerator.print(line)
     if resume_from is not None:
         restore(run, resume_from)
     state, world = run.state, run.accelerator.num_processes
-    Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
-    reporter = Reporter(cfg, run.accelerator)
+    reporter = Reporter(cfg, run.accelerator, state["step"] if resume_from is not None else None)
     result = {"history": [], "eval_before": None, "eval_after": None, "world_size": world}
     run.accelerator.print(
         f"{cfg.method} on {cfg.target} ({cfg.mode}): {len(run.train_ids)} train / "
@@ -650,31 +783,34 @@ def train(cfg: TrainConfig, build_head, objective) -> dict:
     # stopping is a kill right after that step's checkpoint: no final eval, no final head
     stopping = state["step"] < cfg.stop_after_step < run.total_steps
     end = cfg.stop_after_step if stopping else run.total_steps
-    bar = tqdm(total=run.total_steps, initial=state["step"], disable=not run.accelerator.is_main_process, desc="train")
     last_saved = None
-    while state["step"] < end:
-        groups, stream = epoch_steps(run)
-        for group in groups:
-            metrics = optimizer_step(run, objective, group, stream)
-            result["history"].append(metrics)
-            check_supervised(result["history"], cfg.data_path, last=state["step"] >= end)
-            reporter.log(state["step"], metrics, "train")
-            show_step(bar, metrics, run)
-            if cfg.eval_every and state["step"] % cfg.eval_every == 0 and state["step"] < run.total_steps:
-                evaluate(run, objective, reporter, f"step {state['step']}")
-            if cfg.save_every and state["step"] % cfg.save_every == 0:
-                last_saved = save_checkpoint(run)
-            if state["step"] >= end:
-                break
-        if state["step"] < end:
-            state["epoch"] += 1
-            state["epoch_samples"] = 0
-    bar.close()
+    try:
+        with tqdm(
+            total=run.total_steps, initial=state["step"], disable=not run.accelerator.is_main_process, desc="train"
+        ) as bar:
+            while state["step"] < end:
+                groups, stream = epoch_steps(run)
+                for group in groups:
+                    metrics = optimizer_step(run, objective, group, stream)
+                    result["history"].append(metrics)
+                    check_supervised(result["history"], cfg.data_path, last=state["step"] >= end)
+                    reporter.log(state["step"], metrics, "train")
+                    show_step(bar, metrics, run)
+                    if cfg.eval_every and state["step"] % cfg.eval_every == 0 and state["step"] < run.total_steps:
+                        evaluate(run, objective, reporter, f"step {state['step']}")
+                    if cfg.save_every and state["step"] % cfg.save_every == 0:
+                        last_saved = save_checkpoint(run)
+                    if state["step"] >= end:
+                        break
+                if state["step"] < end:
+                    state["epoch"] += 1
+                    state["epoch_samples"] = 0
 
-    if last_saved is None or last_saved.name != f"checkpoint-{state['step']}":
-        last_saved = save_checkpoint(run)
-    if not stopping:
-        result["eval_after"] = evaluate(run, objective, reporter, "after training")
-        write_final_head(run, last_saved)
-    reporter.close()
+        if last_saved is None or last_saved.name != f"checkpoint-{state['step']}":
+            last_saved = save_checkpoint(run)
+        if not stopping:
+            result["eval_after"] = evaluate(run, objective, reporter, "after training")
+            write_final_head(run, last_saved)
+    finally:
+        reporter.close()  # what was logged reaches TensorBoard / wandb even when the run stops on an error
     return {**result, "checkpoint": last_saved}

@@ -9,22 +9,16 @@ the target per batch. Checkpoints go to <output_dir>/checkpoint-<step>, the last
 <output_dir>/final.
 """
 
-import sys
-
 from eagle_train.eagle3_train import build_eagle3_head, eagle3_objective
-from eagle_train.target import load_target_config
-from eagle_train.train_config import config_from_command_line, validate
+from eagle_train.train_config import config_from_command_line, one_line_refusals
 from eagle_train.trainer import train
 
 
 def main(argv=None):
     cfg = config_from_command_line(__doc__, "eagle3", argv)
-    try:  # train() checks again; here a refusal is one line, not a traceback
-        validate(cfg, load_target_config(cfg.target))
-    except (ValueError, FileNotFoundError) as e:
-        sys.exit(f"error: {e}")
     objective = eagle3_objective(cfg.ttt_length, cfg.ttt_decay, cfg.gradient_checkpointing, cfg.fused_loss)
-    train(cfg, build_eagle3_head, objective)
+    with one_line_refusals():  # train() checks the config before any compute
+        train(cfg, build_eagle3_head, objective)
 
 
 if __name__ == "__main__":

@@ -8,23 +8,19 @@ only the head and the objective differ. P-EAGLE keys: num_depths (K), draft_num_
 uses), num_segments (null: from max_length and K, see peagle_batch.default_num_segments).
 """
 
-import sys
-
 from eagle_train.peagle_train import PEagleObjective, build_peagle_head, segments_for, validate_peagle
 from eagle_train.target import load_target_config
-from eagle_train.train_config import config_from_command_line, validate
+from eagle_train.train_config import config_from_command_line, one_line_refusals, validate
 from eagle_train.trainer import train
 
 
 def main(argv=None):
     cfg = config_from_command_line(__doc__, "peagle", argv)
-    try:  # train() checks validate's part again; here a refusal is one line, not a traceback
+    with one_line_refusals():
         target_config = load_target_config(cfg.target)
-        validate(cfg, target_config)
+        validate(cfg, target_config)  # the P-EAGLE keys' checks rely on the common ones
         validate_peagle(cfg, target_config)
-    except (ValueError, FileNotFoundError) as e:
-        sys.exit(f"error: {e}")
-    train(cfg, build_peagle_head, PEagleObjective(cfg.num_depths, segments_for(cfg)))
+        train(cfg, build_peagle_head, PEagleObjective(cfg.num_depths, segments_for(cfg)))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ processes x 1, so every 2-process run must reproduce its loss curve, its gradien
 import importlib.util
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -284,3 +285,24 @@ def test_peagle_on_two_processes_has_the_gradients_of_one_process(backend, segme
     assert logged(out, "grad_norm") == pytest.approx([m["grad_norm"] for m in one["history"]], rel=1e-4)
     assert logged(out) == pytest.approx([m["loss"] for m in one["history"]], rel=1e-4)
     assert_same_head(out, tmp_path / "one")
+
+
+def test_a_run_that_diverges_stops_on_every_process_in_one_line(train_store, tmp_path):
+    """A learning rate that sends the head to inf: the loss of step 2 is nan on the pooled metrics, so both
+    processes stop there alike (no hang), say so in one line, and save no head."""
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        launch_command("ddp", overrides(train_store, out, "learning_rate=1e30")),
+        capture_output=True,
+        timeout=300,
+        **IN_REPO,
+    )
+    assert proc.returncode != 0
+    # the processes share stderr: a line may follow the other's progress bar, and the launcher ends one
+    # process when the other exits, so one of the two lines may be missing
+    errors = set(re.findall(r"error: .*", proc.stderr))
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert re.fullmatch(
+        r"error: step 2: loss is nan .*learning_rate is too high; no checkpoint was saved", errors.pop()
+    )
+    assert not list(out.glob("checkpoint-*")) and not (out / "final").exists()

@@ -8,6 +8,7 @@ import torch
 from conftest import tiny_draft_config
 
 from eagle_cli.evaluate import main
+from eagle_train.checkpoint import load_draft_head
 from eagle_train.eagle3 import Eagle3Head
 
 
@@ -144,3 +145,12 @@ def test_head_with_other_vocabulary_is_refused(tiny_llama_dir, tmp_path):
 def test_bad_arguments_are_refused(tiny_llama_dir, tiny_head_dir, tmp_path, args, message):
     with pytest.raises(SystemExit, match=message):
         main(["--target", str(tiny_llama_dir), "--draft", str(tiny_head_dir), "--out", str(tmp_path / "r.json"), *args])
+
+
+def test_a_head_with_non_finite_values_is_refused(tiny_llama_dir, tiny_head_dir, tmp_path):
+    head = load_draft_head(tiny_head_dir)
+    with torch.no_grad():
+        head.lm_head.weight[0, 0] = float("nan")
+    head.save_pretrained(tmp_path / "head")
+    with pytest.raises(SystemExit, match=r"head holds non-finite values \(nan in lm_head.weight\).*do not deploy it"):
+        main(["--target", str(tiny_llama_dir), "--draft", str(tmp_path / "head"), "--out", str(tmp_path / "r.json")])

@@ -535,3 +535,18 @@ def test_an_export_for_vllm_is_judged_by_vllm_alone(tmp_path, capsys):
     assert cli_exit([*export, "--out", str(tmp_path / "trt"), "--engine", "trtllm"]) == 1
     assert cli_exit([*export, "--out", str(tmp_path / "x"), "--engine", "llamacpp"]) == 2  # not a directory engine
     assert not (tmp_path / "x").exists()
+
+
+def test_a_head_with_non_finite_values_is_refused_by_export_in_one_line(tmp_path, capsys):
+    """A diverged head (nan or inf anywhere) loads nowhere: export exits 2 naming the file and the tensors."""
+    head = tiny_head()
+    with torch.no_grad():
+        head.midlayer.self_attn.q_proj.weight[0, 0] = float("nan")
+        head.fc.weight[1, 1] = float("inf")
+    head.save_pretrained(tmp_path / "head")
+    assert cli_exit([str(tmp_path / "head"), "--format", "eagle3", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err
+    assert f"{tmp_path / 'head'} holds non-finite values (" in err and "do not deploy it" in err
+    assert "nan in midlayer.self_attn.q_proj.weight" in err and "inf in fc.weight" in err
+    assert not (tmp_path / "out").exists()

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TRAIN_DRAFT_VOCAB
+from safetensors.torch import save_file
 
 from eagle_train.batching import epoch_batches
 from eagle_train.checkpoint import load_draft_head
@@ -195,7 +196,13 @@ def test_a_resume_the_checkpoint_cannot_give_is_refused_before_the_target_loads(
     ckpt.mkdir(parents=True)
     for rank in (0, 1):
         torch.save({}, ckpt / f"optimizer-rank{rank}.pt")
-    (ckpt / "trainer_state.json").write_text(json.dumps({"num_processes": 2, "step": 4, "optimizer_layout": "zero2"}))
+        torch.save({}, ckpt / f"rng-rank{rank}.pt")
+    torch.save({}, ckpt / "scheduler.pt")
+    (ckpt / "head").mkdir()
+    (ckpt / "head" / "config.json").write_text("{}")
+    save_file({"fc.weight": torch.zeros(1)}, ckpt / "head" / "model.safetensors")
+    position = {"step": 4, "epoch": 0, "epoch_samples": 8, "samples_consumed": 8, "tokens_consumed": 512}
+    (ckpt / "trainer_state.json").write_text(json.dumps({**position, "num_processes": 2, "optimizer_layout": "zero2"}))
     with pytest.raises(
         ValueError,
         match=r"saved by DeepSpeed ZeRO-2 and this launch is one process or DDP: resume it with "
@@ -243,3 +250,156 @@ def test_a_run_that_supervises_nothing_stops(train_store, tmp_path):
     with pytest.raises(ValueError, match=r"3 steps supervised no position: .* max_length"):
         run(config(train_store, tmp_path, "max_length=8", "max_steps=3"))
     assert not list(tmp_path.glob("checkpoint-*")) and not (tmp_path / "final").exists()
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["max_steps=-5"], "max_steps must be >= 0"),
+        (["save_every=-1"], "save_every must be >= 0"),
+        (["eval_every=-2"], "eval_every must be >= 0"),
+        (["log_every=-1"], "log_every must be >= 0"),
+        (["warmup_steps=-1"], "warmup_steps must be >= 0"),
+        (["keep_checkpoints=0"], "keep_checkpoints must be >= 1"),
+        (["learning_rate=.inf"], "learning_rate must be a number > 0"),
+        (["weight_decay=-0.1"], "weight_decay must be >= 0"),
+        (["num_epochs=0", "max_steps=3"], "num_epochs must be >= 1"),
+        (["num_workers=-1"], "num_workers must be >= 0"),
+    ],
+)
+def test_meaningless_numbers_are_refused_before_any_compute(monkeypatch, train_store, tmp_path, overrides, match):
+    monkeypatch.setattr("eagle_train.trainer.load_target", lambda *a, **k: pytest.fail("target loaded"))
+    with pytest.raises(ValueError, match=match):
+        run(config(train_store, tmp_path, *overrides))
+
+
+# ---- nothing silently wrong: non-finite steps, damaged checkpoints, one line from the scripts ----
+
+
+def poison(monkeypatch, store, step: int) -> list[int]:
+    """Make the store samples of `step`'s micro-batch (one process, eval_fraction=0) read as nan; returns them."""
+    from eagle_train.store import ShardedSamples
+
+    data = ShardedSamples(store)
+    lengths = [min(n, 128) for n in data.lengths()]
+    samples = epoch_batches(list(range(len(data))), lengths, 128, seed=0, epoch=0)[step - 1]
+    read = ShardedSamples.__getitem__
+
+    def poisoned(self, i):
+        item = read(self, i)
+        if i in samples:
+            item["aux_hidden"] = torch.full_like(item["aux_hidden"], float("nan"))
+        return item
+
+    monkeypatch.setattr(ShardedSamples, "__getitem__", poisoned)
+    return sorted(samples)
+
+
+def test_a_nan_loss_stops_the_run_naming_the_step_its_samples_and_the_last_good_checkpoint(
+    monkeypatch, train_store, tmp_path
+):
+    samples = poison(monkeypatch, train_store, step=3)
+    with pytest.raises(ValueError) as err:
+        run(config(train_store, tmp_path, "max_steps=5", "save_every=2"))
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith(
+        f"step 3: loss is nan and the gradient norm is nan (samples {', '.join(map(str, samples))} of {train_store}"
+    )
+    assert message.endswith(f"the last good checkpoint is {tmp_path / 'checkpoint-2'}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2", "metrics.jsonl"]  # no final head
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+
+
+def test_a_run_that_fails_before_writing_anything_leaves_no_output_dir(monkeypatch, train_store, tmp_path):
+    poison(monkeypatch, train_store, step=1)
+    with pytest.raises(ValueError, match=r"^step 1: loss is nan .*no checkpoint was saved$"):
+        run(config(train_store, tmp_path / "run", "max_steps=2", "report_to=tensorboard"))
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_head_with_nan_is_never_saved(monkeypatch, train_store, tmp_path):
+    """Should a non-finite step get through (DeepSpeed steps inside backward), the checkpoint is refused."""
+    poison(monkeypatch, train_store, step=1)
+    monkeypatch.setattr("eagle_train.trainer.refuse_non_finite_step", lambda *a: None)
+    with pytest.raises(ValueError, match=r"^step 1: the head holds non-finite values \(nan in fc.weight, .*not saving"):
+        run(config(train_store, tmp_path, "max_steps=1"))
+    assert not list(tmp_path.glob("checkpoint-*")) and not (tmp_path / "final").exists()
+
+
+def load_script(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_scripts_say_a_refusal_from_inside_train_in_one_line(monkeypatch, train_store, tmp_path):
+    (tmp_path / "checkpoint-3").mkdir()
+    (tmp_path / "checkpoint-3" / "trainer_state.json").write_text("{}")
+    for script in ("train_eagle3", "train_peagle"):
+        with pytest.raises(SystemExit, match=r"^error: output_dir .* holds checkpoints of an earlier run") as err:
+            load_script(script).main([f"data_path={train_store}", f"output_dir={tmp_path}", "report_to=none"])
+        assert "\n" not in str(err.value)
+    poison(monkeypatch, train_store, step=1)
+    with pytest.raises(SystemExit, match=r"^error: step 1: loss is nan"):
+        load_script("train_eagle3").main([*overrides_of(train_store, tmp_path / "run"), "max_steps=1"])
+
+
+def overrides_of(data_path, out) -> list[str]:
+    return [f"data_path={data_path}", f"output_dir={out}", "tokens_per_batch=128", "max_length=128", "eval_fraction=0"]
+
+
+@pytest.fixture(scope="module")
+def stopped_run(train_store, tmp_path_factory):
+    """A run of 4 steps stopped after step 3, a checkpoint after every step, and its loss curve."""
+    out = tmp_path_factory.mktemp("stopped") / "run"
+    first = run(config(train_store, out, "max_steps=4", "save_every=1", "keep_checkpoints=4", "stop_after_step=3"))
+    return out, losses(first)
+
+
+DAMAGE = [
+    ("trainer_state.json", b"", "trainer_state.json is empty"),
+    ("trainer_state.json", b"{not json", "trainer_state.json is not JSON"),
+    ("head/model.safetensors", None, "head/model.safetensors is missing"),
+    ("head/model.safetensors", "half", "head/model.safetensors is truncated or unreadable"),
+    ("scheduler.pt", None, "scheduler.pt is missing"),
+    ("optimizer.pt", "half", "optimizer.pt is truncated or unreadable"),
+    ("rng-rank0.pt", None, "rng-rank0.pt is missing"),
+]
+
+
+@pytest.mark.parametrize("name, damage, reason", DAMAGE)
+def test_a_damaged_checkpoint_says_why(stopped_run, tmp_path, name, damage, reason):
+    import shutil
+
+    from eagle_train.trainer import checkpoint_damage
+
+    ckpt = shutil.copytree(stopped_run[0] / "checkpoint-2", tmp_path / "checkpoint-2")
+    assert checkpoint_damage(ckpt) == ""
+    file = ckpt / name
+    if damage is None:
+        file.unlink()
+    else:
+        file.write_bytes(damage if damage != "half" else file.read_bytes()[: file.stat().st_size // 2])
+    assert checkpoint_damage(ckpt).startswith(reason)
+
+
+def test_resume_auto_skips_a_damaged_newest_checkpoint_and_metrics_keep_each_step_once(
+    stopped_run, train_store, tmp_path, capsys
+):
+    import shutil
+
+    out = shutil.copytree(stopped_run[0], tmp_path / "run")
+    (out / "checkpoint-3" / "trainer_state.json").write_text("")
+    with pytest.raises(ValueError, match=r"checkpoint-3 cannot be resumed: trainer_state.json is empty; resume from"):
+        run(config(train_store, out, "max_steps=4", f"resume={out / 'checkpoint-3'}"))
+    resumed = run(config(train_store, out, "max_steps=4", "save_every=1", "keep_checkpoints=4", "resume=auto"))
+    assert f"skipping {out / 'checkpoint-3'}: trainer_state.json is empty" in capsys.readouterr().out
+    assert losses(resumed)[0] == stopped_run[1][2]  # step 3 again, from checkpoint-2
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["split"] == "train"] == [1, 2, 3, 4]
+    assert [r["loss"] for r in rows if r["split"] == "train"][:2] == stopped_run[1][:2]
