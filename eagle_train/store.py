@@ -354,9 +354,10 @@ def check_store_matches(manifest: dict, target_config, aux_layer_ids=None, finge
         )
     recorded = have.get("fingerprint")
     if manifest.get("format") == HIDDEN_FORMAT and fingerprint and recorded and recorded != fingerprint:
+        loaded = getattr(target_config, "_name_or_path", "") or want["name"]
         raise ValueError(
             f"store made by target {have.get('given') or have.get('name')!r} (weights fingerprint {recorded}) "
-            f"does not match the target loaded now, {want['name']!r} (weights fingerprint {fingerprint}): same "
+            f"does not match the target loaded now, {loaded!r} (weights fingerprint {fingerprint}): same "
             "architecture, other weights. Capture a new store with this target or train with the one that made it."
         )
     if manifest.get("format") == HIDDEN_FORMAT:

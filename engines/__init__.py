@@ -14,6 +14,7 @@ import re
 
 from eagle_train.export.draft_files import DraftFiles
 from eagle_train.export.layouts import detect_layout
+from eagle_train.head import non_finite_values
 from eagle_train.hidden_states import engine_aux_layer_ids
 from engines import live, rules
 from engines.rules import EngineReport, is_parallel, stack
@@ -156,7 +157,8 @@ def directory_engine(name: str) -> Engine:
 
 
 def check_directory(directory, engines=None, target_config=None) -> dict[str, EngineReport]:
-    """Per engine, what it would load from `directory` and what would go wrong (engines/rules.py).
+    """Per engine, what it would load from `directory` and what would go wrong (engines/rules.py), and for all
+    of them whether the weights are finite (a head that diverged loads everywhere and drafts garbage).
     `engines` defaults to the engines the directory's layout is meant for."""
     files = DraftFiles(directory)
     if not engines:
@@ -164,4 +166,9 @@ def check_directory(directory, engines=None, target_config=None) -> dict[str, En
             engines = PARALLEL_ENGINES if is_parallel(files.config, files.meta) else detect_layout(files.config).engines
         except ValueError:
             engines = DIRECTORY_ENGINES
-    return {name: directory_engine(name).inspect(files, target_config) for name in engines}
+    reports = {name: directory_engine(name).inspect(files, target_config) for name in engines}
+    broken = non_finite_values(files.tensors())
+    for report in reports.values():
+        if broken:
+            report.add("error", f"the weights hold non-finite values ({broken}): do not deploy this head")
+    return reports

@@ -165,6 +165,16 @@ def test_check_flags_missing_d2t(exported):
     assert cli_exit(["--check", str(exported), "--engine", "vllm"]) == 1
 
 
+def test_check_refuses_an_export_with_non_finite_weights(exported):
+    """An export written before heads were checked, or edited since: it loads in every engine and drafts garbage."""
+    weight = load_file(exported / "model.safetensors")["fc.weight"].clone()
+    weight[0, 0] = float("nan")
+    rewrite(exported, tensors_update={"fc.weight": weight})
+    for r in check_directory(exported, ["vllm", "sglang", "trtllm"], tiny_target_config()).values():
+        assert any("non-finite values (nan in fc.weight)" in m for m in errors(r)), r.render()
+    assert cli_exit(["--check", str(exported), "--engine", "vllm"]) == 1
+
+
 def test_check_flags_float_d2t_and_only_warns_on_int32(exported):
     d2t = load_file(exported / "model.safetensors")["d2t"]
     rewrite(exported, tensors_update={"d2t": d2t.to(torch.bfloat16)})
