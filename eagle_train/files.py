@@ -34,10 +34,6 @@ def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], metada
     return _write(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
 
-def write_bytes(path: str | Path, data: bytes) -> Path:
-    return _write(path, lambda tmp: tmp.write_bytes(data))
-
-
 def write_text(path: str | Path, text: str) -> Path:
     return _write(path, lambda tmp: tmp.write_text(text))
 

@@ -16,7 +16,7 @@ files never clash and the store looks the same whatever the process count. Every
 to a temp name and renamed, so a killed run leaves only whole shards behind.
 
 Nothing wrong gets through silently. Each shard's sha256, taken from the bytes as they are
-written, goes beside it (`shard-NNNNN.sha256`, what `sha256sum -c` reads) and into the manifest;
+written (`written_sha256`), goes beside it (`shard-NNNNN.sha256`, what `sha256sum -c` reads) and into the manifest;
 a reader checks a shard the first time it opens it, and a rerun of the capture recomputes a
 damaged shard. Hidden states that are not finite are refused when captured and when read. The
 manifest records a fingerprint of the target's weights, so a store is never trained against
@@ -34,9 +34,8 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save as serialize
 
-from eagle_train.files import write_bytes, write_json, write_safetensors, write_text
+from eagle_train.files import write_json, write_safetensors, write_text
 from eagle_train.hidden_states import default_aux_layer_ids
 from eagle_train.unreadable import unreadable
 
@@ -149,12 +148,24 @@ def checksum_path(shard: Path) -> Path:
 
 
 def write_shard(path: str | Path, index: int, tensors: dict[str, torch.Tensor], rank: int = 0) -> Path:
-    """Write one shard atomically, its sha256 (of the bytes written, no second read) beside it first,
-    so every shard on disk has its checksum; the writing process's rank goes in its metadata."""
-    data = serialize(tensors, metadata={"rank": str(rank)})
-    shard = Path(path) / shard_name(index)
-    write_text(checksum_path(shard), f"{hashlib.sha256(data).hexdigest()}  {shard.name}\n")
-    return write_bytes(shard, data)
+    """Write one shard atomically and its sha256 beside it; the writing process's rank goes in its metadata.
+    A kill between the two leaves a shard without a sum, which `finalize_manifest` hashes."""
+    shard = write_safetensors(Path(path) / shard_name(index), tensors, metadata={"rank": str(rank)})
+    write_text(checksum_path(shard), f"{written_sha256(shard, tensors)}  {shard.name}\n")
+    return shard
+
+
+def written_sha256(shard: Path, tensors: dict[str, torch.Tensor]) -> str:
+    """The sha256 of the file just written, without reading its data back: the header read from disk (a few
+    KB), then the tensors' bytes from memory in the order the header lays them out, which is the file."""
+    with open(shard, "rb") as f:
+        size = f.read(8)
+        header = f.read(int.from_bytes(size, "little"))
+    digest = hashlib.sha256(size + header)
+    layout = {k: v for k, v in json.loads(header).items() if k != "__metadata__"}
+    for name in sorted(layout, key=lambda k: layout[k]["data_offsets"][0]):
+        digest.update(tensors[name].contiguous().reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
 
 
 class StoreWriter:
