@@ -8,13 +8,13 @@
 """
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+from eagle_train.files import write_json
 from engines import ENGINES, EngineError
 
 LIVE_ENGINES = tuple(name for name, e in ENGINES.items() if e.decodes_live)
@@ -99,7 +99,7 @@ def evaluate_engines(args) -> dict:
         print(format_engines({name: r["summary"] for name, r in records.items()}, title))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(records if len(records) > 1 else last, indent=1))
+    write_json(out, records if len(records) > 1 else last, indent=1)
     plot_path = out.with_suffix(".png")
     drawn = plot_engines({name: r["summary"] for name, r in records.items()}, plot_path, title)
     print(f"results: {out}" + (f"   plot: {plot_path}" if drawn else ""))
@@ -205,7 +205,7 @@ def evaluate(args, write: bool = True):
     }
     print(format_table(summary, title))
     if write:
-        out.write_text(json.dumps(record, indent=1))
+        write_json(out, record, indent=1)
         plot_path = out.with_suffix(".png")
         print(f"results: {out}" + (f"   plot: {plot_path}" if plot(summary, plot_path, title) else ""))
     return record

@@ -21,7 +21,6 @@ ones, redo a partially accepted round from a checkpoint; llama.cpp does not coun
 
 import argparse
 import hashlib
-import json
 import os
 import re
 import shutil
@@ -39,6 +38,7 @@ from gguf import GGMLQuantizationType
 
 from eagle_train.checkpoint import GGUF, load_draft_head, locate_head
 from eagle_train.export.gguf import export_gguf, field_value, read_gguf, read_target
+from eagle_train.files import write_json
 from eagle_train.target import cache_dir, load_tokenizer, target_gguf
 from engines import Engine, EngineError
 from engines.live import EngineFailed, Pooled, d2t_finding, layers_finding
@@ -666,7 +666,7 @@ def evaluate(args) -> dict:
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=1))
+    write_json(out, record, indent=1)
     title = (
         f"{args.bench}: {len(prompts)} prompts, {summary['turns']} turns, llama.cpp greedy, chain K={k}, "
         f"{args.threads or 'default'} threads"

@@ -39,6 +39,7 @@ from eagle_train.checkpoint import load_draft_head, locate_head
 from eagle_train.export import export_head
 from eagle_train.export.draft_files import DraftFiles
 from eagle_train.export.layouts import MASK_TOKEN_KEYS, mask_token_ids
+from eagle_train.files import write_json
 from eagle_train.hidden_states import engine_aux_layer_ids
 from eagle_train.target import HUB_IDS, cache_dir, load_target_config
 from engines import Engine, EngineError
@@ -300,7 +301,7 @@ def list_eagle3_targets(path) -> None:
             continue
         if model_class is not None and supports_eagle3(model_class):
             served.append(architecture)
-    Path(path).write_text(json.dumps({"vllm": vllm.__version__, "architectures": served}, indent=1) + "\n")
+    write_json(path, {"vllm": vllm.__version__, "architectures": served}, indent=1)
 
 
 def speculative(method: str, head_dir, k: int) -> dict:
