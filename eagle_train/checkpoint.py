@@ -7,7 +7,6 @@ readers of theirs live with the writers, in `eagle_train.export`; this module de
 export never imports this one.
 """
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from eagle_train.export import read_export
 from eagle_train.export.gguf import read_gguf_head
 from eagle_train.export.layouts import detect_layout
 from eagle_train.head import DraftHead, head_from_state
-from eagle_train.unreadable import HEAD_FIX, check_safetensors
+from eagle_train.unreadable import HEAD_FIX, check_safetensors, read_json_object
 
 HEAD, TRAINING_CHECKPOINT, RUN, GGUF = "head", "training-checkpoint", "run", "gguf"
 
@@ -49,7 +48,7 @@ def locate_head(path) -> HeadLocation:
         return HeadLocation(GGUF, path, None)
     for kind, directory in ((TRAINING_CHECKPOINT, path / "head"), (RUN, path / "final"), (HEAD, path)):
         if (directory / "config.json").exists():
-            config = json.loads((directory / "config.json").read_text())
+            config = read_json_object(directory / "config.json", "head config", HEAD_FIX)
             if config.get("format") != HEAD_FORMAT:
                 kind = detect_layout(config).name
             return HeadLocation(kind, directory, config)

@@ -37,7 +37,7 @@ from safetensors import SafetensorError, safe_open
 
 from eagle_train.files import write_json, write_safetensors, write_text
 from eagle_train.hidden_states import default_aux_layer_ids
-from eagle_train.unreadable import unreadable
+from eagle_train.unreadable import read_json_object, unreadable
 
 HIDDEN_FORMAT = "eagle-hidden-states"
 TOKENIZED_FORMAT = "eagle-tokenized"
@@ -386,16 +386,11 @@ def check_store_matches(manifest: dict, target_config, aux_layer_ids=None, finge
 
 def parse_manifest(file: Path) -> dict:
     """The JSON of a manifest, finished or not; a damaged one is named in one line."""
-    try:
-        manifest = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        manifest = f"not JSON: {e}"
-    if not isinstance(manifest, dict):
-        raise ValueError(
-            f"{file} is damaged ({str(manifest)[:80]}): delete it and rerun the eagle-prep command that made "
-            f"{file.parent}, which keeps the shards that match their checksums"
-        )
-    return manifest
+    fix = (
+        f"delete it and rerun the eagle-prep command that made {file.parent}, which keeps the shards that match "
+        "their checksums"
+    )
+    return read_json_object(file, "store manifest", fix)
 
 
 def read_manifest(path: str | Path) -> dict:

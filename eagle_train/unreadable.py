@@ -1,6 +1,7 @@
 """Files read whole by the toolkit that may have been cut short (a copy interrupted, a full disk) or damaged: the
 failure is one line naming the file and the fix, not the reading library's traceback about a header or a shape."""
 
+import json
 from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
@@ -20,6 +21,17 @@ def check_safetensors(path: str | Path, what: str, fix: str) -> None:
             pass
     except SafetensorError as e:
         raise unreadable(path, what, e, fix) from e
+
+
+def read_json_object(path: str | Path, what: str, fix: str) -> dict:
+    """A JSON file that must hold an object (a config, an index, a manifest)."""
+    try:
+        found = json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise unreadable(path, what, e, fix) from None
+    if not isinstance(found, dict):
+        raise unreadable(path, what, ValueError(f"a JSON {type(found).__name__}, not an object"), fix)
+    return found
 
 
 def open_gguf(path: str | Path, what: str, fix: str):

@@ -256,7 +256,9 @@ def test_a_damaged_manifest_or_vocab_map_is_named_in_one_line(tmp_path):
     manifest = tmp_path / MANIFEST
     for text in ("", manifest.read_text()[:40], "[1, 2]"):
         manifest.write_text(text)
-        with pytest.raises(ValueError, match=r"manifest.json is damaged \(.*\): delete it and rerun"):
+        with pytest.raises(
+            ValueError, match=r"manifest.json \(store manifest\) is unreadable \(.*\): delete it and rerun"
+        ):
             ShardedSamples(tmp_path)
     d2t = torch.tensor([0, 3, 6])  # target ids 0, 4, 8
     t2d = torch.zeros(10, dtype=torch.bool)

@@ -47,6 +47,21 @@ def test_truncated_head_weights_in_a_head_or_an_export(tiny_head_dir, tiny_llama
         assert_names(e, weights, "head weights")
 
 
+def test_a_damaged_head_config_in_a_head_or_an_export(tiny_head_dir, tmp_path):
+    from engines import check_directory
+
+    shutil.copytree(tiny_head_dir, tmp_path / "head")
+    export = export_head(load_draft_head(tiny_head_dir), tmp_path / "export", "eagle3")
+    for directory in (tmp_path / "head", export):
+        cut(directory / "config.json")
+        with pytest.raises(ValueError) as e:
+            load_draft_head(directory)
+        assert_names(e, directory / "config.json", "head config")
+    with pytest.raises(ValueError) as e:
+        check_directory(export)
+    assert_names(e, export / "config.json", "head config")
+
+
 def write_gguf(path, arch):
     w = GGUFWriter(path, arch=arch)
     w.add_block_count(4)

@@ -2,14 +2,13 @@
 shape and dtype, the tensors themselves only on request (read_export reads them all, the engines'
 rule checks only d2t)."""
 
-import json
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from eagle_train.unreadable import HEAD_FIX, check_safetensors
+from eagle_train.unreadable import HEAD_FIX, check_safetensors, read_json_object
 
 SAFETENSORS_DTYPES = {
     "F64": torch.float64,
@@ -29,7 +28,8 @@ SAFETENSORS_DTYPES = {
 def weight_files(directory: Path) -> list[Path]:
     index = directory / "model.safetensors.index.json"
     if index.exists():
-        return sorted({directory / f for f in json.loads(index.read_text())["weight_map"].values()})
+        weight_map = read_json_object(index, "head weights index", HEAD_FIX).get("weight_map", {})
+        return sorted({directory / f for f in weight_map.values()})
     for name in ("model.safetensors", "pytorch_model.bin"):
         if (directory / name).exists():
             return [directory / name]
@@ -46,7 +46,7 @@ class DraftFiles:
         path = self.directory / "config.json"
         if not path.exists():
             raise FileNotFoundError(f"{self.directory} has no config.json")
-        self.config = json.loads(path.read_text())
+        self.config = read_json_object(path, "head config", HEAD_FIX)
         self.meta: dict[str, tuple[tuple, torch.dtype, Path]] = {}
         self._bin: dict[str, torch.Tensor] = {}
         for f in weight_files(self.directory):
