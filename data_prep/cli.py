@@ -461,7 +461,7 @@ def main(argv=None) -> None:
     command, fn = options.pop("command"), options.pop("fn")
     try:
         fn(**options)
-    except (ValueError, FileNotFoundError) as e:  # bad input: the message names the problem, no traceback
+    except (ValueError, OSError) as e:  # bad input, unwritable output: the message names the problem, no traceback
         raise SystemExit(f"eagle-prep {command}: error: {e}") from e
 
 

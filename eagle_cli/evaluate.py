@@ -78,7 +78,7 @@ def main(argv=None):
             evaluate(args)
         else:
             evaluate_engines(args)
-    except (ValueError, FileNotFoundError, EngineError) as e:
+    except (ValueError, OSError, EngineError) as e:
         raise SystemExit(f"eagle-eval: error: {e}") from e
 
 

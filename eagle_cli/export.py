@@ -217,7 +217,7 @@ def main(argv=None):
     args = parse_args(argv)
     try:
         sys.exit(run(args))
-    except (ValueError, FileNotFoundError, NotImplementedError) as e:
+    except (ValueError, OSError, NotImplementedError) as e:
         print(f"eagle-export: error: {e}", file=sys.stderr)
         sys.exit(2)
 

@@ -197,8 +197,9 @@ class StoreWriter:
                 self.error = e
 
     def _raise(self):
-        if self.error is not None:
-            raise RuntimeError(f"writing a shard to {self.path} failed: {self.error}") from self.error
+        if self.error is not None:  # a full disk or a directory it may not write stays an OSError
+            kind = OSError if isinstance(self.error, OSError) else RuntimeError
+            raise kind(f"writing a shard to {self.path} failed: {self.error}") from self.error
 
     def add_shard(self, index: int, samples: list[dict], sample_ids: list[int]) -> None:
         """Queue shard `index` (blocks while `max_pending` shards wait)."""

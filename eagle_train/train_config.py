@@ -176,11 +176,12 @@ def load_train_config(
 
 @contextlib.contextmanager
 def one_line_refusals():
-    """In a training script, a refusal (ValueError, FileNotFoundError: a bad config, broken data, a run that
-    diverged) ends the process with `error: ...` and exit status 1: one line, never a traceback."""
+    """In a training script, a refusal (ValueError: a bad config, broken data, a run that diverged; OSError: a
+    missing path, a directory it may not write, a full disk) ends the process with `error: ...` and exit status
+    1: one line, never a traceback."""
     try:
         yield
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:
         sys.exit(f"error: {e}")
 
 
@@ -273,6 +274,13 @@ def validate(cfg: TrainConfig, target_config) -> None:
         not cfg.warm_start or (cfg.method == "eagle3" and not cfg.init_from),
         "warm_start starts a new EAGLE-3 head from the target's norm and lm_head: not with method peagle, "
         "nor with init_from (that head brings its own)",
+    )
+    output_dir = Path(cfg.output_dir).absolute()
+    writable = next(p for p in (output_dir, *output_dir.parents) if p.exists())
+    need(
+        writable.is_dir() and os.access(writable, os.W_OK | os.X_OK),
+        f"output_dir {cfg.output_dir} cannot be written: {writable} is not a directory this user may write; "
+        "choose another output_dir",
     )
     if not cfg.data_path:
         raise ValueError(

@@ -86,6 +86,7 @@ def test_a_training_script_implies_its_method_and_refuses_another():
         (["aux_layer_ids=[3,15,27]"], ValueError, "store holds aux layers"),
         (["resume=/nonexistent/ckpt"], FileNotFoundError, "resume checkpoint"),
         (["mode=streaming"], ValueError, "mode 'streaming' is not one of"),
+        ([f"output_dir={__file__}/run"], ValueError, r"output_dir .* cannot be written: .*test_trainer.py is not a"),
     ],
 )
 def test_bad_runs_fail_before_any_compute(monkeypatch, train_store, tmp_path, overrides, error, match):
