@@ -111,17 +111,25 @@ def _read_header(out: Path) -> dict | None:
 
 
 def start_store(
-    out: Path, header: dict, model, target_name: str, aux_layer_ids, dtype: str, world_size=1, rank=0, barrier=None
+    out: Path,
+    header: dict,
+    config,
+    fingerprint: str,
+    target_name: str,
+    aux_layer_ids,
+    dtype: str,
+    world_size=1,
+    rank=0,
+    barrier=None,
 ) -> dict:
     """Check `out` against the store this run would write and write its unfinished manifest; return the header.
 
     `header` holds what the writer knows (tokenizer, template, max_length, source, plan); the
-    target (with its weights' fingerprint), aux layers and dtype are added here. An existing store
-    of another target, aux layer set, dtype, source or plan is refused, so a resume can only
-    continue the same store.
+    target (its `config` and weights' `fingerprint`), aux layers and dtype are added here. An
+    existing store of another target, aux layer set, dtype, source or plan is refused, so a resume
+    can only continue the same store.
     """
     barrier = barrier or (lambda: None)
-    config, fingerprint = model.config, target_fingerprint(model)
     header = {
         "format": HIDDEN_FORMAT,
         "target": {**target_identity(config), "given": target_name, "fingerprint": fingerprint},
@@ -222,7 +230,8 @@ def capture(
             "source_tokens": source.manifest["num_tokens"],
         },
     }
-    header = start_store(out, header, model, target_name, ids, dtype, world_size, rank, barrier)
+    fingerprint = target_fingerprint(model)
+    header = start_store(out, header, model.config, fingerprint, target_name, ids, dtype, world_size, rank, barrier)
 
     todo = pending_shards(out, {k: [i for b in plan[k] for i in b] for k in range(rank, len(plan), world_size)})
     lengths = source.lengths()

@@ -24,7 +24,7 @@ from data_prep.chat import MAX_LENGTH, with_system_prompt
 from data_prep.readers import read_conversations
 from data_prep.vocab import make_vocab_map
 from eagle_train.hidden_states import TargetLogits, cache_argument, default_aux_layer_ids, layer_inputs
-from eagle_train.store import StoreWriter, chat_template_fingerprint, check_finite, encode_hidden
+from eagle_train.store import StoreWriter, chat_template_fingerprint, check_finite, encode_hidden, target_fingerprint
 from eagle_train.target import end_of_turn_ids
 from eagle_train.vocab_map import DRAFT_VOCAB_SIZE
 
@@ -181,7 +181,7 @@ def distil(
         },
     }
     out = Path(out)
-    header = start_store(out, header, model, target_name, ids, dtype)
+    header = start_store(out, header, model.config, target_fingerprint(model), target_name, ids, dtype)
     todo = pending_shards(out, {k: [i for i, _ in batch] for k, batch in enumerate(batches)})
     eos_ids = end_of_turn_ids(model, tokenizer)
     stats = {"prompts": 0, "answer_tokens": 0, "tokens": 0, "seconds": 0.0}

@@ -70,25 +70,32 @@ def target_identity(config) -> dict:
     }
 
 
-def target_fingerprint(model, values: int = 4096) -> str:
-    """A short hash of evenly spaced values of the target's input embedding, lm_head and final norm.
-
-    Two checkpoints of one architecture differ there unless they hold the same weights (a fine-tune
-    that froze all three is the blind spot). Values are rounded to bfloat16 first, so the hash is
-    the same whichever dtype (fp32 or bf16) and device the target was loaded in.
-    """
-    digest = hashlib.sha256()
+def fingerprinted_weights(model) -> list[torch.Tensor]:
+    """The weights a store's fingerprint samples: the input embedding, the lm_head (when not tied to it) and the
+    final norm. Two checkpoints of one architecture differ there unless they hold the same weights (a fine-tune
+    that froze all three is the blind spot)."""
     weights = [model.get_input_embeddings().weight, model.get_output_embeddings().weight]
     norm = getattr(getattr(model, "model", None), "norm", None)
     weights += [norm.weight] if getattr(norm, "weight", None) is not None else []
-    for k, w in enumerate(weights):
-        if any(w is other for other in weights[:k]):  # tied embeddings
-            continue
+    return [w for k, w in enumerate(weights) if not any(w is other for other in weights[:k])]
+
+
+def fingerprint(weights: list[torch.Tensor], values: int = 4096) -> str:
+    """A short hash of evenly spaced values of each weight, rounded to bfloat16 first, so that it is the same
+    whichever dtype (fp32 or bf16) and device the weights were loaded in, or read from the checkpoint's files."""
+    digest = hashlib.sha256()
+    for w in weights:
         flat = w.detach().flatten()
         n = min(values, flat.numel())
         picks = (torch.arange(n) * (flat.numel() - 1) // max(n - 1, 1)).to(flat.device)
         digest.update(flat[picks].to(torch.bfloat16).view(torch.int16).cpu().numpy().tobytes())
     return digest.hexdigest()[:16]
+
+
+def target_fingerprint(model) -> str:
+    """The fingerprint of a loaded target (`fingerprinted_weights`); `target.files_fingerprint` reads the same
+    from its files without loading it."""
+    return fingerprint(fingerprinted_weights(model))
 
 
 def _target_name(name_or_path: str) -> str:

@@ -9,6 +9,7 @@ the cached directory reloads in well under a second.
 import hashlib
 import importlib.metadata
 import importlib.util
+import json
 import os
 import shutil
 import uuid
@@ -19,6 +20,7 @@ import torch
 from eagle_train.files import share_directory
 from eagle_train.hidden_states import check_target_logits
 from eagle_train.paths import check_local, hub_error
+from eagle_train.store import fingerprint, fingerprinted_weights
 from eagle_train.unreadable import check_safetensors, open_gguf
 
 SMOLLM2 = "smollm2-135m"
@@ -154,6 +156,33 @@ def load_target_config(name_or_path: str):
     from transformers import AutoConfig
 
     return _from_pretrained(AutoConfig, name_or_path, resolve_target(name_or_path))
+
+
+def files_fingerprint(name_or_path: str) -> str:
+    """`store.target_fingerprint` of a target read from its safetensors files, without loading it: what a store
+    made by a serving engine records. The weights' names come from the model built on the meta device."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_target(name_or_path)
+    if not Path(path).is_dir():
+        from huggingface_hub import snapshot_download
+
+        path = snapshot_download(path, allow_patterns=["*.safetensors", "*.json"])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(load_target_config(name_or_path))
+    names = {id(p): name for name, p in model.named_parameters()}
+    wanted = [names[id(w)] for w in fingerprinted_weights(model)]
+    index = Path(path) / "model.safetensors.index.json"
+    files = json.loads(index.read_text())["weight_map"] if index.is_file() else {}
+    weights = []
+    for name in wanted:
+        file = Path(path) / files.get(name, "model.safetensors")
+        with safe_open(str(file), framework="pt") as f:
+            if name not in f.keys():
+                raise ValueError(f"{file} holds no {name}: its weights are not named as transformers names them")
+            weights.append(f.get_tensor(name))
+    return fingerprint(weights)
 
 
 def load_tokenizer(name_or_path: str):

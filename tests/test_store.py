@@ -233,13 +233,16 @@ def test_non_finite_hidden_states_are_refused_on_read(tmp_path):
         data[1]
 
 
-def test_the_fingerprint_names_the_weights_whatever_the_dtype(tiny_llama):
+def test_the_fingerprint_names_the_weights_whatever_the_dtype(tiny_llama, tiny_llama_dir):
     from conftest import tiny_target
+
+    from eagle_train.target import files_fingerprint
 
     model = tiny_llama[0]
     fingerprint = target_fingerprint(model)
     assert target_fingerprint(copy.deepcopy(model).to(torch.bfloat16)) == fingerprint  # fp32 is bf16-exact here
     assert target_fingerprint(tiny_target(seed=1, **model.config.to_diff_dict())) != fingerprint
+    assert files_fingerprint(str(tiny_llama_dir)) == fingerprint  # what a serving engine's store records
     manifest = {
         "format": HIDDEN_FORMAT,
         "aux_layer_ids": [1, 2, 3],
