@@ -1,7 +1,7 @@
 """vLLM as the distillation engine (issue 31): exactness of its hidden states and its throughput on first turns.
 
     python scripts/bench/vllm_distil.py --check 8                 # vLLM's hidden states and answers against HF's
-    python scripts/bench/vllm_distil.py --bench 128 --max-new-tokens 192
+    python scripts/bench/vllm_distil.py --bench 128 --max-new-tokens 192 --kv-cache-gib 6
 
 --check N: vLLM answers N ShareGPT first turns (chat-templated, shortest first, as `eagle-prep distil` plans
 them) greedily in fp32 and captures the hidden states while generating; HF runs `target_hidden_states` on the
@@ -17,6 +17,7 @@ Prints prompts/s, answer tokens/s and, for the prefill pass, tokens/s.
 
 import argparse
 import json
+import os
 
 import torch
 
@@ -118,7 +119,16 @@ def main(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=192)
     p.add_argument("--max-length", type=int, default=640)
     p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        default=None,
+        help="vLLM's CPU KV cache (VLLM_CPU_KVCACHE_SPACE; engines/vllm.py gives 2): too small for the batch, "
+        "vLLM preempts and recomputes, and the hidden-state cache shares it",
+    )
     a = p.parse_args(argv)
+    if a.kv_cache_gib is not None:
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(a.kv_cache_gib)
     report = {}
     if a.check:
         report["check"] = check(
