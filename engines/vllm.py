@@ -58,6 +58,8 @@ LOG_TAIL = 20
 VLLM_KEY = "eagle_aux_hidden_state_layer_ids"
 BF16_TOLERANCE = 1e-2  # largest |file - head| / max |head| of a weight in a bf16 export: its rounding, doubled
 CHILD = "import sys; from engines.vllm import serve; serve(*sys.argv[1:])"
+BATCH_CHILD = "import sys; from engines.vllm import serve_batch; serve_batch(*sys.argv[1:])"
+HIDDEN_STATES_CONNECTOR = ("engines.vllm_hidden_states", "SafetensorsHiddenStatesConnector")
 LIST_TARGETS = "import sys; from engines.vllm import list_eagle3_targets; list_eagle3_targets(sys.argv[1])"
 EAGLE3_TARGETS = Path(__file__).with_name("vllm_eagle3_targets.json")
 
@@ -438,6 +440,148 @@ def error_lines(stderr: str) -> str:
         line for line in lines if "Error" in line.split(":")[0] or line.startswith(("ValueError", "RuntimeError"))
     ]
     return "\n".join(errors[-3:] or lines[-LOG_TAIL:])
+
+
+# ---- answers and hidden states in one engine (issue 31) -----------------------------------------------
+
+
+@dataclass
+class BatchRun:
+    """Greedy answers to a list of prompts from one engine; with hidden states, `samples` holds per prompt
+    `input_ids` [T] (prompt + answer), `aux_hidden` [T - 1, 3H] and `final_hidden` [T - 1, H]: the last token
+    is sampled, never run, so it has no hidden state (training never reads it: ttt.py, peagle_batch.py)."""
+
+    version: str
+    init_seconds: float
+    generate_seconds: float  # generate, and with hidden states until every file is written
+    output_ids: list[list[int]]
+    samples: list[dict] | None
+
+
+def generate_batch(
+    target: str,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    aux_layer_ids=None,
+    max_num_seqs: int = 128,
+    timeout: float | None = None,
+) -> BatchRun:
+    """Greedy answers to token-id `prompts`, all submitted at once (continuous batching); with `aux_layer_ids`
+    also the hidden states of every token that ran, in this project's convention (`target_hidden_states`):
+    aux = the inputs of those decoder layers, final = the last layer's output after the final norm. vLLM's
+    `extract_hidden_states` method captures them from the forwards that generate the answer; a prefill-only
+    pass over given sequences is `max_new_tokens=1`."""
+    reason = missing()
+    if reason:
+        raise VllmError(reason)
+    request = {
+        "target": target,
+        "prompts": prompts,
+        "max_new_tokens": max_new_tokens,
+        "aux_layer_ids": None if aux_layer_ids is None else list(aux_layer_ids),
+        "max_num_seqs": max_num_seqs,
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        req, out = Path(tmp) / "request.json", Path(tmp) / "result.json"
+        req.write_text(json.dumps({**request, "directory": tmp}))
+        cmd = [sys.executable, "-c", BATCH_CHILD, str(req), str(out)]
+        done = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=timeout)
+        if done.returncode != 0 or not out.is_file():
+            raise VllmError(f"vLLM failed (exit {done.returncode}): {error_lines(done.stderr)}")
+        result = json.loads(out.read_text())
+        samples = None
+        if aux_layer_ids is not None:
+            from safetensors.torch import load_file
+
+            samples = [load_file(Path(tmp) / f"sample-{i}.safetensors") for i in range(len(prompts))]
+    return BatchRun(
+        result["version"], result["init_seconds"], result["generate_seconds"], result["output_ids"], samples
+    )
+
+
+def batch_child(request: dict) -> dict:
+    """The child of `generate_batch`. With hidden states, the engine captures the aux layers and the last
+    layer's output (id = num_hidden_layers, before the final norm) of every token it runs, prompt and answer
+    (`include_output_tokens`); the connector writes them per request; the final norm is the engine's own."""
+    import vllm
+    from safetensors.torch import load_file, save_file
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from eagle_train.target import resolve_target
+
+    directory = Path(request["directory"])
+    aux = request["aux_layer_ids"]
+    engine, extra = {}, None
+    if aux is not None:
+        n_layers = load_target_config(request["target"]).num_hidden_layers
+        captured = sorted({*aux, n_layers})  # vLLM captures the layers in ascending order, each once
+        module, connector = HIDDEN_STATES_CONNECTOR
+        engine = {
+            "speculative_config": {
+                "method": "extract_hidden_states",
+                "num_speculative_tokens": 1,
+                "draft_model_config": {"hf_config": {VLLM_KEY: captured}},
+            },
+            "kv_transfer_config": {
+                "kv_connector": connector,
+                "kv_connector_module_path": module,
+                "kv_role": "kv_producer",
+                "kv_connector_extra_config": {"shared_storage_path": str(directory / "requests")},
+            },
+        }
+        extra = {"kv_transfer_params": {"include_output_tokens": True}}
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=resolve_target(request["target"]),
+        dtype="float32" if not _cuda() else "bfloat16",
+        enforce_eager=not _cuda(),
+        max_num_seqs=request["max_num_seqs"],
+        enable_prefix_caching=False,
+        seed=0,
+        **engine,
+    )
+    init_seconds = time.perf_counter() - t0
+    greedy = SamplingParams(temperature=0.0, max_tokens=request["max_new_tokens"], extra_args=extra)
+    t = time.perf_counter()
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in request["prompts"]], greedy, use_tqdm=False)
+    if aux is not None:
+        files = [Path(o.kv_transfer_params["hidden_states_path"]) for o in outputs]
+        for _ in range(1000):  # an offline engine steps only when asked: the last requests' files are written then
+            if all(f.is_file() for f in files):
+                break
+            llm.llm_engine.step()
+        else:
+            raise VllmError(f"vLLM wrote {sum(f.is_file() for f in files)} of {len(files)} hidden-state files")
+    generate_seconds = time.perf_counter() - t
+    output_ids = [list(o.outputs[0].token_ids) for o in outputs]
+    if aux is not None:
+        norm = llm.apply_model(lambda model: model.model.norm)[0]
+        for i, (o, f) in enumerate(zip(outputs, files)):
+            written = load_file(f)
+            ids = list(o.prompt_token_ids) + output_ids[i]
+            if written["token_ids"].tolist() != ids[:-1]:
+                raise VllmError(f"the hidden-state file of prompt {i} holds other tokens than its prompt + answer")
+            hidden = written["hidden_states"]
+            with torch.no_grad():
+                final = norm(hidden[:, captured.index(n_layers)].contiguous())
+            sample = {
+                "input_ids": torch.tensor(ids, dtype=torch.int64),
+                "aux_hidden": torch.cat([hidden[:, captured.index(a)] for a in aux], dim=-1),
+                "final_hidden": final,
+            }
+            save_file(sample, directory / f"sample-{i}.safetensors")
+    return {
+        "version": vllm.__version__,
+        "init_seconds": init_seconds,
+        "generate_seconds": generate_seconds,
+        "output_ids": output_ids,
+    }
+
+
+def serve_batch(request_path, result_path) -> None:
+    """The child process's entry (`BATCH_CHILD`)."""
+    Path(result_path).write_text(json.dumps(batch_child(json.loads(Path(request_path).read_text()))))
 
 
 # ---- the live check ------------------------------------------------------------------------------

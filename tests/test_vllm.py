@@ -203,6 +203,28 @@ def test_live_broken_exports_fail_naming_the_cause(trained, what):
 
 
 @needs_vllm
+def test_vllm_hidden_states_are_the_projects_and_its_answers_hf_greedy(smollm2):
+    """generate_batch's hidden states, captured while vLLM generates, are `target_hidden_states` of the same ids
+    (layer inputs; final after the norm) at every position vLLM ran, and its answers are HF's greedy ones."""
+    from data_prep.distil import generate_and_capture
+    from eagle_train.hidden_states import default_aux_layer_ids, target_hidden_states
+    from eagle_train.target import end_of_turn_ids
+    from inference.evaluate import chat_ids
+
+    model, tokenizer = smollm2
+    aux_ids = default_aux_layer_ids(model.config.num_hidden_layers)
+    prompts = [chat_ids(tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
+    run = vllm.generate_batch(SMOLLM2, prompts, 24, aux_ids)
+    hf = generate_and_capture(model, prompts, 24, aux_ids, end_of_turn_ids(model, tokenizer), tokenizer.pad_token_id)
+    for prompt, answer, sample, theirs in zip(prompts, run.output_ids, run.samples, hf):
+        assert sample["input_ids"].tolist() == prompt + answer == theirs["input_ids"].tolist()
+        aux, final = target_hidden_states(model, sample["input_ids"][None, :-1], aux_layer_ids=aux_ids)
+        for got, want in ((sample["aux_hidden"], aux[0]), (sample["final_hidden"], final[0])):
+            assert got.shape == want.shape
+            assert ((got - want).norm(dim=-1) / want.norm(dim=-1)).max() < 1e-4
+
+
+@needs_vllm
 def test_the_recorded_eagle3_targets_are_the_installed_vllms():
     """What --check reads where vLLM is absent is what the installed vLLM says (re-record on a new version)."""
     recorded = json.loads(vllm.EAGLE3_TARGETS.read_text())
