@@ -28,6 +28,7 @@ from tqdm import tqdm
 from data_prep.capture import capture
 from data_prep.chat import MAX_LENGTH, SkipSample, show_mask, tokenize_conversation
 from data_prep.dataset import tokenize_dataset
+from data_prep.distil import ENGINES as DISTIL_ENGINES
 from data_prep.distil import distil
 from data_prep.readers import SHAREGPT, ReadReport, read_conversations
 from data_prep.regenerate import regenerate, regenerate_batch
@@ -36,6 +37,8 @@ from eagle_train.architectures import check_supported
 from eagle_train.store import STORE_DTYPES, read_manifest
 from eagle_train.target import SMOLLM2, load_target, load_target_config, load_tokenizer
 from eagle_train.train_config import parse_overrides
+from engines import EngineError
+from engines.vllm import INSTALL_HINT
 
 SEED = 0  # torch's seed before regenerating (sampling, temperature > 0, draws from it)
 
@@ -114,11 +117,33 @@ def regenerate_answers(target, data, out, *, limit, split, seed, device=None, **
     return counts
 
 
-def distil_store(target, data, out, *, limit, split, device=None, **options) -> dict:
-    """`distil(**options)`: the target answers up to `limit` first turns of `data`, captured into the store `out`."""
+def distil_store(
+    target,
+    data,
+    out,
+    *,
+    limit,
+    split,
+    device=None,
+    engine="hf",
+    cpu_kv_cache_gib=None,
+    tensor_parallel_size=1,
+    **options,
+) -> dict:
+    """`distil(**options)`: the target answers up to `limit` first turns of `data`, captured into the store `out`
+    (engine hf: loaded here; vllm: in vLLM, with its settings)."""
     check_trainable(target)
-    model, tokenizer = _open_target(target, device)
-    manifest, stats = distil(model, tokenizer, data, out, target_name=target, limit=limit, split=split, **options)
+    if engine == "vllm":
+        model, tokenizer = None, load_tokenizer(target)
+        settings = {"tensor_parallel_size": tensor_parallel_size}
+        if cpu_kv_cache_gib is not None:
+            settings["cpu_kv_cache_gib"] = cpu_kv_cache_gib
+        options["engine_options"] = settings
+    else:
+        model, tokenizer = _open_target(target, device)
+    manifest, stats = distil(
+        model, tokenizer, data, out, target_name=target, limit=limit, split=split, engine=engine, **options
+    )
     seconds = max(stats["seconds"], 1e-9)
     print(coverage_line(stats["vocab_map"]))
     print(
@@ -206,6 +231,7 @@ RUN_KEYS = {
     "prep.distil.enabled": False,
     "prep.distil.max_new_tokens": default(distil, "max_new_tokens"),
     "prep.distil.batch_size": default(distil, "batch_size"),
+    "prep.distil.engine": default(distil, "engine"),
     "prep.capture.enabled": True,
     "prep.capture.dtype": default(capture, "dtype"),
     "prep.capture.aux_layer_ids": default(capture, "aux_layer_ids"),
@@ -261,6 +287,7 @@ def run(config, overrides) -> None:
             aux_layer_ids=c["prep.capture.aux_layer_ids"],
             dtype=c["prep.capture.dtype"],
             draft_vocab_size=c["prep.draft_vocab_size"],
+            engine=c["prep.distil.engine"],
         )
         return
     if c["prep.regenerate.enabled"]:
@@ -441,7 +468,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--dtype", default=default(distil, "dtype"), choices=list(STORE_DTYPES))
     s.add_argument("--draft-vocab-size", type=int, default=default(distil, "draft_vocab_size"))
-    s.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    s.add_argument("--device", default=None, help="hf engine; default: cuda if available, else cpu")
+    s.add_argument(
+        "--engine",
+        default=default(distil, "engine"),
+        choices=DISTIL_ENGINES,
+        help="who answers and captures: hf (transformers, here) or vllm (continuous batching, hidden states from "
+        f"the generating forwards; needs vLLM: {INSTALL_HINT})",
+    )
+    s.add_argument(
+        "--cpu-kv-cache-gib",
+        type=int,
+        default=None,
+        help="vllm on a CPU: GiB of KV cache (each sequence's KV and captured states live there; default 6)",
+    )
+    s.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm: GPUs per engine")
     s.add_argument("--no-progress", dest="progress", action="store_false")
 
     s = add("run", run, "run the pipeline of a YAML config: distil, or [regenerate] -> tokenize -> capture")
@@ -461,7 +502,7 @@ def main(argv=None) -> None:
     command, fn = options.pop("command"), options.pop("fn")
     try:
         fn(**options)
-    except (ValueError, OSError) as e:  # bad input, unwritable output: the message names the problem, no traceback
+    except (ValueError, OSError, EngineError) as e:  # bad input, unwritable output, an engine that failed: one line
         raise SystemExit(f"eagle-prep {command}: error: {e}") from e
 
 

@@ -13,6 +13,7 @@ killed run resumes at the first missing shard and ends with the same store.
 
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import transformers
@@ -25,8 +26,10 @@ from data_prep.readers import read_conversations
 from data_prep.vocab import make_vocab_map
 from eagle_train.hidden_states import TargetLogits, cache_argument, default_aux_layer_ids, layer_inputs
 from eagle_train.store import StoreWriter, chat_template_fingerprint, check_finite, encode_hidden, target_fingerprint
-from eagle_train.target import end_of_turn_ids
+from eagle_train.target import end_of_turn_ids, files_fingerprint, load_generation_config, load_target_config
 from eagle_train.vocab_map import DRAFT_VOCAB_SIZE
+
+ENGINES = ("hf", "vllm")  # who answers and captures: transformers here, or vLLM (engines/vllm.py)
 
 
 def first_turn_prompt(messages: list[dict]) -> list[dict] | None:
@@ -149,6 +152,8 @@ def distil(
     aux_layer_ids=None,
     dtype: str = "bfloat16",
     draft_vocab_size: int = DRAFT_VOCAB_SIZE,
+    engine: str = "hf",
+    engine_options: dict | None = None,
     progress: bool = True,
 ) -> tuple[dict, dict]:
     """Answer up to `limit` first turns of `data` with the target and store the answers' hidden states in `out`.
@@ -156,8 +161,21 @@ def distil(
     Returns (the store's manifest, {"prompts", "answer_tokens", "tokens", "seconds"} of this run).
     The store is the one `eagle-prep capture` writes (same format, vocab map included), so offline
     training reads it as is. A rerun with the same settings resumes; other settings are refused.
+
+    `engine`: "hf" answers here with `model`, in batches of `batch_size` that wait for their longest
+    answer; "vllm" has vLLM answer each shard of `batch_size` prompts with continuous batching and
+    capture while it generates (`engines.vllm.distil`, `engine_options` passed to it; `model` unused,
+    may be None). One store is made by one engine: the plan records which.
     """
-    ids = tuple(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(model.config.num_hidden_layers)
+    if engine not in ENGINES:
+        raise ValueError(f"engine {engine!r} is not one of {ENGINES}")
+    if engine == "vllm":
+        from engines.vllm import missing
+
+        if missing():
+            raise ValueError(f"--engine vllm: {missing()}")
+    config = model.config if model is not None else load_target_config(target_name)
+    ids = tuple(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(config.num_hidden_layers)
     conversations = read_conversations(data, split=split)
     planned = plan_prompts(tokenizer, conversations, limit, max_length, max_new_tokens, system_prompt)
     if not planned:
@@ -173,6 +191,7 @@ def distil(
         "source": str(data),
         "plan": {
             "distil": "greedy first-turn answers, captured while generated",
+            "engine": engine,
             "max_new_tokens": max_new_tokens,
             "batch_size": batch_size,
             "system_prompt": system_prompt,
@@ -181,31 +200,53 @@ def distil(
         },
     }
     out = Path(out)
-    header = start_store(out, header, model.config, target_fingerprint(model), target_name, ids, dtype)
+    fingerprint = target_fingerprint(model) if model is not None else files_fingerprint(target_name)
+    header = start_store(out, header, config, fingerprint, target_name, ids, dtype)
     todo = pending_shards(out, {k: [i for i, _ in batch] for k, batch in enumerate(batches)})
-    eos_ids = end_of_turn_ids(model, tokenizer)
     stats = {"prompts": 0, "answer_tokens": 0, "tokens": 0, "seconds": 0.0}
     start = time.perf_counter()
-    bar = tqdm(total=sum(len(batches[k]) for k in todo), unit="prompt", desc="distil", disable=not progress)
-    with StoreWriter(out, dtype) as writer:
-        for k in todo:
-            samples = generate_and_capture(
-                model, [p for _, p in batches[k]], max_new_tokens, ids, eos_ids, tokenizer.pad_token_id
-            )
-            for i, s in zip((i for i, _ in batches[k]), samples):
-                check_finite(
-                    {name: s[name] for name in ("aux_hidden", "final_hidden")},
-                    f"the target's hidden states while answering prompt {i} of {data!r}",
+    bar = tqdm(total=sum(len(batches[k]) for k in todo), unit="prompt", desc=f"distil ({engine})", disable=not progress)
+
+    def shown(prompts: int, answer_tokens: int, tokens: int) -> None:
+        stats["prompts"] += prompts
+        stats["answer_tokens"] += answer_tokens
+        stats["tokens"] += tokens
+        bar.update(prompts)
+        bar.set_postfix(answer_tok_s=f"{stats['answer_tokens'] / (time.perf_counter() - start):.0f}")
+
+    if engine == "vllm":
+        from engines import vllm
+
+        eos_ids = end_of_turn_ids(SimpleNamespace(generation_config=load_generation_config(target_name)), tokenizer)
+        vllm.distil(
+            target_name,
+            {k: batches[k] for k in todo},
+            out,
+            max_new_tokens=max_new_tokens,
+            aux_layer_ids=ids,
+            dtype=dtype,
+            stop_ids=eos_ids,
+            engine_options={"max_num_seqs": batch_size, **(engine_options or {})},
+            progress=shown,
+        )
+    else:
+        eos_ids = end_of_turn_ids(model, tokenizer)
+        with StoreWriter(out, dtype) as writer:
+            for k in todo:
+                samples = generate_and_capture(
+                    model, [p for _, p in batches[k]], max_new_tokens, ids, eos_ids, tokenizer.pad_token_id
                 )
-                s.update(encode_hidden(s.pop("aux_hidden"), s.pop("final_hidden"), dtype))
-                stats["answer_tokens"] += int(s["loss_mask"].sum())
-                stats["tokens"] += len(s["input_ids"])
-            writer.add_shard(k, samples, [i for i, _ in batches[k]])
-            stats["prompts"] += len(samples)
-            bar.update(len(samples))
-            bar.set_postfix(answer_tok_s=f"{stats['answer_tokens'] / (time.perf_counter() - start):.0f}")
+                for i, s in zip((i for i, _ in batches[k]), samples):
+                    check_finite(
+                        {name: s[name] for name in ("aux_hidden", "final_hidden")},
+                        f"the target's hidden states while answering prompt {i} of {data!r}",
+                    )
+                    s.update(encode_hidden(s.pop("aux_hidden"), s.pop("final_hidden"), dtype))
+                writer.add_shard(k, samples, [i for i, _ in batches[k]])
+                answer_tokens = sum(int(s["loss_mask"].sum()) for s in samples)
+                shown(len(samples), answer_tokens, sum(len(s["input_ids"]) for s in samples))
     bar.close()
     stats["seconds"] = time.perf_counter() - start
     manifest = finish_store(out, header, len(batches))
-    vmap = make_vocab_map(out, model.config.vocab_size, draft_vocab_size)
+    vmap = make_vocab_map(out, config.vocab_size, draft_vocab_size)
     return manifest, {**stats, "vocab_map": vmap}

@@ -185,6 +185,16 @@ def files_fingerprint(name_or_path: str) -> str:
     return fingerprint(weights)
 
 
+def load_generation_config(name_or_path: str):
+    """The target's generation config (where chat models list their end-of-turn ids), None when it has none."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(resolve_target(name_or_path))
+    except OSError:
+        return None
+
+
 def load_tokenizer(name_or_path: str):
     from transformers import AutoTokenizer
 

@@ -59,6 +59,10 @@ VLLM_KEY = "eagle_aux_hidden_state_layer_ids"
 BF16_TOLERANCE = 1e-2  # largest |file - head| / max |head| of a weight in a bf16 export: its rounding, doubled
 CHILD = "import sys; from engines.vllm import serve; serve(*sys.argv[1:])"
 BATCH_CHILD = "import sys; from engines.vllm import serve_batch; serve_batch(*sys.argv[1:])"
+DISTIL_CHILD = "import sys; from engines.vllm import serve_distil; serve_distil(*sys.argv[1:])"
+# GiB of CPU KV cache for distil: each of a shard's sequences holds its KV and its captured hidden states there,
+# and too small a cache makes vLLM preempt and recompute (5x slower at 128 sequences of ~400 tokens)
+DISTIL_CPU_KV_CACHE_GIB = 6
 HIDDEN_STATES_CONNECTOR = ("engines.vllm_hidden_states", "SafetensorsHiddenStatesConnector")
 LIST_TARGETS = "import sys; from engines.vllm import list_eagle3_targets; list_eagle3_targets(sys.argv[1])"
 EAGLE3_TARGETS = Path(__file__).with_name("vllm_eagle3_targets.json")
@@ -499,82 +503,127 @@ def generate_batch(
     )
 
 
+class HiddenStatesEngine:
+    """One vLLM engine that answers greedily and keeps, for every token it runs (prompt and answer), the inputs
+    of the aux layers and the last layer's output (id = num_hidden_layers, before the final norm; the engine's
+    own norm is applied here): this project's convention (`target_hidden_states`). Runs in a child process.
+
+    `engine_options` pass through to `vllm.LLM` (dtype, tensor_parallel_size, pipeline_parallel_size,
+    max_num_seqs, gpu_memory_utilization, ...)."""
+
+    def __init__(self, target: str, aux_layer_ids, directory: Path, **engine_options):
+        from vllm import LLM
+
+        from eagle_train.target import resolve_target
+
+        self.aux = list(aux_layer_ids)
+        self.n_layers = load_target_config(target).num_hidden_layers
+        self.captured = sorted({*self.aux, self.n_layers})  # vLLM keeps the layers in ascending order, each once
+        self.directory = directory
+        module, connector = HIDDEN_STATES_CONNECTOR
+        options = {
+            "dtype": "float32" if not _cuda() else "bfloat16",
+            "enforce_eager": not _cuda(),
+            "enable_prefix_caching": False,
+            "seed": 0,
+            **engine_options,
+        }
+        self.llm = LLM(
+            model=resolve_target(target),
+            speculative_config={
+                "method": "extract_hidden_states",
+                "num_speculative_tokens": 1,
+                "draft_model_config": {"hf_config": {VLLM_KEY: self.captured}},
+            },
+            kv_transfer_config={
+                "kv_connector": connector,
+                "kv_connector_module_path": module,
+                "kv_role": "kv_producer",
+                "kv_connector_extra_config": {"shared_storage_path": str(directory)},
+            },
+            **options,
+        )
+        self.norm = self.llm.apply_model(lambda model: model.model.norm)[0]
+
+    def answer(self, prompts: list[list[int]], max_new_tokens: int, stop_ids=None) -> list[dict]:
+        """Per prompt `input_ids` [T] (prompt + answer, up to and with a stop id), `aux_hidden` [T - 1, 3H] and
+        `final_hidden` [T - 1, H] in float32: the last token is sampled, never run, so it has none."""
+        from safetensors.torch import load_file
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(
+            temperature=0.0,
+            max_tokens=max_new_tokens,
+            stop_token_ids=sorted(stop_ids) if stop_ids else None,
+            extra_args={"kv_transfer_params": {"include_output_tokens": True}},
+        )
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        files = [Path(o.kv_transfer_params["hidden_states_path"]) for o in outputs]
+        for _ in range(1000):  # an offline engine steps only when asked: the last requests' files are written then
+            if all(f.is_file() for f in files):
+                break
+            self.llm.llm_engine.step()
+        else:
+            raise VllmError(f"vLLM wrote {sum(f.is_file() for f in files)} of {len(files)} hidden-state files")
+        samples = []
+        for i, (o, f) in enumerate(zip(outputs, files)):
+            written = load_file(f)
+            f.unlink()
+            ids = list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
+            if written["token_ids"].tolist() != ids[:-1]:
+                raise VllmError(f"the hidden-state file of prompt {i} holds other tokens than its prompt + answer")
+            hidden = written["hidden_states"]
+            with torch.no_grad():
+                final = self.norm(hidden[:, self.captured.index(self.n_layers)].contiguous())
+            samples.append(
+                {
+                    "input_ids": torch.tensor(ids, dtype=torch.int64),
+                    "aux_hidden": torch.cat([hidden[:, self.captured.index(a)] for a in self.aux], dim=-1),
+                    "final_hidden": final.float(),
+                }
+            )
+        return samples
+
+
 def batch_child(request: dict) -> dict:
-    """The child of `generate_batch`. With hidden states, the engine captures the aux layers and the last
-    layer's output (id = num_hidden_layers, before the final norm) of every token it runs, prompt and answer
-    (`include_output_tokens`); the connector writes them per request; the final norm is the engine's own."""
+    """The child of `generate_batch`: plain greedy answers, or `HiddenStatesEngine`'s."""
     import vllm
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     from eagle_train.target import resolve_target
 
-    directory = Path(request["directory"])
-    aux = request["aux_layer_ids"]
-    engine, extra = {}, None
-    if aux is not None:
-        n_layers = load_target_config(request["target"]).num_hidden_layers
-        captured = sorted({*aux, n_layers})  # vLLM captures the layers in ascending order, each once
-        module, connector = HIDDEN_STATES_CONNECTOR
-        engine = {
-            "speculative_config": {
-                "method": "extract_hidden_states",
-                "num_speculative_tokens": 1,
-                "draft_model_config": {"hf_config": {VLLM_KEY: captured}},
-            },
-            "kv_transfer_config": {
-                "kv_connector": connector,
-                "kv_connector_module_path": module,
-                "kv_role": "kv_producer",
-                "kv_connector_extra_config": {"shared_storage_path": str(directory / "requests")},
-            },
-        }
-        extra = {"kv_transfer_params": {"include_output_tokens": True}}
+    directory, aux = Path(request["directory"]), request["aux_layer_ids"]
+    options = {"max_num_seqs": request["max_num_seqs"]}
     t0 = time.perf_counter()
-    llm = LLM(
-        model=resolve_target(request["target"]),
-        dtype="float32" if not _cuda() else "bfloat16",
-        enforce_eager=not _cuda(),
-        max_num_seqs=request["max_num_seqs"],
-        enable_prefix_caching=False,
-        seed=0,
-        **engine,
-    )
+    if aux is not None:
+        engine = HiddenStatesEngine(request["target"], aux, directory / "requests", **options)
+    else:
+        llm = LLM(
+            model=resolve_target(request["target"]),
+            dtype="float32" if not _cuda() else "bfloat16",
+            enforce_eager=not _cuda(),
+            enable_prefix_caching=False,
+            seed=0,
+            **options,
+        )
     init_seconds = time.perf_counter() - t0
-    greedy = SamplingParams(temperature=0.0, max_tokens=request["max_new_tokens"], extra_args=extra)
     t = time.perf_counter()
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in request["prompts"]], greedy, use_tqdm=False)
     if aux is not None:
-        files = [Path(o.kv_transfer_params["hidden_states_path"]) for o in outputs]
-        for _ in range(1000):  # an offline engine steps only when asked: the last requests' files are written then
-            if all(f.is_file() for f in files):
-                break
-            llm.llm_engine.step()
-        else:
-            raise VllmError(f"vLLM wrote {sum(f.is_file() for f in files)} of {len(files)} hidden-state files")
-    generate_seconds = time.perf_counter() - t
-    output_ids = [list(o.outputs[0].token_ids) for o in outputs]
-    if aux is not None:
-        norm = llm.apply_model(lambda model: model.model.norm)[0]
-        for i, (o, f) in enumerate(zip(outputs, files)):
-            written = load_file(f)
-            ids = list(o.prompt_token_ids) + output_ids[i]
-            if written["token_ids"].tolist() != ids[:-1]:
-                raise VllmError(f"the hidden-state file of prompt {i} holds other tokens than its prompt + answer")
-            hidden = written["hidden_states"]
-            with torch.no_grad():
-                final = norm(hidden[:, captured.index(n_layers)].contiguous())
-            sample = {
-                "input_ids": torch.tensor(ids, dtype=torch.int64),
-                "aux_hidden": torch.cat([hidden[:, captured.index(a)] for a in aux], dim=-1),
-                "final_hidden": final,
-            }
+        samples = engine.answer(request["prompts"], request["max_new_tokens"])
+        output_ids = [s["input_ids"][len(p) :].tolist() for s, p in zip(samples, request["prompts"])]
+        for i, sample in enumerate(samples):
             save_file(sample, directory / f"sample-{i}.safetensors")
+    else:
+        greedy = SamplingParams(temperature=0.0, max_tokens=request["max_new_tokens"])
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in request["prompts"]]
+        output_ids = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy, use_tqdm=False)]
     return {
         "version": vllm.__version__,
         "init_seconds": init_seconds,
-        "generate_seconds": generate_seconds,
+        "generate_seconds": time.perf_counter() - t,
         "output_ids": output_ids,
     }
 
@@ -582,6 +631,102 @@ def batch_child(request: dict) -> dict:
 def serve_batch(request_path, result_path) -> None:
     """The child process's entry (`BATCH_CHILD`)."""
     Path(result_path).write_text(json.dumps(batch_child(json.loads(Path(request_path).read_text()))))
+
+
+def distil(
+    target: str,
+    shards: dict[int, list[tuple[int, list[int]]]],
+    out: Path,
+    *,
+    max_new_tokens: int,
+    aux_layer_ids,
+    dtype: str,
+    stop_ids,
+    engine_options: dict | None = None,
+    progress=None,
+) -> dict:
+    """Answer and capture the planned `shards` (index -> [(sample id, prompt ids)]) into the store `out`, in one
+    vLLM engine (`HiddenStatesEngine`, continuous batching over each shard's prompts). The child writes each
+    shard as it finishes, so a kill loses the shard in flight only. `progress(prompts, answer_tokens, tokens)`
+    is called per shard. `engine_options` go to `vllm.LLM`, but `cpu_kv_cache_gib` (default
+    `DISTIL_CPU_KV_CACHE_GIB`), which sizes the KV cache on a CPU. Returns {"prompts", "answer_tokens",
+    "tokens", "init_seconds"}."""
+    reason = missing()
+    if reason:
+        raise VllmError(reason)
+    engine_options = dict(engine_options or {})
+    cache_gib = engine_options.pop("cpu_kv_cache_gib", DISTIL_CPU_KV_CACHE_GIB)
+    env = {**child_env(), "VLLM_CPU_KVCACHE_SPACE": str(cache_gib)}
+    request = {
+        "target": target,
+        "shards": sorted(shards.items()),
+        "out": str(out),
+        "max_new_tokens": max_new_tokens,
+        "aux_layer_ids": list(aux_layer_ids),
+        "dtype": dtype,
+        "stop_ids": sorted(stop_ids),
+        "engine_options": engine_options,
+    }
+    stats = {"prompts": 0, "answer_tokens": 0, "tokens": 0, "init_seconds": 0.0}
+    with tempfile.TemporaryDirectory() as tmp:
+        req, log = Path(tmp) / "request.json", Path(tmp) / "stderr.log"
+        req.write_text(json.dumps({**request, "directory": tmp}))
+        with open(log, "w") as stderr:
+            child = subprocess.Popen(
+                [sys.executable, "-c", DISTIL_CHILD, str(req)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                text=True,
+            )
+            for line in child.stdout:  # one JSON record per finished shard; anything else is vLLM talking
+                if not line.startswith("{"):
+                    continue
+                record = json.loads(line)
+                for key in stats:
+                    stats[key] += record.get(key, 0)
+                if progress is not None and "prompts" in record:
+                    progress(record["prompts"], record["answer_tokens"], record["tokens"])
+            child.wait()
+        if child.returncode != 0:
+            raise VllmError(f"vLLM failed (exit {child.returncode}): {error_lines(log.read_text())}")
+    return stats
+
+
+def distil_child(request: dict) -> None:
+    """The child of `distil`. The last token of each sequence is sampled, never run: its rows are zeros, which
+    training never reads (ttt.py supervises position p from rows <= T - 2; peagle_batch.py likewise)."""
+    from eagle_train.store import StoreWriter, check_finite, encode_hidden
+
+    t0 = time.perf_counter()
+    engine = HiddenStatesEngine(
+        request["target"],
+        request["aux_layer_ids"],
+        Path(request["directory"]) / "requests",
+        **request["engine_options"],
+    )
+    print(json.dumps({"init_seconds": time.perf_counter() - t0}), flush=True)
+    with StoreWriter(request["out"], request["dtype"]) as writer:
+        for k, planned in request["shards"]:
+            prompts = [prompt for _, prompt in planned]
+            samples = engine.answer(prompts, request["max_new_tokens"], request["stop_ids"])
+            answer_tokens = 0
+            for (sample_id, prompt), sample in zip(planned, samples):
+                hidden = {name: sample.pop(name) for name in ("aux_hidden", "final_hidden")}
+                check_finite(hidden, f"the target's hidden states while answering prompt {sample_id}")
+                aux, final = (torch.cat([x, x.new_zeros(1, x.shape[1])]) for x in hidden.values())
+                t = len(sample["input_ids"])
+                sample["loss_mask"] = torch.arange(t) >= len(prompt)
+                sample.update(encode_hidden(aux, final, request["dtype"]))
+                answer_tokens += t - len(prompt)
+            writer.add_shard(k, samples, [sample_id for sample_id, _ in planned])
+            tokens = sum(len(s["input_ids"]) for s in samples)
+            print(json.dumps({"prompts": len(samples), "answer_tokens": answer_tokens, "tokens": tokens}), flush=True)
+
+
+def serve_distil(request_path) -> None:
+    """The child process's entry (`DISTIL_CHILD`)."""
+    distil_child(json.loads(Path(request_path).read_text()))
 
 
 # ---- the live check ------------------------------------------------------------------------------
