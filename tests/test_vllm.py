@@ -282,3 +282,53 @@ def test_a_target_vllm_serves_no_head_on_is_refused_in_one_line_before_and_durin
     ) as err:
         vllm.decode(str(target), [[QUESTIONS[0]]], 8, vllm.speculative("eagle3", export, 2))
     assert "\n" not in str(err.value)
+
+
+@needs_vllm
+def test_distil_with_vllm_makes_the_hf_store_resumes_and_trains_alike(smollm2, conversations_jsonl, tmp_path):
+    """`distil --engine vllm` writes the store `--engine hf` writes: the same ids and loss masks (greedy answers
+    equal), hidden states equal to fp32 rounding at every position vLLM ran, zeros in the last (never run, never
+    read) row; a killed run resumes to it; and offline training reads both to the same losses."""
+    from conftest import with_train_vocab_map
+
+    from data_prep.distil import distil
+    from eagle_train.eagle3_train import build_eagle3_head, eagle3_objective
+    from eagle_train.store import ShardedSamples, shard_name
+    from eagle_train.train_config import load_train_config
+    from eagle_train.trainer import train
+
+    model, tokenizer = smollm2
+    common = dict(target_name=SMOLLM2, limit=5, max_new_tokens=24, batch_size=2, dtype="float32", progress=False)
+    distil(model, tokenizer, str(conversations_jsonl), tmp_path / "hf", **common)
+    _, stats = distil(None, tokenizer, str(conversations_jsonl), tmp_path / "vllm", engine="vllm", **common)
+    assert stats["prompts"] == 5
+    hf, ours = ShardedSamples(tmp_path / "hf"), ShardedSamples(tmp_path / "vllm")
+    assert ours.manifest["plan"]["engine"] == "vllm" and ours.manifest["target"] == hf.manifest["target"]
+
+    def assert_same_as_hf(store):
+        assert len(store) == len(hf) == 5
+        for i in range(len(hf)):
+            got, want = store[i], hf[i]
+            assert torch.equal(got["input_ids"], want["input_ids"]) and torch.equal(got["loss_mask"], want["loss_mask"])
+            for key in ("aux_hidden", "final_hidden"):
+                x, y = got[key][:-1], want[key][:-1]
+                assert ((x - y).norm(dim=-1) / y.norm(dim=-1)).max() < 1e-4, (i, key)
+                assert not got[key][-1].any()
+
+    assert_same_as_hf(ours)
+    (tmp_path / "vllm" / shard_name(1)).unlink()  # what a kill in shard 1 leaves
+    _, stats = distil(None, tokenizer, str(conversations_jsonl), tmp_path / "vllm", engine="vllm", **common)
+    assert stats["prompts"] == 2
+    assert_same_as_hf(ShardedSamples(tmp_path / "vllm"))
+
+    losses = {}
+    for name in ("hf", "vllm"):
+        with_train_vocab_map(tmp_path / name)
+        cfg = load_train_config(
+            None,
+            [f"data_path={tmp_path / name}", f"output_dir={tmp_path / f'run-{name}'}", "ttt_length=2", "max_steps=2"]
+            + ["tokens_per_batch=256", "max_length=128", "eval_fraction=0", "report_to=none", "log_every=0"],
+        )
+        result = train(cfg, build_eagle3_head, eagle3_objective(cfg.ttt_length, cfg.ttt_decay, False))
+        losses[name] = torch.tensor([m["loss"] for m in result["history"]])
+    torch.testing.assert_close(losses["vllm"], losses["hf"], rtol=1e-4, atol=0)
