@@ -149,7 +149,12 @@ def distil_store(
     print(
         f"distilled {stats['prompts']} first turns this run: {stats['answer_tokens']} answer tokens "
         f"({stats['tokens']} with prompts) in {stats['seconds']:.1f}s ({stats['prompts'] / seconds:.2f} prompts/s, "
-        f"{stats['answer_tokens'] / seconds:.0f} answer tok/s)"
+        f"{stats['answer_tokens'] / seconds:.0f} answer tok/s"
+        + (
+            f"; vLLM's engine started in {stats['engine_start_seconds']:.1f}s)"
+            if "engine_start_seconds" in stats
+            else ")"
+        )
     )
     print_store_line(out, manifest)
     return manifest

@@ -158,7 +158,8 @@ def distil(
 ) -> tuple[dict, dict]:
     """Answer up to `limit` first turns of `data` with the target and store the answers' hidden states in `out`.
 
-    Returns (the store's manifest, {"prompts", "answer_tokens", "tokens", "seconds"} of this run).
+    Returns (the store's manifest, {"prompts", "answer_tokens", "tokens", "seconds"} of this run, and with
+    vLLM "engine_start_seconds", included in "seconds").
     The store is the one `eagle-prep capture` writes (same format, vocab map included), so offline
     training reads it as is. A rerun with the same settings resumes; other settings are refused.
 
@@ -218,7 +219,7 @@ def distil(
         from engines import vllm
 
         eos_ids = end_of_turn_ids(SimpleNamespace(generation_config=load_generation_config(target_name)), tokenizer)
-        vllm.distil(
+        started = vllm.distil(
             target_name,
             {k: batches[k] for k in todo},
             out,
@@ -229,6 +230,7 @@ def distil(
             engine_options={"max_num_seqs": batch_size, **(engine_options or {})},
             progress=shown,
         )
+        stats["engine_start_seconds"] = started["init_seconds"]
     else:
         eos_ids = end_of_turn_ids(model, tokenizer)
         with StoreWriter(out, dtype) as writer:
