@@ -503,6 +503,17 @@ def generate_batch(
     )
 
 
+def data_engine_options() -> dict:
+    """How an engine that makes data runs: fp32 on a CPU (exact against HF), bf16 on CUDA; eager on a CPU; no
+    prefix caching (a shared block's captured states are untested)."""
+    return {
+        "dtype": "float32" if not _cuda() else "bfloat16",
+        "enforce_eager": not _cuda(),
+        "enable_prefix_caching": False,
+        "seed": 0,
+    }
+
+
 class HiddenStatesEngine:
     """One vLLM engine that answers greedily and keeps, for every token it runs (prompt and answer), the inputs
     of the aux layers and the last layer's output (id = num_hidden_layers, before the final norm; the engine's
@@ -521,13 +532,7 @@ class HiddenStatesEngine:
         self.captured = sorted({*self.aux, self.n_layers})  # vLLM keeps the layers in ascending order, each once
         self.directory = directory
         module, connector = HIDDEN_STATES_CONNECTOR
-        options = {
-            "dtype": "float32" if not _cuda() else "bfloat16",
-            "enforce_eager": not _cuda(),
-            "enable_prefix_caching": False,
-            "seed": 0,
-            **engine_options,
-        }
+        options = {**data_engine_options(), **engine_options}
         self.llm = LLM(
             model=resolve_target(target),
             speculative_config={
@@ -601,14 +606,7 @@ def batch_child(request: dict) -> dict:
     if aux is not None:
         engine = HiddenStatesEngine(request["target"], aux, directory / "requests", **options)
     else:
-        llm = LLM(
-            model=resolve_target(request["target"]),
-            dtype="float32" if not _cuda() else "bfloat16",
-            enforce_eager=not _cuda(),
-            enable_prefix_caching=False,
-            seed=0,
-            **options,
-        )
+        llm = LLM(model=resolve_target(request["target"]), **data_engine_options(), **options)
     init_seconds = time.perf_counter() - t0
     t = time.perf_counter()
     if aux is not None:
