@@ -358,7 +358,9 @@ def save_checkpoint(run: "Run") -> Path:
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         write_json(path / "trainer_state.json", {**state, "config": cfg.to_dict()})
-        for old in checkpoint_dirs(cfg.output_dir)[: -cfg.keep_checkpoints]:
+        # this run's checkpoints only: a newer one is another run's that resume passed over as damaged
+        ours = [p for p in checkpoint_dirs(cfg.output_dir) if int(p.name.removeprefix("checkpoint-")) <= state["step"]]
+        for old in ours[: -cfg.keep_checkpoints]:
             shutil.rmtree(old)
     accelerator.wait_for_everyone()
     return path

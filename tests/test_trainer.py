@@ -404,3 +404,18 @@ def test_resume_auto_skips_a_damaged_newest_checkpoint_and_metrics_keep_each_ste
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["split"] == "train"] == [1, 2, 3, 4]
     assert [r["loss"] for r in rows if r["split"] == "train"][:2] == stopped_run[1][:2]
+
+
+def test_rotation_after_passing_over_a_damaged_newer_checkpoint_keeps_the_one_just_saved(
+    stopped_run, train_store, tmp_path
+):
+    """A damaged checkpoint-9 (another run's, cut short) is newer than anything this run saves: rotating by step
+    alone kept it and deleted checkpoint-4 as soon as it was written, and with it the final head's source."""
+    import shutil
+
+    out = shutil.copytree(stopped_run[0], tmp_path / "run")
+    shutil.copytree(out / "checkpoint-3", out / "checkpoint-9")
+    (out / "checkpoint-9" / "trainer_state.json").write_text("")
+    run(config(train_store, out, "max_steps=4", "save_every=1", "keep_checkpoints=1", "resume=auto"))
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-9"]
+    assert (out / "final" / "model.safetensors").is_file()
