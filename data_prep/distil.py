@@ -25,7 +25,7 @@ from data_prep.chat import MAX_LENGTH, with_system_prompt
 from data_prep.readers import read_conversations
 from data_prep.vocab import make_vocab_map
 from eagle_train.hidden_states import TargetLogits, cache_argument, default_aux_layer_ids, layer_inputs
-from eagle_train.store import StoreWriter, chat_template_fingerprint, check_finite, encode_hidden, target_fingerprint
+from eagle_train.store import StoreWriter, chat_template_fingerprint, encode_checked, target_fingerprint
 from eagle_train.target import end_of_turn_ids, files_fingerprint, load_generation_config, load_target_config
 from eagle_train.vocab_map import DRAFT_VOCAB_SIZE
 
@@ -173,8 +173,9 @@ def distil(
     if engine == "vllm":
         from engines.vllm import missing
 
-        if missing():
-            raise ValueError(f"--engine vllm: {missing()}")
+        reason = missing()
+        if reason:
+            raise ValueError(f"--engine vllm: {reason}")
     config = model.config if model is not None else load_target_config(target_name)
     ids = tuple(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(config.num_hidden_layers)
     conversations = read_conversations(data, split=split)
@@ -239,11 +240,8 @@ def distil(
                     model, [p for _, p in batches[k]], max_new_tokens, ids, eos_ids, tokenizer.pad_token_id
                 )
                 for i, s in zip((i for i, _ in batches[k]), samples):
-                    check_finite(
-                        {name: s[name] for name in ("aux_hidden", "final_hidden")},
-                        f"the target's hidden states while answering prompt {i} of {data!r}",
-                    )
-                    s.update(encode_hidden(s.pop("aux_hidden"), s.pop("final_hidden"), dtype))
+                    where = f"the target's hidden states while answering prompt {i} of {data!r}"
+                    s.update(encode_checked(s.pop("aux_hidden"), s.pop("final_hidden"), dtype, where))
                 writer.add_shard(k, samples, [i for i, _ in batches[k]])
                 answer_tokens = sum(int(s["loss_mask"].sum()) for s in samples)
                 shown(len(samples), answer_tokens, sum(len(s["input_ids"]) for s in samples))

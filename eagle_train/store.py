@@ -129,6 +129,13 @@ def encode_hidden(aux: torch.Tensor, final: torch.Tensor, dtype: str) -> dict[st
     return {"aux_hidden": aux.to(STORE_DTYPES[dtype]), "final_hidden": final.to(STORE_DTYPES[dtype])}
 
 
+def encode_checked(aux: torch.Tensor, final: torch.Tensor, dtype: str, where: str) -> dict[str, torch.Tensor]:
+    """`encode_hidden` of hidden states that `check_finite` accepts: how a writer puts what a target computed
+    into a store."""
+    check_finite({"aux_hidden": aux, "final_hidden": final}, where)
+    return encode_hidden(aux, final, dtype)
+
+
 def pack_shard(samples: list[dict], sample_ids: list[int], dtype: str = "bfloat16") -> dict[str, torch.Tensor]:
     """Concatenate per-sample dicts (input_ids, loss_mask[, aux_hidden, final_hidden]) into shard tensors.
 
@@ -262,9 +269,7 @@ def recorded_sha256(shard: Path) -> str | None:
 
 
 def shard_damage(shard: Path, sha256: str) -> str | None:
-    """Why `shard` is not the file whose checksum was recorded, or None when it is."""
-    if not shard.is_file():
-        return "it is missing"
+    """Why `shard` (which exists) is not the file whose checksum was recorded, or None when it is."""
     if file_sha256(shard) != sha256:
         return "its sha256 differs from the one recorded when it was written (its bytes changed since)"
     return None
@@ -295,8 +300,9 @@ def finalize_manifest(path: str | Path, header: dict) -> dict:
             t = f.get_slice("input_ids").get_shape()[0]
             rank = int((f.metadata() or {}).get("rank", 0))
         sha256 = recorded_sha256(shard) or file_sha256(shard)
-        shards.append({"file": name, "samples": n, "tokens": t, "rank": rank, "sha256": sha256})
-        shards[-1]["bytes"] = shard.stat().st_size
+        shards.append(
+            {"file": name, "samples": n, "tokens": t, "rank": rank, "sha256": sha256, "bytes": shard.stat().st_size}
+        )
     manifest = {
         **header,
         "version": VERSION,
@@ -348,10 +354,12 @@ def read_vocab_map(path: str | Path) -> dict[str, torch.Tensor]:
 # --------------------------------------------------------------------------------------- checking
 
 
-def check_store_matches(manifest: dict, target_config, aux_layer_ids=None, fingerprint: str | None = None) -> None:
+def check_store_matches(
+    manifest: dict, target_config, aux_layer_ids=None, weights_fingerprint: str | None = None
+) -> None:
     """Raise ValueError when a store was captured from another target or another aux layer set.
 
-    `aux_layer_ids=None` means the target's defaults. `fingerprint` (`target_fingerprint` of the
+    `aux_layer_ids=None` means the target's defaults. `weights_fingerprint` (`target_fingerprint` of the
     loaded target) is compared when both sides have one. Tokenized datasets carry no hidden states
     and only need the same vocabulary size.
     """
@@ -372,11 +380,11 @@ def check_store_matches(manifest: dict, target_config, aux_layer_ids=None, finge
             "or train with the target that made the store."
         )
     recorded = have.get("fingerprint")
-    if manifest.get("format") == HIDDEN_FORMAT and fingerprint and recorded and recorded != fingerprint:
+    if manifest.get("format") == HIDDEN_FORMAT and weights_fingerprint and recorded and recorded != weights_fingerprint:
         loaded = getattr(target_config, "_name_or_path", "") or want["name"]
         raise ValueError(
             f"store made by target {have.get('given') or have.get('name')!r} (weights fingerprint {recorded}) "
-            f"does not match the target loaded now, {loaded!r} (weights fingerprint {fingerprint}): same "
+            f"does not match the target loaded now, {loaded!r} (weights fingerprint {weights_fingerprint}): same "
             "architecture, other weights. Capture a new store with this target or train with the one that made it."
         )
     if manifest.get("format") == HIDDEN_FORMAT:

@@ -368,6 +368,18 @@ def child_env() -> dict:
     return env
 
 
+def run_child(entry: str, request: dict, tmp: Path, timeout: float | None = None) -> dict:
+    """Run the child entry `entry` (python code taking a request path and a result path) in a fresh process with
+    `request`, and return its result; a failed child is a VllmError quoting its last error lines."""
+    req, out = tmp / "request.json", tmp / "result.json"
+    req.write_text(json.dumps(request))
+    cmd = [sys.executable, "-c", entry, str(req), str(out)]
+    done = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0 or not out.is_file():
+        raise VllmError(f"vLLM failed (exit {done.returncode}): {error_lines(done.stderr)}")
+    return json.loads(out.read_text())
+
+
 def decode(
     target: str,
     conversations: list[list[str]],
@@ -389,13 +401,7 @@ def decode(
         "speculative_config": spec,
     }
     with tempfile.TemporaryDirectory() as tmp:
-        req, out = Path(tmp) / "request.json", Path(tmp) / "result.json"
-        req.write_text(json.dumps(request))
-        cmd = [sys.executable, "-c", CHILD, str(req), str(out)]
-        done = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=timeout)
-        if done.returncode != 0 or not out.is_file():
-            raise VllmError(f"vLLM failed (exit {done.returncode}): {error_lines(done.stderr)}")
-        result = json.loads(out.read_text())
+        result = run_child(CHILD, request, Path(tmp), timeout)
     return EngineRun(
         result["version"], result["init_seconds"], [[Turn(**t) for t in conv] for conv in result["conversations"]]
     )
@@ -486,13 +492,7 @@ def generate_batch(
         "max_num_seqs": max_num_seqs,
     }
     with tempfile.TemporaryDirectory() as tmp:
-        req, out = Path(tmp) / "request.json", Path(tmp) / "result.json"
-        req.write_text(json.dumps({**request, "directory": tmp}))
-        cmd = [sys.executable, "-c", BATCH_CHILD, str(req), str(out)]
-        done = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=timeout)
-        if done.returncode != 0 or not out.is_file():
-            raise VllmError(f"vLLM failed (exit {done.returncode}): {error_lines(done.stderr)}")
-        result = json.loads(out.read_text())
+        result = run_child(BATCH_CHILD, {**request, "directory": tmp}, Path(tmp), timeout)
         samples = None
         if aux_layer_ids is not None:
             from safetensors.torch import load_file
@@ -694,7 +694,7 @@ def distil(
 def distil_child(request: dict) -> None:
     """The child of `distil`. The last token of each sequence is sampled, never run: its rows are zeros, which
     training never reads (ttt.py supervises position p from rows <= T - 2; peagle_batch.py likewise)."""
-    from eagle_train.store import StoreWriter, check_finite, encode_hidden
+    from eagle_train.store import StoreWriter, encode_checked
 
     t0 = time.perf_counter()
     engine = HiddenStatesEngine(
@@ -710,12 +710,14 @@ def distil_child(request: dict) -> None:
             samples = engine.answer(prompts, request["max_new_tokens"], request["stop_ids"])
             answer_tokens = 0
             for (sample_id, prompt), sample in zip(planned, samples):
-                hidden = {name: sample.pop(name) for name in ("aux_hidden", "final_hidden")}
-                check_finite(hidden, f"the target's hidden states while answering prompt {sample_id}")
-                aux, final = (torch.cat([x, x.new_zeros(1, x.shape[1])]) for x in hidden.values())
+                aux, final = (
+                    torch.cat([x, x.new_zeros(1, x.shape[1])])
+                    for x in (sample.pop("aux_hidden"), sample.pop("final_hidden"))
+                )
                 t = len(sample["input_ids"])
                 sample["loss_mask"] = torch.arange(t) >= len(prompt)
-                sample.update(encode_hidden(aux, final, request["dtype"]))
+                where = f"the target's hidden states while answering prompt {sample_id}"
+                sample.update(encode_checked(aux, final, request["dtype"], where))
                 answer_tokens += t - len(prompt)
             writer.add_shard(k, samples, [sample_id for sample_id, _ in planned])
             tokens = sum(len(s["input_ids"]) for s in samples)

@@ -248,10 +248,10 @@ def test_the_fingerprint_names_the_weights_whatever_the_dtype(tiny_llama, tiny_l
         "aux_layer_ids": [1, 2, 3],
         "target": {**target_identity(model.config), "given": "runs/a/tiny", "fingerprint": fingerprint},
     }
-    check_store_matches(manifest, model.config, fingerprint=fingerprint)
+    check_store_matches(manifest, model.config, weights_fingerprint=fingerprint)
     check_store_matches(manifest, model.config)  # nothing to compare: the config checks only
     with pytest.raises(ValueError, match=r"'runs/a/tiny' \(weights fingerprint \w+\) .* other weights"):
-        check_store_matches(manifest, model.config, fingerprint="0123456789abcdef")
+        check_store_matches(manifest, model.config, weights_fingerprint="0123456789abcdef")
 
 
 def test_a_damaged_manifest_or_vocab_map_is_named_in_one_line(tmp_path):
