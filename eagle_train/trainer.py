@@ -223,7 +223,11 @@ def checkpoint_dirs(output_dir) -> list[Path]:
         for p in Path(output_dir).glob("checkpoint-*")
         if p.name.removeprefix("checkpoint-").isdigit() and (p / "trainer_state.json").is_file()
     ]
-    return sorted(found, key=lambda p: int(p.name.removeprefix("checkpoint-")))
+    return sorted(found, key=checkpoint_step)
+
+
+def checkpoint_step(path: Path) -> int:
+    return int(path.name.removeprefix("checkpoint-"))
 
 
 def checkpoint_damage(path: Path) -> str:
@@ -359,7 +363,7 @@ def save_checkpoint(run: "Run") -> Path:
     if accelerator.is_main_process:
         write_json(path / "trainer_state.json", {**state, "config": cfg.to_dict()})
         # this run's checkpoints only: a newer one is another run's that resume passed over as damaged
-        ours = [p for p in checkpoint_dirs(cfg.output_dir) if int(p.name.removeprefix("checkpoint-")) <= state["step"]]
+        ours = [p for p in checkpoint_dirs(cfg.output_dir) if checkpoint_step(p) <= state["step"]]
         for old in ours[: -cfg.keep_checkpoints]:
             shutil.rmtree(old)
     accelerator.wait_for_everyone()

@@ -168,7 +168,7 @@ def check_directory(directory, engines=None, target_config=None) -> dict[str, En
             engines = DIRECTORY_ENGINES
     reports = {name: directory_engine(name).inspect(files, target_config) for name in engines}
     broken = non_finite_values(files.tensors())
-    for report in reports.values():
-        if broken:
+    if broken:
+        for report in reports.values():
             report.add("error", f"the weights hold non-finite values ({broken}): do not deploy this head")
     return reports
