@@ -117,45 +117,67 @@ def regenerate_answers(target, data, out, *, limit, split, seed, device=None, **
     return counts
 
 
-def distil_store(
-    target,
-    data,
-    out,
-    *,
-    limit,
-    split,
-    device=None,
-    engine="hf",
-    cpu_kv_cache_gib=None,
-    tensor_parallel_size=1,
-    **options,
-) -> dict:
-    """`distil(**options)`: the target answers up to `limit` first turns of `data`, captured into the store `out`
-    (engine hf: loaded here; vllm: in vLLM, with its settings)."""
+VLLM_SETTINGS = {  # distil's options that configure the vLLM engine: `vllm.LLM`'s names, but the CPU KV cache
+    "cpu_kv_cache_gib": "--cpu-kv-cache-gib",
+    "tensor_parallel_size": "--tensor-parallel-size",
+    "pipeline_parallel_size": "--pipeline-parallel-size",
+    "gpu_memory_utilization": "--gpu-memory-utilization",
+    "dtype": "--engine-dtype",
+}
+
+
+def parse_turns(text: str) -> int | None:
+    """`--turns`: a count, or `all` (None)."""
+    if text == "all":
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a number of turns (1, 2, ...) or all")
+    return int(text)
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """`--shard i/n`: this run's part of n runs over one store."""
+    i, _, n = text.partition("/")
+    if not (i.isdigit() and n.isdigit()) or not 0 <= int(i) < int(n):
+        raise argparse.ArgumentTypeError(f"{text!r}: i/n with 0 <= i < n, e.g. 0/8")
+    return int(i), int(n)
+
+
+def distil_store(target, data, out, *, limit, split, device=None, engine="hf", vllm_settings=None, **options):
+    """`distil(**options)`: the target answers up to `limit` conversations of `data`, captured into the store `out`
+    (engine hf: loaded here; vllm: in vLLM, with `vllm_settings`)."""
     check_trainable(target)
+    vllm_settings = {k: v for k, v in (vllm_settings or {}).items() if v is not None}
     if engine == "vllm":
         model, tokenizer = None, load_tokenizer(target)
-        settings = {"tensor_parallel_size": tensor_parallel_size}
-        if cpu_kv_cache_gib is not None:
-            settings["cpu_kv_cache_gib"] = cpu_kv_cache_gib
-        options["engine_options"] = settings
+        options["engine_options"] = vllm_settings
     else:
+        if vllm_settings:
+            flags = ", ".join(VLLM_SETTINGS[k] for k in vllm_settings)
+            raise ValueError(f"{flags}: vLLM's settings; add --engine vllm, or leave them out")
         model, tokenizer = _open_target(target, device)
     manifest, stats = distil(
         model, tokenizer, data, out, target_name=target, limit=limit, split=split, engine=engine, **options
     )
     seconds = max(stats["seconds"], 1e-9)
-    print(coverage_line(stats["vocab_map"]))
     print(
-        f"distilled {stats['prompts']} first turns this run: {stats['answer_tokens']} answer tokens "
-        f"({stats['tokens']} with prompts) in {stats['seconds']:.1f}s ({stats['prompts'] / seconds:.2f} prompts/s, "
-        f"{stats['answer_tokens'] / seconds:.0f} answer tok/s"
+        f"distilled {stats['conversations']} conversations this run ({stats['answers']} answers): "
+        f"{stats['answer_tokens']} answer tokens ({stats['tokens']} with prompts) in {stats['seconds']:.1f}s "
+        f"({stats['conversations'] / seconds:.2f} conversations/s, {stats['answer_tokens'] / seconds:.0f} answer tok/s"
         + (
             f"; vLLM's engine started in {stats['engine_start_seconds']:.1f}s)"
             if "engine_start_seconds" in stats
             else ")"
         )
     )
+    if manifest is None:
+        i, n = options.get("shard", (0, 1))
+        print(
+            f"shard {i}/{n} of {out} is written; the store is finished by the last of the {n} runs to end "
+            "(a run killed before its end resumes when run again)"
+        )
+        return None
+    print(coverage_line(stats["vocab_map"]))
     print_store_line(out, manifest)
     return manifest
 
@@ -236,6 +258,7 @@ RUN_KEYS = {
     "prep.distil.enabled": False,
     "prep.distil.max_new_tokens": default(distil, "max_new_tokens"),
     "prep.distil.batch_size": default(distil, "batch_size"),
+    "prep.distil.turns": default(distil, "turns"),
     "prep.distil.engine": default(distil, "engine"),
     "prep.capture.enabled": True,
     "prep.capture.dtype": default(capture, "dtype"),
@@ -288,6 +311,7 @@ def run(config, overrides) -> None:
             max_length=c["prep.max_length"],
             max_new_tokens=c["prep.distil.max_new_tokens"],
             batch_size=c["prep.distil.batch_size"],
+            turns=c["prep.distil.turns"],
             system_prompt=system_prompt,
             aux_layer_ids=c["prep.capture.aux_layer_ids"],
             dtype=c["prep.capture.dtype"],
@@ -450,11 +474,18 @@ def build_parser() -> argparse.ArgumentParser:
     s = add(
         "distil",
         distil_store,
-        "the target answers the first user turn of each conversation (greedy, batched) and the hidden states of "
-        "those same forwards are stored: self-distilled offline data in one pass (resumable)",
+        "the target answers the user turns of each conversation (greedy, batched; the first by default) and the "
+        "hidden states of those same forwards are stored: self-distilled offline data in one pass (resumable)",
     )
     source(s, "store directory")
-    s.add_argument("--limit", type=int, default=None, help="answer at most this many first turns")
+    s.add_argument("--limit", type=int, default=None, help="answer at most this many conversations")
+    s.add_argument(
+        "--turns",
+        type=parse_turns,
+        default=default(distil, "turns"),
+        help="user turns answered per conversation, each after the target's own earlier answers: a number or all "
+        "(default 1; a conversation stops at the first turn without room for an answer)",
+    )
     s.add_argument(
         "--max-new-tokens", type=int, default=default(distil, "max_new_tokens"), help="longest answer, in tokens"
     )
@@ -462,7 +493,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--batch-size",
         type=int,
         default=default(distil, "batch_size"),
-        help="prompts answered together (one shard; the unit of resume)",
+        help="conversations answered together (one shard, the unit of resume; vllm: its max_num_seqs)",
+    )
+    s.add_argument(
+        "--shard",
+        type=parse_shard,
+        default=(0, 1),
+        metavar="I/N",
+        help="answer only shards I, I+N, ... of the plan: N runs with the same settings (one per GPU group or "
+        "node, on a shared directory) fill one store, and the last to end finishes it (default 0/1)",
     )
     s.add_argument(
         "--aux-layers",
@@ -471,7 +510,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=default(distil, "aux_layer_ids"),
         help="comma-separated hidden_states indices; default 2,N//2,N-3 (distinct ones below 7 layers)",
     )
-    s.add_argument("--dtype", default=default(distil, "dtype"), choices=list(STORE_DTYPES))
+    s.add_argument("--dtype", default=default(distil, "dtype"), choices=list(STORE_DTYPES), help="the store's dtype")
     s.add_argument("--draft-vocab-size", type=int, default=default(distil, "draft_vocab_size"))
     s.add_argument("--device", default=None, help="hf engine; default: cuda if available, else cpu")
     s.add_argument(
@@ -481,13 +520,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="who answers and captures: hf (transformers, here) or vllm (continuous batching, hidden states from "
         f"the generating forwards; needs vLLM: {INSTALL_HINT})",
     )
-    s.add_argument(
+    vllm_group = s.add_argument_group("vLLM's settings (--engine vllm)")
+    vllm_group.add_argument(
         "--cpu-kv-cache-gib",
         type=int,
-        default=None,
-        help="vllm on a CPU: GiB of KV cache (each sequence's KV and captured states live there; default 6)",
+        help="on a CPU: GiB of KV cache (each sequence's KV and captured states live there; default 6)",
     )
-    s.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm: GPUs per engine")
+    vllm_group.add_argument("--tensor-parallel-size", type=int, help="GPUs one engine splits each layer over")
+    vllm_group.add_argument("--pipeline-parallel-size", type=int, help="GPUs one engine splits the layers over")
+    vllm_group.add_argument("--gpu-memory-utilization", type=float, help="share of each GPU's memory vLLM takes")
+    vllm_group.add_argument(
+        "--engine-dtype", help="the engine's dtype (default float32 on a CPU, exact against hf; bfloat16 on CUDA)"
+    )
     s.add_argument("--no-progress", dest="progress", action="store_false")
 
     s = add("run", run, "run the pipeline of a YAML config: distil, or [regenerate] -> tokenize -> capture")
@@ -505,6 +549,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> None:
     options = vars(build_parser().parse_args(argv))
     command, fn = options.pop("command"), options.pop("fn")
+    if fn is distil_store:
+        options["vllm_settings"] = {key: options.pop(flag[2:].replace("-", "_")) for key, flag in VLLM_SETTINGS.items()}
     try:
         fn(**options)
     except (ValueError, OSError, EngineError) as e:  # bad input, unwritable output, an engine that failed: one line

@@ -2,15 +2,24 @@
 
 Regenerating answers as text and then capturing them runs the target twice over every answer
 token, and re-tokenizing the decoded text can give other tokens than the ones the target chose.
-Here the target answers the first user turn of each conversation greedily, batched with a KV
-cache, and the hidden states the head reads are kept from those very forwards: the sample is the
-prompt's ids plus the generated ids (loss-masked, the end-of-turn token included), exactly the
-sequence greedy decoding produces.
+Here the target answers the user turns of each conversation greedily (the first, or the first N,
+or all), batched, and the hidden states the head reads are kept from those very forwards: the
+sample is the token sequence greedy decoding produces, each answer loss-masked with its
+end-of-turn token.
 
-Prompts are planned up front (sorted by length so a batch pads little), one batch per shard, so a
-killed run resumes at the first missing shard and ends with the same store.
+Later turns are chained as tokens: the k-th prompt is the conversation so far (earlier prompts and
+the target's own answers, as generated) followed by the tokens the chat template puts between an
+answer's end-of-turn token and the next generation prompt. The k-th turns of a batch of
+conversations are answered together, and the forwards of a conversation's last turn run over the
+whole sequence, so they are its sample's hidden states.
+
+Conversations are planned up front (sorted by length so a batch pads little), one batch per
+shard, so a killed run resumes at the first missing shard and ends with the same store, and
+several runs (`shard=(i, n)`) can each write every n-th shard of one store; the one that finds the
+store whole finishes it.
 """
 
+import contextlib
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,21 +34,74 @@ from data_prep.chat import MAX_LENGTH, with_system_prompt
 from data_prep.readers import read_conversations
 from data_prep.vocab import make_vocab_map
 from eagle_train.hidden_states import TargetLogits, cache_argument, default_aux_layer_ids, layer_inputs
-from eagle_train.store import StoreWriter, chat_template_fingerprint, encode_checked, target_fingerprint
+from eagle_train.store import (
+    StoreWriter,
+    chat_template_fingerprint,
+    encode_checked,
+    list_shards,
+    target_fingerprint,
+)
 from eagle_train.target import end_of_turn_ids, files_fingerprint, load_generation_config, load_target_config
 from eagle_train.vocab_map import DRAFT_VOCAB_SIZE
 
 ENGINES = ("hf", "vllm")  # who answers and captures: transformers here, or vLLM (engines/vllm.py)
+ANSWER = "\x00answer\x00"  # stands for an answer the target writes, when a chat template renders a conversation
 
 
-def first_turn_prompt(messages: list[dict]) -> list[dict] | None:
-    """The messages before the first assistant turn, if they ask something (ShareGPT has turns that do not)."""
-    head = []
+def turn_prompts(messages: list[dict]) -> list[list[dict]]:
+    """The prompt of each turn the target answers: the messages before each assistant message that has a user
+    question since the previous answer (ShareGPT has turns that do not; such an assistant message is dropped),
+    earlier answers replaced by `ANSWER`. A trailing question without an answer is not a turn."""
+    prompts, history, asked = [], [], False
     for m in messages:
-        if m["role"] == "assistant":
-            break
-        head.append(m)
-    return head if any(m["role"] == "user" and m["content"].strip() for m in head) else None
+        if m["role"] != "assistant":
+            history.append(m)
+            asked |= m["role"] == "user" and bool(m["content"].strip())
+        elif asked:
+            prompts.append(list(history))
+            history.append({"role": "assistant", "content": ANSWER})
+            asked = False
+    return prompts
+
+
+def chained_end_of_turn(tokenizer, eos_ids) -> int:
+    """The end-of-turn id after which the chat template continues a conversation: an answer that ends with it is
+    followed by the next turn's tokens. One line when the template renders an earlier answer otherwise."""
+    probe = [
+        {"role": "user", "content": "Hi."},
+        {"role": "assistant", "content": ANSWER},
+        {"role": "user", "content": "?"},
+    ]
+    first, second = (render_prompt(tokenizer, probe[:n]) for n in (1, 3))
+    for i in sorted(eos_ids):
+        if second.startswith(first + ANSWER + tokenizer.decode([i])):
+            return i
+    raise ValueError(
+        "this chat template does not render an earlier answer as the target wrote it, closed by one of its "
+        f"end-of-turn tokens {sorted(eos_ids)}, so answers cannot be chained into later turns: use --turns 1, "
+        "or regenerate + tokenize + capture (eagle-prep run with prep.distil.enabled=false)"
+    )
+
+
+def render_prompt(tokenizer, messages: list[dict]) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def turn_segments(tokenizer, prompts: list[list[dict]], end_text: str) -> list[list[int]]:
+    """The ids each turn adds: the first prompt whole, then what follows the previous answer's end-of-turn token
+    (`end_text`) up to the next generation prompt."""
+    segments, before = [], None
+    for prompt in prompts:
+        text = render_prompt(tokenizer, prompt)
+        if before is None:
+            cut = 0
+        elif text.startswith(before + ANSWER + end_text):
+            cut = len(before + ANSWER + end_text)
+        else:
+            raise ValueError(f"the chat template renders an earlier answer otherwise in {text[:80]!r}: use --turns 1")
+        segments.append(tokenizer(text[cut:], add_special_tokens=False)["input_ids"])
+        before = text
+    return segments
 
 
 def generation_cache(config, max_len: int):
@@ -117,23 +179,65 @@ def generate_and_capture(model, prompts: list[list[int]], max_new_tokens: int, a
     return samples
 
 
-def plan_prompts(tokenizer, conversations, limit: int | None, max_length: int, max_new_tokens: int, system_prompt):
-    """(sample ids, prompt ids) of up to `limit` first turns that leave room for an answer, shortest first.
+def plan_conversations(
+    tokenizer, conversations, limit: int | None, max_length: int, max_new_tokens: int, system_prompt, turns, end_id
+) -> list[tuple[int, list[list[int]]]]:
+    """(sample id, turn segments) of up to `limit` conversations whose first prompt leaves room for an answer,
+    shortest first; at most `turns` turns each (None: all), and only those that could still fit.
 
     The sample id is the conversation's index among those read, so a store traces back to its source.
     """
+    end_text = tokenizer.decode([end_id]) if end_id is not None else ""
     planned = []
     for index, conv in enumerate(conversations):
         if limit is not None and len(planned) >= limit:
             break
-        head = first_turn_prompt(with_system_prompt(conv["messages"], system_prompt))
-        if head is None:
+        prompts = turn_prompts(with_system_prompt(conv["messages"], system_prompt))[:turns]
+        if not prompts:
             continue
-        text = tokenizer.apply_chat_template(head, tokenize=False, add_generation_prompt=True)
-        prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
-        if len(prompt) + max_new_tokens <= max_length:
-            planned.append((index, prompt))
-    return sorted(planned, key=lambda x: (len(x[1]), x[0]))
+        segments = turn_segments(tokenizer, prompts, end_text)
+        fit = [k for k in range(len(segments)) if sum(map(len, segments[: k + 1])) + max_new_tokens <= max_length]
+        if fit and fit[0] == 0:
+            planned.append((index, segments[: len(fit)]))
+    return sorted(planned, key=lambda x: (sum(map(len, x[1])), x[0]))
+
+
+def answer_turns(answer, conversations, max_new_tokens: int, max_length: int, end_id: int | None) -> list[dict]:
+    """Answer each conversation's turns in order, the k-th turns of all in one call of `answer` (prompts ->
+    samples of `input_ids`, `aux_hidden`, `final_hidden`). A conversation goes on while its answer ended with
+    `end_id` and its next turn leaves room for an answer within `max_length`. Returns per conversation its last
+    sample (the whole sequence) with `loss_mask` over every answer."""
+    ids = [[] for _ in conversations]
+    masks = [[] for _ in conversations]
+    last = [None] * len(conversations)
+
+    def asks(c: int, turn: int) -> bool:
+        segments = conversations[c][1]
+        if turn >= len(segments):
+            return False
+        return turn == 0 or (ids[c][-1] == end_id and len(ids[c]) + len(segments[turn]) + max_new_tokens <= max_length)
+
+    for turn in range(max(len(segments) for _, segments in conversations)):
+        asked = [c for c in range(len(conversations)) if asks(c, turn)]
+        if not asked:
+            break
+        prompts = [ids[c] + conversations[c][1][turn] for c in asked]
+        for c, prompt, sample in zip(asked, prompts, answer(prompts)):
+            ids[c] = sample["input_ids"].tolist()
+            masks[c] += [False] * len(conversations[c][1][turn]) + [True] * (len(ids[c]) - len(prompt))
+            last[c] = sample
+    return [{**sample, "loss_mask": torch.tensor(mask)} for sample, mask in zip(last, masks)]
+
+
+def with_every_row(sample: dict) -> dict:
+    """vLLM samples the last token without running it, so it has no hidden states: zeros, which training never
+    reads (ttt.py supervises position p from rows <= T - 2; peagle_batch.py likewise)."""
+    t = len(sample["input_ids"])
+    for key in ("aux_hidden", "final_hidden"):
+        rows = sample[key]
+        if len(rows) < t:
+            sample[key] = torch.cat([rows, rows.new_zeros(t - len(rows), rows.shape[1])])
+    return sample
 
 
 def distil(
@@ -147,6 +251,7 @@ def distil(
     split: str = "train",
     max_length: int = MAX_LENGTH,
     max_new_tokens: int = 256,
+    turns: int | None = 1,
     batch_size: int = 64,
     system_prompt: str | None = None,
     aux_layer_ids=None,
@@ -154,22 +259,32 @@ def distil(
     draft_vocab_size: int = DRAFT_VOCAB_SIZE,
     engine: str = "hf",
     engine_options: dict | None = None,
+    shard: tuple[int, int] = (0, 1),
     progress: bool = True,
-) -> tuple[dict, dict]:
-    """Answer up to `limit` first turns of `data` with the target and store the answers' hidden states in `out`.
+) -> tuple[dict | None, dict]:
+    """Answer up to `limit` conversations of `data` with the target, `turns` user turns each (None: all), and
+    store the answers' hidden states in `out`.
 
-    Returns (the store's manifest, {"prompts", "answer_tokens", "tokens", "seconds"} of this run, and with
-    vLLM "engine_start_seconds", included in "seconds").
+    Returns (the store's manifest, or None while shards of other runs are missing; {"conversations",
+    "answers", "answer_tokens", "tokens", "seconds", "vocab_map"} of this run, and with vLLM
+    "engine_start_seconds", included in "seconds").
     The store is the one `eagle-prep capture` writes (same format, vocab map included), so offline
     training reads it as is. A rerun with the same settings resumes; other settings are refused.
 
     `engine`: "hf" answers here with `model`, in batches of `batch_size` that wait for their longest
-    answer; "vllm" has vLLM answer each shard of `batch_size` prompts with continuous batching and
-    capture while it generates (`engines.vllm.distil`, `engine_options` passed to it; `model` unused,
-    may be None). One store is made by one engine: the plan records which.
+    answer; "vllm" has one vLLM engine (`engines.vllm.HiddenStatesServer`, `engine_options` passed to
+    it; `model` unused, may be None) answer each turn of a shard's `batch_size` conversations with
+    continuous batching, capturing while it generates. One store is made by one engine: the plan records
+    which. `shard=(i, n)`: this run answers shards i, i + n, ... of the plan; n runs with the same settings
+    fill one store, and the run that finds every shard written finishes it.
     """
     if engine not in ENGINES:
         raise ValueError(f"engine {engine!r} is not one of {ENGINES}")
+    index, runs = shard
+    if not 0 <= index < runs:
+        raise ValueError(f"shard {index}/{runs}: the index must be 0 .. {runs - 1}")
+    if turns is not None and turns < 1:
+        raise ValueError(f"turns={turns}: answer at least one turn (or all)")
     if engine == "vllm":
         from engines.vllm import missing
 
@@ -178,8 +293,13 @@ def distil(
             raise ValueError(f"--engine vllm: {reason}")
     config = model.config if model is not None else load_target_config(target_name)
     ids = tuple(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(config.num_hidden_layers)
+    generation = model if model is not None else SimpleNamespace(generation_config=load_generation_config(target_name))
+    eos_ids = end_of_turn_ids(generation, tokenizer)
+    end_id = chained_end_of_turn(tokenizer, eos_ids) if turns != 1 else None
     conversations = read_conversations(data, split=split)
-    planned = plan_prompts(tokenizer, conversations, limit, max_length, max_new_tokens, system_prompt)
+    planned = plan_conversations(
+        tokenizer, conversations, limit, max_length, max_new_tokens, system_prompt, turns, end_id
+    )
     if not planned:
         raise ValueError(
             f"no first turn of {data!r} leaves room for {max_new_tokens} new tokens within max_length={max_length}: "
@@ -192,8 +312,9 @@ def distil(
         "max_length": max_length,
         "source": str(data),
         "plan": {
-            "distil": "greedy first-turn answers, captured while generated",
+            "distil": "greedy answers, turn after turn, captured while generated",
             "engine": engine,
+            "turns": turns,
             "max_new_tokens": max_new_tokens,
             "batch_size": batch_size,
             "system_prompt": system_prompt,
@@ -203,50 +324,45 @@ def distil(
     }
     out = Path(out)
     fingerprint = target_fingerprint(model) if model is not None else files_fingerprint(target_name)
-    header = start_store(out, header, config, fingerprint, target_name, ids, dtype)
-    todo = pending_shards(out, {k: [i for i, _ in batch] for k, batch in enumerate(batches)})
-    stats = {"prompts": 0, "answer_tokens": 0, "tokens": 0, "seconds": 0.0}
+    header = start_store(out, header, config, fingerprint, target_name, ids, dtype, world_size=runs)
+    todo = pending_shards(out, {k: [i for i, _ in batches[k]] for k in range(index, len(batches), runs)})
+    stats = {"conversations": 0, "answers": 0, "answer_tokens": 0, "tokens": 0, "seconds": 0.0}
     start = time.perf_counter()
-    bar = tqdm(total=sum(len(batches[k]) for k in todo), unit="prompt", desc=f"distil ({engine})", disable=not progress)
+    bar = tqdm(total=sum(len(batches[k]) for k in todo), unit="conv", desc=f"distil ({engine})", disable=not progress)
+    if engine == "vllm" and todo:
+        from engines.vllm import HiddenStatesServer
 
-    def shown(prompts: int, answer_tokens: int, tokens: int) -> None:
-        stats["prompts"] += prompts
-        stats["answer_tokens"] += answer_tokens
-        stats["tokens"] += tokens
-        bar.update(prompts)
-        bar.set_postfix(answer_tok_s=f"{stats['answer_tokens'] / (time.perf_counter() - start):.0f}")
+        server = HiddenStatesServer(target_name, ids, {"max_num_seqs": batch_size, **(engine_options or {})})
+        stats["engine_start_seconds"] = server.init_seconds
 
-    if engine == "vllm":
-        from engines import vllm
-
-        eos_ids = end_of_turn_ids(SimpleNamespace(generation_config=load_generation_config(target_name)), tokenizer)
-        started = vllm.distil(
-            target_name,
-            {k: batches[k] for k in todo},
-            out,
-            max_new_tokens=max_new_tokens,
-            aux_layer_ids=ids,
-            dtype=dtype,
-            stop_ids=eos_ids,
-            engine_options={"max_num_seqs": batch_size, **(engine_options or {})},
-            progress=shown,
-        )
-        stats["engine_start_seconds"] = started["init_seconds"]
+        def answer(prompts):
+            return server.answer(prompts, max_new_tokens, eos_ids)
     else:
-        eos_ids = end_of_turn_ids(model, tokenizer)
-        with StoreWriter(out, dtype) as writer:
-            for k in todo:
-                samples = generate_and_capture(
-                    model, [p for _, p in batches[k]], max_new_tokens, ids, eos_ids, tokenizer.pad_token_id
-                )
-                for i, s in zip((i for i, _ in batches[k]), samples):
-                    where = f"the target's hidden states while answering prompt {i} of {data!r}"
-                    s.update(encode_checked(s.pop("aux_hidden"), s.pop("final_hidden"), dtype, where))
-                writer.add_shard(k, samples, [i for i, _ in batches[k]])
-                answer_tokens = sum(int(s["loss_mask"].sum()) for s in samples)
-                shown(len(samples), answer_tokens, sum(len(s["input_ids"]) for s in samples))
+        server = contextlib.nullcontext()
+
+        def answer(prompts):
+            return generate_and_capture(model, prompts, max_new_tokens, ids, eos_ids, tokenizer.pad_token_id)
+
+    def counted(prompts):
+        stats["answers"] += len(prompts)
+        return answer(prompts)
+
+    with server, StoreWriter(out, dtype, rank=index) as writer:
+        for k in todo:
+            samples = answer_turns(counted, batches[k], max_new_tokens, max_length, end_id)
+            for (i, _), sample in zip(batches[k], samples):
+                where = f"the target's hidden states while answering conversation {i} of {data!r}"
+                sample = with_every_row(sample)
+                sample.update(encode_checked(sample.pop("aux_hidden"), sample.pop("final_hidden"), dtype, where))
+            writer.add_shard(k, samples, [i for i, _ in batches[k]])
+            stats["conversations"] += len(samples)
+            stats["answer_tokens"] += sum(int(s["loss_mask"].sum()) for s in samples)
+            stats["tokens"] += sum(len(s["input_ids"]) for s in samples)
+            bar.update(len(samples))
+            bar.set_postfix(answer_tok_s=f"{stats['answer_tokens'] / (time.perf_counter() - start):.0f}")
     bar.close()
     stats["seconds"] = time.perf_counter() - start
+    if {k for k, _ in list_shards(out)} != set(range(len(batches))):
+        return None, stats
     manifest = finish_store(out, header, len(batches))
-    vmap = make_vocab_map(out, config.vocab_size, draft_vocab_size)
-    return manifest, {**stats, "vocab_map": vmap}
+    return manifest, {**stats, "vocab_map": make_vocab_map(out, config.vocab_size, draft_vocab_size)}

@@ -59,7 +59,7 @@ VLLM_KEY = "eagle_aux_hidden_state_layer_ids"
 BF16_TOLERANCE = 1e-2  # largest |file - head| / max |head| of a weight in a bf16 export: its rounding, doubled
 CHILD = "import sys; from engines.vllm import serve; serve(*sys.argv[1:])"
 BATCH_CHILD = "import sys; from engines.vllm import serve_batch; serve_batch(*sys.argv[1:])"
-DISTIL_CHILD = "import sys; from engines.vllm import serve_distil; serve_distil(*sys.argv[1:])"
+HIDDEN_STATES_CHILD = "import sys; from engines.vllm import serve_hidden_states; serve_hidden_states(*sys.argv[1:])"
 # GiB of CPU KV cache for distil: each of a shard's sequences holds its KV and its captured hidden states there,
 # and too small a cache makes vLLM preempt and recompute (5x slower at 128 sequences of ~400 tokens)
 DISTIL_CPU_KV_CACHE_GIB = 6
@@ -481,26 +481,20 @@ def generate_batch(
     aux = the inputs of those decoder layers, final = the last layer's output after the final norm. vLLM's
     `extract_hidden_states` method captures them from the forwards that generate the answer; a prefill-only
     pass over given sequences is `max_new_tokens=1`."""
+    if aux_layer_ids is not None:
+        with HiddenStatesServer(target, aux_layer_ids, {"max_num_seqs": max_num_seqs}) as engine:
+            t = time.perf_counter()
+            samples = engine.answer(prompts, max_new_tokens)
+            seconds = time.perf_counter() - t
+        output_ids = [s["input_ids"][len(p) :].tolist() for s, p in zip(samples, prompts)]
+        return BatchRun(installed_version(), engine.init_seconds, seconds, output_ids, samples)
     reason = missing()
     if reason:
         raise VllmError(reason)
-    request = {
-        "target": target,
-        "prompts": prompts,
-        "max_new_tokens": max_new_tokens,
-        "aux_layer_ids": None if aux_layer_ids is None else list(aux_layer_ids),
-        "max_num_seqs": max_num_seqs,
-    }
+    request = {"target": target, "prompts": prompts, "max_new_tokens": max_new_tokens, "max_num_seqs": max_num_seqs}
     with tempfile.TemporaryDirectory() as tmp:
-        result = run_child(BATCH_CHILD, {**request, "directory": tmp}, Path(tmp), timeout)
-        samples = None
-        if aux_layer_ids is not None:
-            from safetensors.torch import load_file
-
-            samples = [load_file(Path(tmp) / f"sample-{i}.safetensors") for i in range(len(prompts))]
-    return BatchRun(
-        result["version"], result["init_seconds"], result["generate_seconds"], result["output_ids"], samples
-    )
+        result = run_child(BATCH_CHILD, request, Path(tmp), timeout)
+    return BatchRun(result["version"], result["init_seconds"], result["generate_seconds"], result["output_ids"], None)
 
 
 def data_engine_options() -> dict:
@@ -592,32 +586,20 @@ class HiddenStatesEngine:
 
 
 def batch_child(request: dict) -> dict:
-    """The child of `generate_batch`: plain greedy answers, or `HiddenStatesEngine`'s."""
+    """The child of `generate_batch` without hidden states: plain greedy answers."""
     import vllm
-    from safetensors.torch import save_file
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     from eagle_train.target import resolve_target
 
-    directory, aux = Path(request["directory"]), request["aux_layer_ids"]
-    options = {"max_num_seqs": request["max_num_seqs"]}
     t0 = time.perf_counter()
-    if aux is not None:
-        engine = HiddenStatesEngine(request["target"], aux, directory / "requests", **options)
-    else:
-        llm = LLM(model=resolve_target(request["target"]), **data_engine_options(), **options)
+    llm = LLM(model=resolve_target(request["target"]), **data_engine_options(), max_num_seqs=request["max_num_seqs"])
     init_seconds = time.perf_counter() - t0
     t = time.perf_counter()
-    if aux is not None:
-        samples = engine.answer(request["prompts"], request["max_new_tokens"])
-        output_ids = [s["input_ids"][len(p) :].tolist() for s, p in zip(samples, request["prompts"])]
-        for i, sample in enumerate(samples):
-            save_file(sample, directory / f"sample-{i}.safetensors")
-    else:
-        greedy = SamplingParams(temperature=0.0, max_tokens=request["max_new_tokens"])
-        prompts = [TokensPrompt(prompt_token_ids=p) for p in request["prompts"]]
-        output_ids = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=request["max_new_tokens"])
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in request["prompts"]]
+    output_ids = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy, use_tqdm=False)]
     return {
         "version": vllm.__version__,
         "init_seconds": init_seconds,
@@ -631,102 +613,104 @@ def serve_batch(request_path, result_path) -> None:
     Path(result_path).write_text(json.dumps(batch_child(json.loads(Path(request_path).read_text()))))
 
 
-def distil(
-    target: str,
-    shards: dict[int, list[tuple[int, list[int]]]],
-    out: Path,
-    *,
-    max_new_tokens: int,
-    aux_layer_ids,
-    dtype: str,
-    stop_ids,
-    engine_options: dict | None = None,
-    progress=None,
-) -> dict:
-    """Answer and capture the planned `shards` (index -> [(sample id, prompt ids)]) into the store `out`, in one
-    vLLM engine (`HiddenStatesEngine`, continuous batching over each shard's prompts). The child writes each
-    shard as it finishes, so a kill loses the shard in flight only. `progress(prompts, answer_tokens, tokens)`
-    is called per shard. `engine_options` go to `vllm.LLM`, but `cpu_kv_cache_gib` (default
-    `DISTIL_CPU_KV_CACHE_GIB`), which sizes the KV cache on a CPU. Returns {"prompts", "answer_tokens",
-    "tokens", "init_seconds"}."""
-    reason = missing()
-    if reason:
-        raise VllmError(reason)
-    engine_options = dict(engine_options or {})
-    cache_gib = engine_options.pop("cpu_kv_cache_gib", DISTIL_CPU_KV_CACHE_GIB)
-    env = {**child_env(), "VLLM_CPU_KVCACHE_SPACE": str(cache_gib)}
-    request = {
-        "target": target,
-        "shards": sorted(shards.items()),
-        "out": str(out),
-        "max_new_tokens": max_new_tokens,
-        "aux_layer_ids": list(aux_layer_ids),
-        "dtype": dtype,
-        "stop_ids": sorted(stop_ids),
-        "engine_options": engine_options,
-    }
-    stats = {"prompts": 0, "answer_tokens": 0, "tokens": 0, "init_seconds": 0.0}
-    with tempfile.TemporaryDirectory() as tmp:
-        req, log = Path(tmp) / "request.json", Path(tmp) / "stderr.log"
-        req.write_text(json.dumps({**request, "directory": tmp}))
-        with open(log, "w") as stderr:
-            child = subprocess.Popen(
-                [sys.executable, "-c", DISTIL_CHILD, str(req)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=stderr,
-                text=True,
-            )
-            for line in child.stdout:  # one JSON record per finished shard; anything else is vLLM talking
-                if not line.startswith("{"):
-                    continue
-                record = json.loads(line)
-                for key in stats:
-                    stats[key] += record.get(key, 0)
-                if progress is not None and "prompts" in record:
-                    progress(record["prompts"], record["answer_tokens"], record["tokens"])
-            child.wait()
-        if child.returncode != 0:
-            raise VllmError(f"vLLM failed (exit {child.returncode}): {error_lines(log.read_text())}")
-    return stats
+class HiddenStatesServer:
+    """A `HiddenStatesEngine` in a child process that stays up between batches, so a caller that plans its
+    batches as it goes (multi-turn answers, shards) pays vLLM's start once. `answer` returns what the engine's
+    `answer` does (float32, read from the files the child writes). `engine_options` go to `vllm.LLM`, but
+    `cpu_kv_cache_gib` (default `DISTIL_CPU_KV_CACHE_GIB`), which sizes the KV cache on a CPU.
+
+        with HiddenStatesServer("smollm2-135m", (2, 15, 27)) as engine:
+            samples = engine.answer(prompts, max_new_tokens=192, stop_ids={2})
+    """
+
+    def __init__(self, target: str, aux_layer_ids, engine_options: dict | None = None):
+        reason = missing()
+        if reason:
+            raise VllmError(reason)
+        engine_options = dict(engine_options or {})
+        cache_gib = engine_options.pop("cpu_kv_cache_gib", DISTIL_CPU_KV_CACHE_GIB)
+        self.tmp = tempfile.TemporaryDirectory()
+        directory = Path(self.tmp.name)
+        request = {
+            "target": target,
+            "aux_layer_ids": list(aux_layer_ids),
+            "engine_options": engine_options,
+            "directory": str(directory),
+        }
+        (directory / "request.json").write_text(json.dumps(request))
+        self.log_path = directory / "stderr.log"
+        self.log = open(self.log_path, "w")
+        self.child = subprocess.Popen(
+            [sys.executable, "-c", HIDDEN_STATES_CHILD, str(directory / "request.json")],
+            env={**child_env(), "VLLM_CPU_KVCACHE_SPACE": str(cache_gib)},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+        )
+        self.init_seconds = self._reply()["init_seconds"]
+
+    def _reply(self) -> dict:
+        for line in self.child.stdout:  # the child's replies are JSON lines; anything else is vLLM talking
+            if line.startswith("{"):
+                return json.loads(line)
+        self.child.wait()
+        self.log.flush()
+        raise VllmError(f"vLLM failed (exit {self.child.returncode}): {error_lines(self.log_path.read_text())}")
+
+    def answer(self, prompts: list[list[int]], max_new_tokens: int, stop_ids=None) -> list[dict]:
+        from safetensors.torch import load_file
+
+        request = {"prompts": prompts, "max_new_tokens": max_new_tokens, "stop_ids": sorted(stop_ids or ())}
+        try:
+            self.child.stdin.write(json.dumps(request) + "\n")
+            self.child.stdin.flush()
+        except BrokenPipeError:
+            pass  # the child is gone: _reply says why
+        samples = []
+        for name in self._reply()["files"]:
+            samples.append(load_file(name))
+            Path(name).unlink()
+        return samples
+
+    def close(self) -> None:
+        if self.child.poll() is None:
+            self.child.stdin.close()
+            try:
+                self.child.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.child.kill()
+                self.child.wait()
+        self.log.close()
+        self.tmp.cleanup()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
-def distil_child(request: dict) -> None:
-    """The child of `distil`. The last token of each sequence is sampled, never run: its rows are zeros, which
-    training never reads (ttt.py supervises position p from rows <= T - 2; peagle_batch.py likewise)."""
-    from eagle_train.store import StoreWriter, encode_checked
+def serve_hidden_states(request_path) -> None:
+    """The child of `HiddenStatesServer`: start the engine, then answer one JSON request per stdin line, each
+    sample in a safetensors file of its own, and name the files in one JSON line on stdout."""
+    from safetensors.torch import save_file
 
+    request = json.loads(Path(request_path).read_text())
+    directory = Path(request["directory"])
     t0 = time.perf_counter()
     engine = HiddenStatesEngine(
-        request["target"],
-        request["aux_layer_ids"],
-        Path(request["directory"]) / "requests",
-        **request["engine_options"],
+        request["target"], request["aux_layer_ids"], directory / "requests", **request["engine_options"]
     )
     print(json.dumps({"init_seconds": time.perf_counter() - t0}), flush=True)
-    with StoreWriter(request["out"], request["dtype"]) as writer:
-        for k, planned in request["shards"]:
-            prompts = [prompt for _, prompt in planned]
-            samples = engine.answer(prompts, request["max_new_tokens"], request["stop_ids"])
-            answer_tokens = 0
-            for (sample_id, prompt), sample in zip(planned, samples):
-                aux, final = (
-                    torch.cat([x, x.new_zeros(1, x.shape[1])])
-                    for x in (sample.pop("aux_hidden"), sample.pop("final_hidden"))
-                )
-                t = len(sample["input_ids"])
-                sample["loss_mask"] = torch.arange(t) >= len(prompt)
-                where = f"the target's hidden states while answering prompt {sample_id}"
-                sample.update(encode_checked(aux, final, request["dtype"], where))
-                answer_tokens += t - len(prompt)
-            writer.add_shard(k, samples, [sample_id for sample_id, _ in planned])
-            tokens = sum(len(s["input_ids"]) for s in samples)
-            print(json.dumps({"prompts": len(samples), "answer_tokens": answer_tokens, "tokens": tokens}), flush=True)
-
-
-def serve_distil(request_path) -> None:
-    """The child process's entry (`DISTIL_CHILD`)."""
-    distil_child(json.loads(Path(request_path).read_text()))
+    for n, line in enumerate(sys.stdin):
+        asked = json.loads(line)
+        samples = engine.answer(asked["prompts"], asked["max_new_tokens"], asked["stop_ids"])
+        files = []
+        for i, sample in enumerate(samples):
+            files.append(str(directory / f"answer-{n}-{i}.safetensors"))
+            save_file(sample, files[-1])
+        print(json.dumps({"files": files}), flush=True)
 
 
 # ---- the live check ------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""Self-distillation in one pass (data_prep/distil.py): the answers are greedy decoding's, the hidden states are
-capture's, and a killed run resumes to the same store."""
+"""Self-distillation in one pass (data_prep/distil.py): the answers are greedy decoding's, turn after turn, the hidden
+states are capture's, a killed run resumes to the same store, and runs that share the shards make it too."""
 
 import json
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import CONVERSATIONS
 
-from data_prep.distil import distil, first_turn_prompt, generate_and_capture
+from data_prep.distil import ANSWER, distil, generate_and_capture, render_prompt, turn_prompts
 from eagle_train.hidden_states import target_hidden_states
 from eagle_train.store import ShardedSamples, list_shards, read_vocab_map
 from eagle_train.target import end_of_turn_ids
@@ -16,14 +16,16 @@ AUX = (2, 15, 27)
 
 
 def prompt_ids(tok, conv):
-    text = tok.apply_chat_template(first_turn_prompt(conv["messages"]), tokenize=False, add_generation_prompt=True)
-    return tok(text, add_special_tokens=False)["input_ids"]
+    return tok(render_prompt(tok, turn_prompts(conv["messages"])[0]), add_special_tokens=False)["input_ids"]
 
 
-def test_first_turn_prompt_stops_before_the_first_answer_and_needs_a_question():
-    assert first_turn_prompt(CONVERSATIONS[1]["messages"]) == CONVERSATIONS[1]["messages"][:1]
-    assert first_turn_prompt(CONVERSATIONS[2]["messages"]) == CONVERSATIONS[2]["messages"][:2]
-    assert first_turn_prompt([{"role": "assistant", "content": "Hi"}, {"role": "user", "content": "?"}]) is None
+def test_a_turn_is_an_answer_to_a_question_asked_since_the_last_one():
+    two = CONVERSATIONS[1]["messages"]
+    assert turn_prompts(two) == [two[:1], [two[0], {"role": "assistant", "content": ANSWER}, two[2]]]
+    assert turn_prompts(CONVERSATIONS[2]["messages"]) == [CONVERSATIONS[2]["messages"][:2]]
+    user, answer = {"role": "user", "content": "?"}, {"role": "assistant", "content": "A"}
+    assert turn_prompts([answer, user]) == []  # nothing asked before the answer; the question is never answered
+    assert turn_prompts([user, answer, answer, {"role": "user", "content": " "}, answer]) == [[user]]
 
 
 def test_answers_are_greedy_decoding_and_hidden_states_are_captures(smollm2):
@@ -74,7 +76,7 @@ def test_killed_distil_resumes_to_the_same_store(smollm2, conversations_file, tm
         json.dumps({**json.loads((out / "manifest.json").read_text()), "complete": False})
     )
     resumed, stats = run_distil(smollm2, conversations_file, out)
-    assert stats["prompts"] == 2  # only the missing batch ran again
+    assert stats["conversations"] == 2  # only the missing batch ran again
     a, b = ShardedSamples(tmp_path / "whole"), ShardedSamples(out)
     for i in range(len(a)):
         for key, value in a[i].items():
@@ -82,6 +84,71 @@ def test_killed_distil_resumes_to_the_same_store(smollm2, conversations_file, tm
 
     with pytest.raises(ValueError, match="plan"):
         run_distil(smollm2, conversations_file, out, max_new_tokens=8)
+
+
+def greedy(model, tok, ids: list[int], max_new_tokens: int, eos: set[int]) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    answer = out[0, len(ids) :].tolist()
+    return answer[: next((k + 1 for k, t in enumerate(answer) if t in eos), len(answer))]
+
+
+ARITHMETIC = {  # SmolLM2 answers the first question in 7 tokens, so the second turn has room
+    "id": "sums",
+    "messages": [
+        {"role": "user", "content": "What is 2+2? Answer with a number."},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "And 3+3?"},
+        {"role": "assistant", "content": "6"},
+    ],
+}
+
+
+def test_every_turn_is_greedy_decoding_of_the_conversation_so_far(smollm2, tmp_path):
+    """turns=None answers both questions of a two-turn conversation: the second prompt is the first, the target's
+    own first answer and the template's next user turn, chained as tokens, and decodes to what the chat template
+    renders for that conversation; both answers are loss-masked, the hidden states cover the whole sequence."""
+    model, tok = smollm2
+    data = tmp_path / "convs.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in [ARITHMETIC, *CONVERSATIONS]))
+    run_distil(smollm2, str(data), tmp_path / "all", turns=None, max_new_tokens=40, max_length=256)
+    store = ShardedSamples(tmp_path / "all")
+    conv = ARITHMETIC["messages"]
+    eos = end_of_turn_ids(model, tok)
+    first = prompt_ids(tok, ARITHMETIC)
+    sample = next(store[i] for i in range(len(store)) if store[i]["input_ids"][: len(first)].tolist() == first)
+    a1 = greedy(model, tok, first, 40, eos)
+    assert a1[-1] in eos
+    text = render_prompt(tok, [conv[0], {"role": "assistant", "content": tok.decode(a1[:-1])}, conv[2]])
+    prompt = sample["input_ids"][: len(tok(text, add_special_tokens=False)["input_ids"])].tolist()
+    assert prompt[: len(first) + len(a1)] == first + a1 and tok.decode(prompt) == text
+    a2 = greedy(model, tok, prompt, 40, eos)
+    assert sample["input_ids"].tolist() == prompt + a2
+    mask = [False] * len(first) + [True] * len(a1) + [False] * (len(prompt) - len(first) - len(a1)) + [True] * len(a2)
+    assert sample["loss_mask"].tolist() == mask
+    aux, final = target_hidden_states(model, sample["input_ids"][None], aux_layer_ids=AUX)
+    torch.testing.assert_close(sample["aux_hidden"], aux[0], atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(sample["final_hidden"], final[0], atol=2e-4, rtol=1e-4)
+    run_distil(smollm2, str(data), tmp_path / "one", max_new_tokens=40, max_length=256)
+    one = ShardedSamples(tmp_path / "one")
+    assert sum(int(one[i]["loss_mask"].sum()) for i in range(len(one))) < sum(
+        int(store[i]["loss_mask"].sum()) for i in range(len(store))
+    )
+
+
+def test_runs_that_share_the_shards_make_the_store_one_run_makes(smollm2, conversations_file, tmp_path):
+    whole, _ = run_distil(smollm2, conversations_file, tmp_path / "whole")
+    manifest, stats = run_distil(smollm2, conversations_file, tmp_path / "shared", shard=(1, 2))
+    assert manifest is None and stats["conversations"] == 2  # shard 1 of 3; shards 0 and 2 are the other run's
+    manifest, stats = run_distil(smollm2, conversations_file, tmp_path / "shared", shard=(0, 2))
+    assert stats["conversations"] == 4 and manifest["num_samples"] == whole["num_samples"]
+    a, b = ShardedSamples(tmp_path / "whole"), ShardedSamples(tmp_path / "shared")
+    for i in range(len(a)):
+        for key, value in a[i].items():
+            torch.testing.assert_close(b[i][key], value)
+    assert (read_vocab_map(tmp_path / "whole")["counts"] == read_vocab_map(tmp_path / "shared")["counts"]).all()
+    with pytest.raises(ValueError, match="shard 2/2"):
+        run_distil(smollm2, conversations_file, tmp_path / "shared", shard=(2, 2))
 
 
 def test_no_room_for_an_answer_is_a_clear_error(smollm2, conversations_file, tmp_path):
@@ -99,7 +166,7 @@ def test_prep_run_with_distil_writes_a_store_the_trainer_reads(conversations_fil
     )
     main(["run", "--config", str(config)])
     printed = capsys.readouterr().out
-    assert "distilled 6 first turns" in printed and "answer tok/s" in printed
+    assert "distilled 6 conversations this run (6 answers)" in printed and "answer tok/s" in printed
     store = ShardedSamples(tmp_path / "run" / "store")
     assert len(store) == 6 and store.has_hidden and store[0]["aux_hidden"].shape[1] == 3 * 576
     assert len(read_vocab_map(tmp_path / "run" / "store")["d2t"]) == 64

@@ -285,11 +285,13 @@ def test_a_target_vllm_serves_no_head_on_is_refused_in_one_line_before_and_durin
 
 
 @needs_vllm
-def test_distil_with_vllm_makes_the_hf_store_resumes_and_trains_alike(smollm2, conversations_jsonl, tmp_path):
-    """`distil --engine vllm` writes the store `--engine hf` writes: the same ids and loss masks (greedy answers
-    equal), hidden states equal to fp32 rounding at every position vLLM ran, zeros in the last (never run, never
-    read) row; a killed run resumes to it; and offline training reads both to the same losses."""
-    from conftest import with_train_vocab_map
+def test_distil_with_vllm_makes_the_hf_store_resumes_and_trains_alike(smollm2, tmp_path):
+    """`distil --engine vllm --turns all` writes the store `--engine hf` writes: the same ids and loss masks
+    (greedy answers equal, turn after turn), hidden states equal to fp32 rounding at every position vLLM ran,
+    zeros in the last (never run, never read) row; a killed run resumes to it; and offline training reads both
+    to the same losses."""
+    from conftest import CONVERSATIONS, with_train_vocab_map
+    from test_distil import ARITHMETIC
 
     from data_prep.distil import distil
     from eagle_train.eagle3_train import build_eagle3_head, eagle3_objective
@@ -298,10 +300,13 @@ def test_distil_with_vllm_makes_the_hf_store_resumes_and_trains_alike(smollm2, c
     from eagle_train.trainer import train
 
     model, tokenizer = smollm2
+    conversations_jsonl = tmp_path / "conversations.jsonl"
+    conversations_jsonl.write_text("".join(json.dumps(c) + "\n" for c in [ARITHMETIC, *CONVERSATIONS]))
     common = dict(target_name=SMOLLM2, limit=5, max_new_tokens=24, batch_size=2, dtype="float32", progress=False)
+    common.update(turns=None, max_length=256)
     distil(model, tokenizer, str(conversations_jsonl), tmp_path / "hf", **common)
     _, stats = distil(None, tokenizer, str(conversations_jsonl), tmp_path / "vllm", engine="vllm", **common)
-    assert stats["prompts"] == 5
+    assert stats["conversations"] == 5 and stats["answers"] == 6  # the arithmetic's second question too
     hf, ours = ShardedSamples(tmp_path / "hf"), ShardedSamples(tmp_path / "vllm")
     assert ours.manifest["plan"]["engine"] == "vllm" and ours.manifest["target"] == hf.manifest["target"]
 
@@ -318,7 +323,7 @@ def test_distil_with_vllm_makes_the_hf_store_resumes_and_trains_alike(smollm2, c
     assert_same_as_hf(ours)
     (tmp_path / "vllm" / shard_name(1)).unlink()  # what a kill in shard 1 leaves
     _, stats = distil(None, tokenizer, str(conversations_jsonl), tmp_path / "vllm", engine="vllm", **common)
-    assert stats["prompts"] == 2
+    assert stats["conversations"] == 2
     assert_same_as_hf(ShardedSamples(tmp_path / "vllm"))
 
     losses = {}

@@ -21,7 +21,7 @@ import os
 
 import torch
 
-from data_prep.distil import generate_and_capture, plan_prompts
+from data_prep.distil import generate_and_capture, plan_conversations
 from data_prep.readers import read_conversations
 from eagle_train.hidden_states import default_aux_layer_ids, target_hidden_states
 from eagle_train.target import SMOLLM2, end_of_turn_ids, load_target, load_target_config, load_tokenizer
@@ -30,8 +30,10 @@ from engines.vllm import generate_batch
 
 def first_turns(target: str, n: int, max_length: int, max_new_tokens: int) -> list[list[int]]:
     tokenizer = load_tokenizer(target)
-    planned = plan_prompts(tokenizer, read_conversations("sharegpt"), n, max_length, max_new_tokens, None)
-    return [p for _, p in planned]
+    planned = plan_conversations(
+        tokenizer, read_conversations("sharegpt"), n, max_length, max_new_tokens, None, 1, None
+    )
+    return [segments[0] for _, segments in planned]
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
