@@ -14,6 +14,7 @@ The forward is `eagle_train.hidden_states.target_hidden_states`, the same functi
 training calls, so offline and online data cannot differ.
 """
 
+import contextlib
 import shutil
 import time
 from pathlib import Path
@@ -32,6 +33,7 @@ from eagle_train.store import (
     ShardedSamples,
     StoreWriter,
     check_store_matches,
+    encode_checked,
     encode_hidden,
     finalize_manifest,
     list_shards,
@@ -43,6 +45,7 @@ from eagle_train.store import (
     target_fingerprint,
     target_identity,
 )
+from eagle_train.target import files_fingerprint, load_target_config
 
 
 def plan_shards(lengths: list[int], token_budget: int, shard_tokens: int) -> list[list[list[int]]]:
@@ -198,23 +201,32 @@ def capture(
     shard_tokens: int = 1 << 16,
     rank: int = 0,
     world_size: int = 1,
-    barrier=lambda: None,
+    barrier=None,
     pad_id: int = 0,
+    engine: str = "hf",
+    engine_options: dict | None = None,
     progress: bool = True,
 ) -> tuple[dict | None, dict]:
     """Capture `data` (a tokenized dataset dir) into the store `out`.
 
-    Returns (the manifest on rank 0, else None; this process's {"tokens", "seconds"} this run).
-    Refuses an existing store of another target, aux layer set, dtype or plan. Every process calls
-    this with its own `rank`; `barrier` synchronises them (e.g. `accelerator.wait_for_everyone`).
+    Returns (the manifest, by the process that finished the store, else None; this process's {"tokens",
+    "seconds", "shards"} this run). Refuses an existing store of another target, aux layer set, dtype or plan.
+    Process `rank` of `world_size` captures the planned shards k with k % world_size == rank. With a `barrier`
+    (e.g. `accelerator.wait_for_everyone`) the processes are one launch and rank 0 finishes the store; without
+    one they are independent runs (`--shard i/n`) and the one that finds every shard written finishes it.
+
+    `engine`: "hf" runs `model` here, batch by batch within `token_budget`; "vllm" has a vLLM engine prefill each
+    shard's samples together (`engines.vllm.HiddenStatesServer`, `engine_options` passed to it; `model` unused,
+    may be None).
     """
     if dtype not in STORE_DTYPES:
         raise ValueError(f"store dtype {dtype!r} not in {sorted(STORE_DTYPES)}")
-    ids = tuple(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(model.config.num_hidden_layers)
+    config = model.config if model is not None else load_target_config(target_name)
+    ids = tuple(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(config.num_hidden_layers)
     source = ShardedSamples(data)
     if source.has_hidden:
         raise ValueError(f"{data} is a hidden-state store; capture reads a tokenized dataset (eagle-prep tokenize)")
-    check_store_matches(source.manifest, model.config)  # same vocabulary as the tokenizer that made it
+    check_store_matches(source.manifest, config)  # same vocabulary as the tokenizer that made it
     out = Path(out)
     plan = plan_shards(source.lengths(), token_budget, shard_tokens)
     header = {
@@ -230,8 +242,9 @@ def capture(
             "source_tokens": source.manifest["num_tokens"],
         },
     }
-    fingerprint = target_fingerprint(model)
-    header = start_store(out, header, model.config, fingerprint, target_name, ids, dtype, world_size, rank, barrier)
+    fingerprint = target_fingerprint(model) if model is not None else files_fingerprint(target_name)
+    writes_header = rank if barrier is not None else 0  # independent runs each write it if it is missing
+    header = start_store(out, header, config, fingerprint, target_name, ids, dtype, world_size, writes_header, barrier)
 
     todo = pending_shards(out, {k: [i for b in plan[k] for i in b] for k in range(rank, len(plan), world_size)})
     lengths = source.lengths()
@@ -244,19 +257,49 @@ def capture(
         desc=f"capture r{rank}" if world_size > 1 else "capture",
     )
     start = time.perf_counter()
-    with StoreWriter(out, dtype, rank=rank) as writer:
+    if engine == "vllm" and todo:
+        from engines.vllm import HiddenStatesServer
+
+        server = HiddenStatesServer(target_name, ids, engine_options)
+
+        def captured(samples, sample_ids):
+            return prefill(server, samples, sample_ids, dtype)
+    else:
+        server = contextlib.nullcontext()
+
+        def captured(samples, sample_ids):
+            return capture_batch(model, samples, ids, pad_id, dtype, sample_ids)
+
+    with server, StoreWriter(out, dtype, rank=rank) as writer:
         for k in todo:
-            captured = []
-            for batch in plan[k]:
-                captured += capture_batch(model, [source.tokens(i) for i in batch], ids, pad_id, dtype, batch)
+            samples = []
+            for batch in plan[k] if engine == "hf" else [[i for b in plan[k] for i in b]]:
+                samples += captured([source.tokens(i) for i in batch], batch)
                 bar.update(sum(lengths[i] for i in batch))
-            writer.add_shard(k, captured, [i for batch in plan[k] for i in batch])
+            writer.add_shard(k, samples, [i for batch in plan[k] for i in batch])
     bar.close()
     stats = {"tokens": total, "seconds": time.perf_counter() - start, "shards": len(todo)}
-    barrier()
-    if rank != 0:
+    if barrier is not None:
+        barrier()
+        if rank != 0:
+            return None, stats
+    elif {k for k, _ in list_shards(out)} != set(range(len(plan))):
         return None, stats
     manifest = finish_store(out, header, len(plan))
     if (Path(data) / VOCAB_MAP).is_file():
         shutil.copyfile(Path(data) / VOCAB_MAP, out / VOCAB_MAP)
     return manifest, stats
+
+
+def prefill(server, samples: list[dict], sample_ids: list[int], dtype: str) -> list[dict]:
+    """`capture_batch` by a vLLM engine: one prefill of every sample (asking one new token, whose hidden states
+    are not kept), their rows in the store's form."""
+    answers = server.answer([s["input_ids"].tolist() for s in samples], 1)
+    out = []
+    for s, answer, i in zip(samples, answers, sample_ids):
+        n = len(s["input_ids"])
+        if answer["input_ids"][:n].tolist() != s["input_ids"].tolist() or len(answer["aux_hidden"]) != n:
+            raise RuntimeError(f"vLLM returned the hidden states of other tokens than sample {i}'s")
+        where = f"the target's hidden states of sample {i} of the tokenized dataset"
+        out.append({**s, **encode_checked(answer["aux_hidden"], answer["final_hidden"], dtype, where)})
+    return out

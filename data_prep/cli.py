@@ -28,7 +28,7 @@ from tqdm import tqdm
 from data_prep.capture import capture
 from data_prep.chat import MAX_LENGTH, SkipSample, show_mask, tokenize_conversation
 from data_prep.dataset import tokenize_dataset
-from data_prep.distil import ENGINES as DISTIL_ENGINES
+from data_prep.distil import ENGINES
 from data_prep.distil import distil
 from data_prep.readers import SHAREGPT, ReadReport, read_conversations
 from data_prep.regenerate import regenerate, regenerate_batch
@@ -143,18 +143,22 @@ def parse_shard(text: str) -> tuple[int, int]:
     return int(i), int(n)
 
 
+def engine_settings(engine: str, vllm_settings: dict | None) -> dict:
+    """The vLLM settings given on the command line; refused, in one line, for another engine."""
+    given = {k: v for k, v in (vllm_settings or {}).items() if v is not None}
+    if given and engine != "vllm":
+        raise ValueError(f"{', '.join(VLLM_SETTINGS[k] for k in given)}: vLLM's settings; add --engine vllm")
+    return given
+
+
 def distil_store(target, data, out, *, limit, split, device=None, engine="hf", vllm_settings=None, **options):
     """`distil(**options)`: the target answers up to `limit` conversations of `data`, captured into the store `out`
     (engine hf: loaded here; vllm: in vLLM, with `vllm_settings`)."""
     check_trainable(target)
-    vllm_settings = {k: v for k, v in (vllm_settings or {}).items() if v is not None}
+    options["engine_options"] = engine_settings(engine, vllm_settings)
     if engine == "vllm":
         model, tokenizer = None, load_tokenizer(target)
-        options["engine_options"] = vllm_settings
     else:
-        if vllm_settings:
-            flags = ", ".join(VLLM_SETTINGS[k] for k in vllm_settings)
-            raise ValueError(f"{flags}: vLLM's settings; add --engine vllm, or leave them out")
         model, tokenizer = _open_target(target, device)
     manifest, stats = distil(
         model, tokenizer, data, out, target_name=target, limit=limit, split=split, engine=engine, **options
@@ -191,37 +195,57 @@ def rewrite_vocab_map(data, draft_vocab_size) -> dict:
     return vmap
 
 
-def capture_store(target, data, out, **options) -> dict | None:
-    """`capture(**options)` of this process's share of the shards (all of them in one process) and its summary."""
-    from accelerate import Accelerator
-
+def capture_store(target, data, out, *, engine="hf", shard=(0, 1), vllm_settings=None, **options) -> dict | None:
+    """`capture(**options)` of this process's share of the shards (all of them in one process) and its summary:
+    the processes of one `accelerate launch`, or independent runs (`shard` = (i, n), or a vLLM engine)."""
     check_trainable(target)
-    acc = Accelerator(cpu=not torch.cuda.is_available())
-    dist = torch.distributed
-    backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else "none"
-    world = dist.get_world_size() if backend != "none" else 1
-    if acc.is_main_process:
-        print(f"capture: {acc.num_processes} process(es), torch.distributed world size {world}, backend {backend}")
-    model, tokenizer = _open_target(target, acc.device)
+    settings = engine_settings(engine, vllm_settings)
+    if engine == "vllm" or shard != (0, 1):
+        from accelerate import PartialState
+
+        if PartialState().num_processes > 1:
+            raise ValueError("--shard and --engine vllm run one process each: launch them without accelerate")
+        model, pad_id = None, 0
+        if engine == "hf":
+            model, tokenizer = _open_target(target)
+            pad_id = tokenizer.pad_token_id
+        (rank, world), barrier, ends = shard, None, None
+    else:
+        from accelerate import Accelerator
+
+        acc = Accelerator(cpu=not torch.cuda.is_available())
+        dist = torch.distributed
+        backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else "none"
+        world = dist.get_world_size() if backend != "none" else 1
+        if acc.is_main_process:
+            print(f"capture: {acc.num_processes} process(es), torch.distributed world size {world}, backend {backend}")
+        model, tokenizer = _open_target(target, acc.device)
+        pad_id, rank, world = tokenizer.pad_token_id, acc.process_index, acc.num_processes
+        barrier, ends = acc.wait_for_everyone, acc.end_training
     manifest, stats = capture(
         model,
         data,
         out,
         target_name=target,
-        rank=acc.process_index,
-        world_size=acc.num_processes,
-        barrier=acc.wait_for_everyone,
-        pad_id=tokenizer.pad_token_id,
+        rank=rank,
+        world_size=world,
+        barrier=barrier,
+        pad_id=pad_id,
+        engine=engine,
+        engine_options=settings,
         **options,
     )
     rate = stats["tokens"] / stats["seconds"] if stats["seconds"] > 0 else 0.0
     print(
-        f"rank {acc.process_index}: captured {stats['shards']} shards, {stats['tokens']} tokens "
+        f"rank {rank}: captured {stats['shards']} shards, {stats['tokens']} tokens "
         f"in {stats['seconds']:.1f}s ({rate:.0f} tok/s)"
     )
     if manifest is not None:
         print_store_line(out, manifest)
-    acc.end_training()
+    elif barrier is None:
+        print(f"shard {rank}/{world} of {out} is written; the last of the {world} runs to end finishes the store")
+    if ends is not None:
+        ends()
     return manifest
 
 
@@ -359,6 +383,36 @@ def run(config, overrides) -> None:
         )
 
 
+def engine_arguments(s, does: str, vllm_does: str) -> None:
+    """--engine, --shard and vLLM's settings, of the commands a serving engine can run (distil, capture)."""
+    s.add_argument(
+        "--engine",
+        default="hf",
+        choices=ENGINES,
+        help=f"who {does}: hf (transformers, here) or vllm ({vllm_does}; needs vLLM: {INSTALL_HINT})",
+    )
+    s.add_argument(
+        "--shard",
+        type=parse_shard,
+        default=(0, 1),
+        metavar="I/N",
+        help="do only shards I, I+N, ... of the plan: N runs with the same settings (one per GPU group or "
+        "node, on a shared directory) fill one store, and the last to end finishes it (default 0/1)",
+    )
+    group = s.add_argument_group("vLLM's settings (--engine vllm)")
+    group.add_argument(
+        "--cpu-kv-cache-gib",
+        type=int,
+        help="on a CPU: GiB of KV cache (each sequence's KV and captured states live there; default 6)",
+    )
+    group.add_argument("--tensor-parallel-size", type=int, help="GPUs one engine splits each layer over")
+    group.add_argument("--pipeline-parallel-size", type=int, help="GPUs one engine splits the layers over")
+    group.add_argument("--gpu-memory-utilization", type=float, help="share of each GPU's memory vLLM takes")
+    group.add_argument(
+        "--engine-dtype", help="the engine's dtype (default float32 on a CPU, exact against hf; bfloat16 on CUDA)"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="eagle-prep", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -469,6 +523,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=default(capture, "shard_tokens"),
         help="tokens per shard (the unit of resume)",
     )
+    engine_arguments(s, "runs the target", "each shard's samples prefilled together")
     s.add_argument("--no-progress", dest="progress", action="store_false")
 
     s = add(
@@ -496,14 +551,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="conversations answered together (one shard, the unit of resume; vllm: its max_num_seqs)",
     )
     s.add_argument(
-        "--shard",
-        type=parse_shard,
-        default=(0, 1),
-        metavar="I/N",
-        help="answer only shards I, I+N, ... of the plan: N runs with the same settings (one per GPU group or "
-        "node, on a shared directory) fill one store, and the last to end finishes it (default 0/1)",
-    )
-    s.add_argument(
         "--aux-layers",
         dest="aux_layer_ids",
         type=_parse_layers,
@@ -513,25 +560,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", default=default(distil, "dtype"), choices=list(STORE_DTYPES), help="the store's dtype")
     s.add_argument("--draft-vocab-size", type=int, default=default(distil, "draft_vocab_size"))
     s.add_argument("--device", default=None, help="hf engine; default: cuda if available, else cpu")
-    s.add_argument(
-        "--engine",
-        default=default(distil, "engine"),
-        choices=DISTIL_ENGINES,
-        help="who answers and captures: hf (transformers, here) or vllm (continuous batching, hidden states from "
-        f"the generating forwards; needs vLLM: {INSTALL_HINT})",
-    )
-    vllm_group = s.add_argument_group("vLLM's settings (--engine vllm)")
-    vllm_group.add_argument(
-        "--cpu-kv-cache-gib",
-        type=int,
-        help="on a CPU: GiB of KV cache (each sequence's KV and captured states live there; default 6)",
-    )
-    vllm_group.add_argument("--tensor-parallel-size", type=int, help="GPUs one engine splits each layer over")
-    vllm_group.add_argument("--pipeline-parallel-size", type=int, help="GPUs one engine splits the layers over")
-    vllm_group.add_argument("--gpu-memory-utilization", type=float, help="share of each GPU's memory vLLM takes")
-    vllm_group.add_argument(
-        "--engine-dtype", help="the engine's dtype (default float32 on a CPU, exact against hf; bfloat16 on CUDA)"
-    )
+    engine_arguments(s, "answers and captures", "continuous batching, hidden states from the generating forwards")
     s.add_argument("--no-progress", dest="progress", action="store_false")
 
     s = add("run", run, "run the pipeline of a YAML config: distil, or [regenerate] -> tokenize -> capture")
@@ -549,7 +578,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> None:
     options = vars(build_parser().parse_args(argv))
     command, fn = options.pop("command"), options.pop("fn")
-    if fn is distil_store:
+    if fn in (distil_store, capture_store):
         options["vllm_settings"] = {key: options.pop(flag[2:].replace("-", "_")) for key, flag in VLLM_SETTINGS.items()}
     try:
         fn(**options)

@@ -249,3 +249,23 @@ def test_non_finite_hidden_states_are_refused_at_capture(smollm2, small_tokenize
     with pytest.raises(ValueError, match=rf"non-finite hidden states \(inf or nan\) for samples \[{first}\] of the"):
         run_capture(smollm2, small_tokenized, tmp_path / "s")
     assert not list((tmp_path / "s").glob("shard-*"))
+
+
+def test_independent_runs_with_shards_make_one_store(small_tokenized, small_store, tmp_path, capsys):
+    """`capture --shard 1/2` and `--shard 0/2`, one after the other as on two machines, fill one store; the run
+    that ends last finishes it."""
+    from data_prep.cli import main
+
+    out = tmp_path / "shared"
+    common = ["capture", "--data", str(small_tokenized), "--out", str(out), "--token-budget", "160"]
+    common += ["--shard-tokens", "100", "--no-progress"]
+    main([*common, "--shard", "1/2"])
+    assert "shard 1/2 of" in capsys.readouterr().out
+    assert not json.loads((out / "manifest.json").read_text())["complete"]
+    main([*common, "--shard", "0/2"])
+    assert "store " in capsys.readouterr().out
+    manifest = ShardedSamples(out).manifest
+    assert [s["rank"] for s in manifest["shards"]] == [k % 2 for k in range(len(manifest["shards"]))]
+    assert_same_store(out, small_store)
+    with pytest.raises(SystemExit, match="--cpu-kv-cache-gib: vLLM's settings; add --engine vllm"):
+        main([*common, "--cpu-kv-cache-gib", "4"])

@@ -337,3 +337,28 @@ def test_distil_with_vllm_makes_the_hf_store_resumes_and_trains_alike(smollm2, t
         result = train(cfg, build_eagle3_head, eagle3_objective(cfg.ttt_length, cfg.ttt_decay, False))
         losses[name] = torch.tensor([m["loss"] for m in result["history"]])
     torch.testing.assert_close(losses["vllm"], losses["hf"], rtol=1e-4, atol=0)
+
+
+@needs_vllm
+def test_capture_with_vllm_is_the_projects_hidden_states_of_every_token(smollm2, small_tokenized, tmp_path):
+    """`capture --engine vllm` prefills each shard's samples in vLLM: the store holds the tokenized dataset's ids
+    and loss masks, and at every position (none is left out: the one token asked for is not kept) the hidden
+    states `target_hidden_states` computes, to fp32 rounding."""
+    from data_prep.capture import capture
+    from eagle_train.hidden_states import target_hidden_states
+    from eagle_train.store import ShardedSamples
+
+    model, _ = smollm2
+    aux = (2, 15, 27)
+    manifest, _ = capture(
+        None, small_tokenized, tmp_path / "s", target_name=SMOLLM2, dtype="float32", engine="vllm", progress=False
+    )
+    source, store = ShardedSamples(small_tokenized), ShardedSamples(tmp_path / "s")
+    assert manifest["num_samples"] == len(source) == len(store)
+    masks = {tuple(source.tokens(i)["input_ids"].tolist()): source.tokens(i)["loss_mask"] for i in range(len(source))}
+    for i in range(len(store)):  # the store is in the plan's order, longest first
+        got = store[i]
+        assert torch.equal(got["loss_mask"], masks.pop(tuple(got["input_ids"].tolist())))
+        ref = target_hidden_states(model, got["input_ids"][None], aux_layer_ids=aux)
+        for x, y in zip((got["aux_hidden"], got["final_hidden"]), ref):
+            assert ((x - y[0]).norm(dim=-1) / y[0].norm(dim=-1)).max() < 1e-4, i
