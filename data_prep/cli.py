@@ -28,8 +28,7 @@ from tqdm import tqdm
 from data_prep.capture import capture
 from data_prep.chat import MAX_LENGTH, SkipSample, show_mask, tokenize_conversation
 from data_prep.dataset import tokenize_dataset
-from data_prep.distil import ENGINES
-from data_prep.distil import distil
+from data_prep.distil import ENGINES, distil
 from data_prep.readers import SHAREGPT, ReadReport, read_conversations
 from data_prep.regenerate import regenerate, regenerate_batch
 from data_prep.vocab import coverage_line, make_vocab_map
@@ -133,6 +132,14 @@ def parse_turns(text: str) -> int | None:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: a number of turns (1, 2, ...) or all")
     return int(text)
+
+
+def run_turns(value) -> int | None:
+    """`prep.distil.turns` of a YAML config: a count, all, or null (all)."""
+    try:
+        return None if value is None else parse_turns(str(value))
+    except argparse.ArgumentTypeError as e:
+        raise ValueError(f"prep.distil.turns: {e}") from e
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -335,7 +342,7 @@ def run(config, overrides) -> None:
             max_length=c["prep.max_length"],
             max_new_tokens=c["prep.distil.max_new_tokens"],
             batch_size=c["prep.distil.batch_size"],
-            turns=c["prep.distil.turns"],
+            turns=run_turns(c["prep.distil.turns"]),
             system_prompt=system_prompt,
             aux_layer_ids=c["prep.capture.aux_layer_ids"],
             dtype=c["prep.capture.dtype"],

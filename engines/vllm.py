@@ -617,7 +617,8 @@ class HiddenStatesServer:
     """A `HiddenStatesEngine` in a child process that stays up between batches, so a caller that plans its
     batches as it goes (multi-turn answers, shards) pays vLLM's start once. `answer` returns what the engine's
     `answer` does (float32, read from the files the child writes). `engine_options` go to `vllm.LLM`, but
-    `cpu_kv_cache_gib` (default `DISTIL_CPU_KV_CACHE_GIB`), which sizes the KV cache on a CPU.
+    `cpu_kv_cache_gib`, which sizes the KV cache on a CPU (default: $VLLM_CPU_KVCACHE_SPACE, else
+    `DISTIL_CPU_KV_CACHE_GIB`).
 
         with HiddenStatesServer("smollm2-135m", (2, 15, 27)) as engine:
             samples = engine.answer(prompts, max_new_tokens=192, stop_ids={2})
@@ -628,7 +629,8 @@ class HiddenStatesServer:
         if reason:
             raise VllmError(reason)
         engine_options = dict(engine_options or {})
-        cache_gib = engine_options.pop("cpu_kv_cache_gib", DISTIL_CPU_KV_CACHE_GIB)
+        cache_gib = engine_options.pop("cpu_kv_cache_gib", None)
+        cache_gib = cache_gib or os.environ.get("VLLM_CPU_KVCACHE_SPACE", DISTIL_CPU_KV_CACHE_GIB)
         self.tmp = tempfile.TemporaryDirectory()
         directory = Path(self.tmp.name)
         request = {
