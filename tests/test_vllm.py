@@ -271,6 +271,29 @@ def test_vllm_speculates_losslessly_on_an_architecture_it_serves(tmp_path, model
 
 
 @needs_vllm
+@pytest.mark.parametrize("model_type", ["qwen3_moe", pytest.param("gpt_oss", marks=pytest.mark.slow)])
+def test_vllm_hidden_states_are_the_projects_on_other_architectures(tmp_path, model_type):
+    """The engine's final norm and layer ids are found on targets other than Llama (experts; attention sinks and
+    sliding windows): vLLM's hidden states are `target_hidden_states` of the same ids, and its answers HF's."""
+    from eagle_train.hidden_states import default_aux_layer_ids, target_hidden_states
+    from eagle_train.target import load_target
+    from inference.evaluate import chat_ids
+
+    target, _ = tiny_target_dir(tmp_path, model_type)
+    model, tokenizer = load_target(str(target))
+    aux_ids = default_aux_layer_ids(model.config.num_hidden_layers)
+    prompts = [chat_ids(tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
+    run = vllm.generate_batch(str(target), prompts, 12, aux_ids)
+    for prompt, answer, sample in zip(prompts, run.output_ids, run.samples):
+        with torch.no_grad():
+            greedy = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0)
+        assert answer == greedy[0, len(prompt) :].tolist()
+        aux, final = target_hidden_states(model, sample["input_ids"][None, :-1], aux_layer_ids=aux_ids)
+        for got, want in ((sample["aux_hidden"], aux[0]), (sample["final_hidden"], final[0])):
+            assert ((got - want).norm(dim=-1) / want.norm(dim=-1)).max() < 1e-4
+
+
+@needs_vllm
 def test_a_target_vllm_serves_no_head_on_is_refused_in_one_line_before_and_during_a_run(tmp_path):
     from transformers import AutoConfig
 

@@ -112,6 +112,13 @@ def parse_args(argv=None):
         help="checkpoint interval of the trainer (overrides the recipe's save_every): the checkpoint a "
         "point evaluates is the newest one when its minute comes (default 5)",
     )
+    p.add_argument(
+        "--prep-python",
+        default=sys.executable,
+        metavar="PYTHON",
+        help="the Python that runs eagle-prep run: another environment's, e.g. one with vLLM for "
+        "prep.distil.engine=vllm (default: this one; training always runs in this one)",
+    )
     p.add_argument("--bench", nargs="+", default=list(BENCHES), help=f"bench sets (default: {' '.join(BENCHES)})")
     p.add_argument("--num-prompts", type=int, default=20, help="prompts per bench (default 20)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per turn (default 128)")
@@ -130,7 +137,7 @@ def parse_args(argv=None):
 # ------------------------------------------------------------------------------------ data
 
 
-def prepare_data(prep: list[str], data_dir: Path) -> float:
+def prepare_data(prep: list[str], data_dir: Path, python: str = sys.executable) -> float:
     """Minutes the data of `prep` cost: run `eagle-prep run` into `data_dir`, or read what a finished
     earlier run of the same command recorded there."""
     record = data_dir / "prep.json"
@@ -148,7 +155,7 @@ def prepare_data(prep: list[str], data_dir: Path) -> float:
             f"{data_dir} holds files but no prep.json (an unfinished prep?): delete it or choose another --data"
         )
     data_dir.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "data_prep.cli", "run", "--config", *prep, f"out_dir={data_dir}"]
+    command = [python, "-m", "data_prep.cli", "run", "--config", *prep, f"out_dir={data_dir}"]
     print(f"[quality] data: {' '.join(command[1:])}")
     start = time.time()
     with open(data_dir / "prep.log", "w") as log:
@@ -365,6 +372,7 @@ def main(argv=None):
         "budget_minutes": args.budget,
         "eval_every_minutes": eval_every,
         "prep": args.prep,
+        "prep_python": args.prep_python,
         "train": args.train,
         "train_command": train_command[1:],
         "eval": {
@@ -379,7 +387,7 @@ def main(argv=None):
         "eval_minutes": 0.0,
     }
     wall = time.time()
-    record["data_minutes"] = data_minutes = prepare_data(args.prep, data_dir)
+    record["data_minutes"] = data_minutes = prepare_data(args.prep, data_dir, args.prep_python)
     save(record, out)
     if data_minutes >= args.budget:
         raise SystemExit(f"the data took {data_minutes:.1f} min, the whole --budget {args.budget:g} min: no training")
