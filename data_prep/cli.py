@@ -181,6 +181,8 @@ def distil_store(target, data, out, *, limit, split, device=None, engine="hf", v
             else ")"
         )
     )
+    for reason, count in stats["cut"].items():
+        print(f"{count} conversations answered fewer turns than asked, or none: {reason}")
     if manifest is None:
         i, n = options.get("shard", (0, 1))
         print(

@@ -21,6 +21,7 @@ store whole finishes it.
 
 import contextlib
 import time
+from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -87,21 +88,22 @@ def render_prompt(tokenizer, messages: list[dict]) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-def turn_segments(tokenizer, prompts: list[list[dict]], end_text: str) -> list[list[int]]:
+def turn_segments(tokenizer, prompts: list[list[dict]], end_text: str) -> tuple[list[list[int]], str | None]:
     """The ids each turn adds: the first prompt whole, then what follows the previous answer's end-of-turn token
-    (`end_text`) up to the next generation prompt."""
+    (`end_text`) up to the next generation prompt; and why the turns after those were left out (None: none
+    were): the template refused to render a prompt, or rendered an earlier answer otherwise."""
     segments, before = [], None
     for prompt in prompts:
-        text = render_prompt(tokenizer, prompt)
-        if before is None:
-            cut = 0
-        elif text.startswith(before + ANSWER + end_text):
-            cut = len(before + ANSWER + end_text)
-        else:
-            raise ValueError(f"the chat template renders an earlier answer otherwise in {text[:80]!r}: use --turns 1")
+        try:
+            text = render_prompt(tokenizer, prompt)
+        except Exception as e:  # jinja raises its own errors, e.g. "roles must alternate"
+            return segments, f"chat template error: {str(e).splitlines()[0][:80]}"
+        cut = 0 if before is None else len(before + ANSWER + end_text)
+        if before is not None and not text.startswith(before + ANSWER + end_text):
+            return segments, "the chat template renders an earlier answer otherwise"
         segments.append(tokenizer(text[cut:], add_special_tokens=False)["input_ids"])
         before = text
-    return segments
+    return segments, None
 
 
 def generation_cache(config, max_len: int):
@@ -181,25 +183,28 @@ def generate_and_capture(model, prompts: list[list[int]], max_new_tokens: int, a
 
 def plan_conversations(
     tokenizer, conversations, limit: int | None, max_length: int, max_new_tokens: int, system_prompt, turns, end_id
-) -> list[tuple[int, list[list[int]]]]:
+) -> tuple[list[tuple[int, list[list[int]]]], Counter]:
     """(sample id, turn segments) of up to `limit` conversations whose first prompt leaves room for an answer,
-    shortest first; at most `turns` turns each (None: all), and only those that could still fit.
+    shortest first; at most `turns` turns each (None: all), and only those that could still fit. Also how many
+    conversations lost turns (or were left out) to their chat template, per reason.
 
     The sample id is the conversation's index among those read, so a store traces back to its source.
     """
     end_text = tokenizer.decode([end_id]) if end_id is not None else ""
-    planned = []
+    planned, cut = [], Counter()
     for index, conv in enumerate(conversations):
         if limit is not None and len(planned) >= limit:
             break
         prompts = turn_prompts(with_system_prompt(conv["messages"], system_prompt))[:turns]
         if not prompts:
             continue
-        segments = turn_segments(tokenizer, prompts, end_text)
+        segments, reason = turn_segments(tokenizer, prompts, end_text)
+        if reason is not None:
+            cut[reason] += 1
         fit = [k for k in range(len(segments)) if sum(map(len, segments[: k + 1])) + max_new_tokens <= max_length]
         if fit and fit[0] == 0:
             planned.append((index, segments[: len(fit)]))
-    return sorted(planned, key=lambda x: (sum(map(len, x[1])), x[0]))
+    return sorted(planned, key=lambda x: (sum(map(len, x[1])), x[0])), cut
 
 
 def answer_turns(answer, conversations, max_new_tokens: int, max_length: int, end_id: int | None) -> list[dict]:
@@ -266,8 +271,9 @@ def distil(
     store the answers' hidden states in `out`.
 
     Returns (the store's manifest, or None while shards of other runs are missing; {"conversations",
-    "answers", "answer_tokens", "tokens", "seconds", "vocab_map"} of this run, and with vLLM
-    "engine_start_seconds", included in "seconds").
+    "answers", "answer_tokens", "tokens", "seconds", "vocab_map"} of this run, "cut" (per reason, the
+    conversations that lost turns to their chat template) and with vLLM "engine_start_seconds", included
+    in "seconds").
     The store is the one `eagle-prep capture` writes (same format, vocab map included), so offline
     training reads it as is. A rerun with the same settings resumes; other settings are refused.
 
@@ -297,7 +303,7 @@ def distil(
     eos_ids = end_of_turn_ids(generation, tokenizer)
     end_id = chained_end_of_turn(tokenizer, eos_ids) if turns != 1 else None
     conversations = read_conversations(data, split=split)
-    planned = plan_conversations(
+    planned, cut = plan_conversations(
         tokenizer, conversations, limit, max_length, max_new_tokens, system_prompt, turns, end_id
     )
     if not planned:
@@ -326,7 +332,7 @@ def distil(
     fingerprint = target_fingerprint(model) if model is not None else files_fingerprint(target_name)
     header = start_store(out, header, config, fingerprint, target_name, ids, dtype, world_size=runs)
     todo = pending_shards(out, {k: [i for i, _ in batches[k]] for k in range(index, len(batches), runs)})
-    stats = {"conversations": 0, "answers": 0, "answer_tokens": 0, "tokens": 0, "seconds": 0.0}
+    stats = {"conversations": 0, "answers": 0, "answer_tokens": 0, "tokens": 0, "seconds": 0.0, "cut": dict(cut)}
     start = time.perf_counter()
     bar = tqdm(total=sum(len(batches[k]) for k in todo), unit="conv", desc=f"distil ({engine})", disable=not progress)
     if engine == "vllm" and todo:

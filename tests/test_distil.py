@@ -171,3 +171,22 @@ def test_prep_run_with_distil_writes_a_store_the_trainer_reads(conversations_fil
     assert len(store) == 6 and store.has_hidden and store[0]["aux_hidden"].shape[1] == 3 * 576
     assert len(read_vocab_map(tmp_path / "run" / "store")["d2t"]) == 64
     assert not (tmp_path / "run" / "tokenized").exists()
+
+
+def test_turns_a_chat_template_refuses_are_left_out_and_counted():
+    """A template that raises on a later turn (Mistral's "roles must alternate") costs that conversation its later
+    turns, counted per reason, not the run; one that raises on the first prompt leaves the conversation out."""
+    import copy
+
+    from data_prep.distil import chained_end_of_turn, plan_conversations
+    from eagle_train.target import SMOLLM2, load_tokenizer
+
+    tok = copy.deepcopy(load_tokenizer(SMOLLM2))
+    end_id = chained_end_of_turn(tok, {tok.eos_token_id})
+    tok.chat_template = (
+        "{% if messages | length > 2 or messages[-1]['content'] == 'Hi' %}{{ raise_exception('roles must alternate') }}"
+        "{% endif %}" + tok.chat_template
+    )
+    planned, cut = plan_conversations(tok, CONVERSATIONS, None, 512, 16, None, None, end_id)
+    assert cut == {"chat template error: roles must alternate": 2}  # c1 loses its second turn, c2 ("Hi") is out
+    assert [len(segments) for _, segments in planned] == [1] * (len(CONVERSATIONS) - 1)

@@ -30,7 +30,7 @@ from engines.vllm import generate_batch
 
 def first_turns(target: str, n: int, max_length: int, max_new_tokens: int) -> list[list[int]]:
     tokenizer = load_tokenizer(target)
-    planned = plan_conversations(
+    planned, _ = plan_conversations(
         tokenizer, read_conversations("sharegpt"), n, max_length, max_new_tokens, None, 1, None
     )
     return [segments[0] for _, segments in planned]
