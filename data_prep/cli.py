@@ -116,7 +116,7 @@ def regenerate_answers(target, data, out, *, limit, split, seed, device=None, **
     return counts
 
 
-VLLM_SETTINGS = {  # distil's options that configure the vLLM engine: `vllm.LLM`'s names, but the CPU KV cache
+VLLM_SETTINGS = {  # the options of distil and capture that configure vLLM: `vllm.LLM`'s names, but the KV cache
     "cpu_kv_cache_gib": "--cpu-kv-cache-gib",
     "tensor_parallel_size": "--tensor-parallel-size",
     "pipeline_parallel_size": "--pipeline-parallel-size",
@@ -210,9 +210,7 @@ def capture_store(target, data, out, *, engine="hf", shard=(0, 1), vllm_settings
     check_trainable(target)
     settings = engine_settings(engine, vllm_settings)
     if engine == "vllm" or shard != (0, 1):
-        from accelerate import PartialState
-
-        if PartialState().num_processes > 1:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise ValueError("--shard and --engine vllm run one process each: launch them without accelerate")
         model, pad_id = None, 0
         if engine == "hf":
