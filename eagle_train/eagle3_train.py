@@ -4,7 +4,7 @@ builder and the objective (one training-time-test unroll per micro-batch, `eagle
 from eagle_train.checkpoint import load_draft_head
 from eagle_train.eagle3 import Eagle3Head
 from eagle_train.train_config import TrainConfig
-from eagle_train.ttt import TTT_DECAY, TTT_LENGTH, ttt_loss
+from eagle_train.ttt import TTT_DECAY, TTT_LENGTH, TV_WEIGHT, ttt_loss
 from eagle_train.warm_start import warm_start_from_target
 
 
@@ -28,7 +28,11 @@ def build_eagle3_head(cfg: TrainConfig, target_model, vocab_map: dict | None) ->
 
 
 def eagle3_objective(
-    ttt_length: int = TTT_LENGTH, decay: float = TTT_DECAY, checkpoint_logits: bool = False, fused_loss: bool = False
+    ttt_length: int = TTT_LENGTH,
+    decay: float = TTT_DECAY,
+    checkpoint_logits: bool = False,
+    fused_loss: bool = False,
+    tv_weight: float = TV_WEIGHT,
 ):
     """The trainer's objective for EAGLE-3: one TTT unroll and one backward per micro-batch."""
 
@@ -44,6 +48,7 @@ def eagle3_objective(
             decay=decay,
             checkpoint_logits=checkpoint_logits,
             fused_loss=fused_loss,
+            tv_weight=tv_weight,
         )
         backward(loss)
         return metrics

@@ -60,6 +60,8 @@ def build_peagle_head(cfg, target_model, vocab_map: dict | None) -> PEagleHead:
 def validate_peagle(cfg, target_config) -> None:
     """The P-EAGLE keys of a TrainConfig, checked before any compute."""
     vocab = text_config(target_config).vocab_size
+    if cfg.tv_weight:
+        raise ValueError("tv_weight is EAGLE-3's (scripts/train_eagle3.py): P-EAGLE trains on soft cross-entropy")
     if cfg.num_depths < 2:
         raise ValueError(f"num_depths (K, drafts per forward) must be >= 2, got {cfg.num_depths}")
     if cfg.num_segments is not None and cfg.num_segments < 1:

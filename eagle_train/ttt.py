@@ -17,6 +17,7 @@ from eagle_train.fused_ce import soft_cross_entropy
 
 TTT_LENGTH = 7  # unrolled draft steps, the default
 TTT_DECAY = 0.8  # step i's loss weighs decay**i, the default
+TV_WEIGHT = 0.0  # the share of total variation in each step's loss, the default (soft cross-entropy alone)
 
 
 @torch.no_grad()
@@ -41,14 +42,21 @@ def shift_left(x, n: int, fill=0):
     return torch.cat([x[:, n:], pad], dim=1)
 
 
-def step_loss(head, h, target_probs):
-    """Soft cross-entropy summed over the given rows, and the number of top-1 agreements.
+def step_loss(head, h, target_probs, tv_weight: float = TV_WEIGHT):
+    """(1 - tv_weight) x soft cross-entropy + tv_weight x total variation, summed over the given rows, and the
+    number of top-1 agreements.
 
-    h [N, H] are the supervised positions only: the lm_head (the head's largest matmul) and the
-    [N, Vd] logits are then paid for supervised positions alone.
+    A draft sampled from q is accepted with probability 1 - TV(p, q), TV = 0.5 sum |p - q|: the total variation
+    is the acceptance objective itself, where cross-entropy only bounds it. h [N, H] are the supervised
+    positions only: the lm_head (the head's largest matmul) and the [N, Vd] logits are then paid for
+    supervised positions alone.
     """
     logits = head.logits(h)
-    loss = -(target_probs * torch.log_softmax(logits.float(), dim=-1)).sum()
+    log_q = torch.log_softmax(logits.float(), dim=-1)
+    loss = -(target_probs * log_q).sum()
+    if tv_weight:
+        tv = 0.5 * (target_probs - log_q.exp()).abs().sum()
+        loss = (1 - tv_weight) * loss + tv_weight * tv
     correct = (logits.argmax(-1) == target_probs.argmax(-1)).sum()
     return loss, correct
 
@@ -64,12 +72,14 @@ def ttt_loss(
     decay: float = TTT_DECAY,
     checkpoint_logits: bool = False,
     fused_loss: bool = False,
+    tv_weight: float = TV_WEIGHT,
 ):
     """Unroll `head` for `ttt_length` steps and return (loss, metrics).
 
-    loss = sum_i decay**i * loss_i, loss_i the soft cross-entropy of step i averaged over its
-    supervised positions. metrics (detached scalars): `loss`, `loss_i`, `acc_i` (top-1 agreement
-    of draft and target over step i's supervised positions) and `count_i` (their number).
+    loss = sum_i decay**i * loss_i, loss_i step i's `step_loss` (soft cross-entropy, mixed with
+    total variation by `tv_weight`) averaged over its supervised positions. metrics (detached
+    scalars): `loss`, `loss_i`, `acc_i` (top-1 agreement of draft and target over step i's
+    supervised positions) and `count_i` (their number).
 
     Each step's draft logits [N, Vd] dominate memory (Vd >> H). With `checkpoint_logits`
     they are not kept for backward but recomputed from the step's [N, H] output; with `fused_loss`
@@ -79,6 +89,8 @@ def ttt_loss(
     """
     if ttt_length < 1:
         raise ValueError(f"ttt_length must be >= 1, got {ttt_length}")
+    if fused_loss and tv_weight:
+        raise ValueError("the fused loss is soft cross-entropy alone: tv_weight > 0 needs fused_loss=false")
     b, t = input_ids.shape
     positions = torch.arange(t, device=input_ids.device).expand(b, t)
     hidden, past = head.fc(aux_hidden), []
@@ -100,9 +112,9 @@ def ttt_loss(
         else:
             probs = target_probs[:, i + 1 : t - 1][supervised]
             if checkpoint_logits and torch.is_grad_enabled():
-                loss_sum, correct = checkpoint(step_loss, head, h, probs, use_reentrant=False)
+                loss_sum, correct = checkpoint(step_loss, head, h, probs, tv_weight, use_reentrant=False)
             else:
-                loss_sum, correct = step_loss(head, h, probs)
+                loss_sum, correct = step_loss(head, h, probs, tv_weight)
         count = supervised.sum()
         loss_i = loss_sum / count.clamp(min=1)
         total = total + decay**i * loss_i

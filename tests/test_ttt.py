@@ -143,3 +143,30 @@ def test_gradients_reach_every_head_parameter_and_nothing_else(smollm2):
     assert set(trainable) == {n for n, p in head.named_parameters() if p.requires_grad}
     for n, p in trainable.items():
         assert p.grad is not None and p.grad.abs().sum() > 0, n
+
+
+def test_total_variation_loss_and_its_gradient_match_the_direct_computation():
+    """step_loss with tv_weight w is (1 - w) CE + w TV(p, softmax(z)), summed over rows, and its gradient with
+    respect to the logits is the analytic one: dTV/dz_j = 0.5 q_j (s_j - sum_k s_k q_k), s = sign(q - p)."""
+    from types import SimpleNamespace
+
+    from eagle_train.ttt import step_loss
+
+    torch.manual_seed(0)
+    logits = torch.randn(5, VD, dtype=torch.float64, requires_grad=True)
+    p = torch.softmax(3 * torch.randn(5, VD, dtype=torch.float64), -1)
+    head = SimpleNamespace(logits=lambda h: h)
+    w = 0.3
+    loss, correct = step_loss(head, logits, p, tv_weight=w)
+    q = torch.softmax(logits.detach(), -1)
+    ce = -(p * torch.log(q)).sum()
+    tv = 0.5 * sum(abs(p[r, j] - q[r, j]) for r in range(5) for j in range(VD))
+    torch.testing.assert_close(loss.detach(), (1 - w) * ce + w * tv)
+    assert correct == (q.argmax(-1) == p.argmax(-1)).sum()
+    loss.backward()
+    s = torch.sign(q - p)
+    grad_tv = 0.5 * q * (s - (s * q).sum(-1, keepdim=True))
+    grad_ce = q - p  # of -sum p log softmax(z), rows of p summing to 1
+    torch.testing.assert_close(logits.grad, (1 - w) * grad_ce + w * grad_tv)
+    with pytest.raises(ValueError, match="fused_loss=false"):
+        ttt_loss(None, None, torch.zeros(1, 4, dtype=torch.int64), None, None, None, fused_loss=True, tv_weight=w)
