@@ -272,11 +272,11 @@ def capture(
 
     with server, StoreWriter(out, dtype, rank=rank) as writer:
         for k in todo:
-            samples = []
-            for batch in plan[k] if engine == "hf" else [[i for b in plan[k] for i in b]]:
+            samples, sample_ids = [], [i for batch in plan[k] for i in batch]
+            for batch in plan[k] if engine == "hf" else [sample_ids]:  # vLLM batches a shard's samples itself
                 samples += captured([source.tokens(i) for i in batch], batch)
                 bar.update(sum(lengths[i] for i in batch))
-            writer.add_shard(k, samples, [i for batch in plan[k] for i in batch])
+            writer.add_shard(k, samples, sample_ids)
     bar.close()
     stats = {"tokens": total, "seconds": time.perf_counter() - start, "shards": len(todo)}
     if barrier is not None:

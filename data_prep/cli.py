@@ -394,7 +394,7 @@ def engine_arguments(s, does: str, vllm_does: str) -> None:
     """--engine, --shard and vLLM's settings, of the commands a serving engine can run (distil, capture)."""
     s.add_argument(
         "--engine",
-        default="hf",
+        default=default(distil, "engine"),
         choices=ENGINES,
         help=f"who {does}: hf (transformers, here) or vllm ({vllm_does}; needs vLLM: {INSTALL_HINT})",
     )

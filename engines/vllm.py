@@ -474,7 +474,6 @@ def generate_batch(
     max_new_tokens: int,
     aux_layer_ids=None,
     max_num_seqs: int = 128,
-    timeout: float | None = None,
 ) -> BatchRun:
     """Greedy answers to token-id `prompts`, all submitted at once (continuous batching); with `aux_layer_ids`
     also the hidden states of every token that ran, in this project's convention (`target_hidden_states`):
@@ -493,7 +492,7 @@ def generate_batch(
         raise VllmError(reason)
     request = {"target": target, "prompts": prompts, "max_new_tokens": max_new_tokens, "max_num_seqs": max_num_seqs}
     with tempfile.TemporaryDirectory() as tmp:
-        result = run_child(BATCH_CHILD, request, Path(tmp), timeout)
+        result = run_child(BATCH_CHILD, request, Path(tmp))
     return BatchRun(result["version"], result["init_seconds"], result["generate_seconds"], result["output_ids"], None)
 
 
