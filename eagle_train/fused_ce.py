@@ -1,4 +1,5 @@
-"""lm_head + soft cross-entropy + top-1 agreement without materialising the [N, Vd] log-probs.
+"""lm_head + soft cross-entropy (optionally mixed with total variation) + top-1 agreement without
+materialising the [N, Vd] log-probs.
 
 The TTT loss computes, for each of 7 unrolled steps, draft logits over a 32k vocabulary at every
 position, their log-softmax, and keeps both for backward: for 16k tokens that is 2 GiB of fp32
@@ -8,6 +9,9 @@ per tensor per step. Here the logits only ever exist one vocabulary chunk at a t
   the running sums of p.z and p, and the running argmax. loss = lse * sum(p) - sum(p * z).
 - backward: recompute z_c per chunk; dz_c = g * (sum(p) * softmax(z)_c - p_c);
   d hidden += dz_c @ weight_c, d weight_c = dz_c^T @ hidden.
+- total variation (`tv_weight` > 0), TV = 0.5 sum |p - q|, q = softmax(z): a second forward pass over the
+  chunks, once the logsumexp is known, sums |p - q| and S = sum s.q (s = sign(q - p)); the backward adds
+  dz_c = g * 0.5 * q_c * (s_c - S). The Triton kernels compute soft cross-entropy only, so TV runs chunked.
 
 Only `hidden`, `weight`, the target probabilities and two floats per row are saved. The target
 probabilities may be passed once for the whole batch with `target_rows` picking each row's
@@ -28,12 +32,15 @@ except ImportError:  # pragma: no cover - depends on the environment
     triton = None
 
 
-def soft_cross_entropy(hidden, weight, target_probs, target_rows=None, chunk_size: int = 4096, impl: str = "auto"):
-    """Per-row soft cross-entropy of softmax(hidden @ weight^T) against `target_probs`.
+def soft_cross_entropy(
+    hidden, weight, target_probs, target_rows=None, chunk_size: int = 4096, impl: str = "auto", tv_weight: float = 0.0
+):
+    """Per-row soft cross-entropy of softmax(hidden @ weight^T) against `target_probs`, mixed with total variation:
+    (1 - tv_weight) x CE + tv_weight x TV (`ttt.step_loss`'s loss, row by row).
 
     hidden [N, H] (already normed), weight [Vd, H], target_probs [M, Vd] (no gradient),
     target_rows int64 [N] indexing target_probs rows (default: row n for row n, M == N).
-    Returns (loss [N] = -sum_v p_v log_softmax(z)_v in fp32 (fp64 for fp64 inputs),
+    Returns (loss [N] = -sum_v p_v log_softmax(z)_v (mixed as above) in fp32 (fp64 for fp64 inputs),
     agree [N] bool = argmax z == argmax p).
     Under autocast the matmuls run in the autocast dtype, like `F.linear` would.
     impl: "auto" (Triton on CUDA when it is installed and passes a one-time check on the device,
@@ -54,8 +61,12 @@ def soft_cross_entropy(hidden, weight, target_probs, target_rows=None, chunk_siz
         target_rows = torch.arange(hidden.shape[0], device=hidden.device)
     elif target_rows.shape != hidden.shape[:1]:
         raise ValueError(f"target_rows {tuple(target_rows.shape)} must be [N] = [{hidden.shape[0]}]")
+    if not 0 <= tv_weight <= 1:
+        raise ValueError(f"tv_weight must be in [0, 1] (the share of total variation), got {tv_weight}")
+    if impl == "triton" and tv_weight:
+        raise ValueError("the Triton kernels compute soft cross-entropy only: use impl='chunked' with tv_weight > 0")
     if impl == "auto":
-        fast = hidden.is_cuda and hidden.dtype != torch.float64 and triton is not None
+        fast = hidden.is_cuda and hidden.dtype != torch.float64 and triton is not None and not tv_weight
         impl = "triton" if fast and triton_works(hidden.device) else "chunked"
     if impl not in ("chunked", "triton"):
         raise ValueError(f"impl {impl!r} must be 'auto', 'chunked' or 'triton'")
@@ -71,25 +82,31 @@ def soft_cross_entropy(hidden, weight, target_probs, target_rows=None, chunk_siz
         hidden, weight = hidden.to(dtype), weight.to(dtype)
     with torch.autocast(device_type, enabled=False):
         loss, draft_argmax, target_argmax = _SoftCrossEntropy.apply(
-            hidden, weight, target_probs, target_rows.long().contiguous(), chunk_size, impl == "triton"
+            hidden, weight, target_probs, target_rows.long().contiguous(), chunk_size, impl == "triton", tv_weight
         )
     return loss, draft_argmax == target_argmax
 
 
 class _SoftCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, probs, rows, chunk_size, use_triton):
+    def forward(ctx, hidden, weight, probs, rows, chunk_size, use_triton, tv_weight):
         forward = _triton_forward if use_triton else _chunked_forward
         lse, psum, pz, draft_argmax, target_argmax = forward(hidden, weight, probs, rows, chunk_size)
-        ctx.save_for_backward(hidden, weight, probs, rows, lse, psum)
-        ctx.chunk_size, ctx.use_triton = chunk_size, use_triton
+        loss = lse * psum - pz
+        sign_q = torch.zeros_like(lse)
+        if tv_weight:
+            tv, sign_q = _chunked_total_variation(hidden, weight, probs, rows, chunk_size, lse)
+            loss = (1 - tv_weight) * loss + tv_weight * tv
+        ctx.save_for_backward(hidden, weight, probs, rows, lse, psum, sign_q)
+        ctx.chunk_size, ctx.use_triton, ctx.tv_weight = chunk_size, use_triton, tv_weight
         ctx.mark_non_differentiable(draft_argmax, target_argmax)
-        return lse * psum - pz, draft_argmax, target_argmax
+        return loss, draft_argmax, target_argmax
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_draft_argmax, _grad_target_argmax):
-        hidden, weight, probs, rows, lse, psum = ctx.saved_tensors
+        hidden, weight, probs, rows, lse, psum, sign_q = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[:2]
+        w_tv = ctx.tv_weight
         acc = lse.dtype
         g = grad_loss.to(acc).contiguous()  # the grad of a .sum() is an expanded stride-0 view; the kernel reads g[n]
         d_hidden = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if need_h else None
@@ -102,13 +119,29 @@ class _SoftCrossEntropy(torch.autograd.Function):
                 dz = z
             else:
                 p = probs[rows, c0 : c0 + w.shape[0]].to(acc)
-                dz = g[:, None] * (psum[:, None] * torch.exp(z - lse[:, None]) - p)
+                q = torch.exp(z - lse[:, None])
+                dz = g[:, None] * (psum[:, None] * q - p)
+                if w_tv:
+                    d_tv = 0.5 * q * (torch.sign(q - p) - sign_q[:, None])
+                    dz = (1 - w_tv) * dz + w_tv * g[:, None] * d_tv
             dz = dz.to(hidden.dtype)
             if need_h:
                 d_hidden += (dz @ w).to(acc)
             if need_w:
                 d_weight[c0 : c0 + w.shape[0]] = dz.t() @ hidden
-        return (d_hidden.to(hidden.dtype) if need_h else None), d_weight, None, None, None, None
+        return (d_hidden.to(hidden.dtype) if need_h else None), d_weight, None, None, None, None, None
+
+
+def _chunked_total_variation(hidden, weight, probs, rows, chunk_size, lse):
+    """Per row, TV = 0.5 sum |p - q| and S = sum sign(q - p) q, q = softmax(z), given z's logsumexp."""
+    tv, sign_q = torch.zeros_like(lse), torch.zeros_like(lse)
+    for c0 in range(0, weight.shape[0], chunk_size):
+        w = weight[c0 : c0 + chunk_size]
+        q = torch.exp((hidden @ w.t()).to(lse.dtype) - lse[:, None])
+        d = q - probs[rows, c0 : c0 + w.shape[0]].to(lse.dtype)
+        tv += 0.5 * d.abs().sum(-1)
+        sign_q += (torch.sign(d) * q).sum(-1)
+    return tv, sign_q
 
 
 def _chunked_forward(hidden, weight, probs, rows, chunk_size):

@@ -6,8 +6,9 @@ builder and the objective.
 `ttt.target_distribution`, the very tensors EAGLE-3 trains on). Per batch: sample the (anchor,
 depth) elements, split them into `num_segments` sequence segments, and run one forward+backward
 per segment through `model(fn, ...)` (so DDP/FSDP see every pass). Each segment's loss is its
-owned supervised soft cross-entropy divided by the batch's TOTAL supervised count, so the summed
-gradient is that of the whole batch's mean whatever the segment count. Under DDP every segment
+owned supervised loss (soft cross-entropy, or its mix with total variation) divided by the
+batch's TOTAL supervised count, so the summed gradient is that of the whole batch's mean
+whatever the segment count. Under DDP every segment
 but the last runs inside `no_sync`, so gradients are all-reduced once per micro-batch.
 
 The loss goes through `fused_ce.soft_cross_entropy`: the [E, Vd] draft logits never exist in
@@ -25,6 +26,7 @@ from eagle_train.fused_ce import soft_cross_entropy
 from eagle_train.peagle import PEagleHead, choose_mask_token_id
 from eagle_train.target import load_tokenizer
 from eagle_train.train_config import launched_with
+from eagle_train.ttt import TV_WEIGHT
 
 
 def build_peagle_head(cfg, target_model, vocab_map: dict | None) -> PEagleHead:
@@ -60,8 +62,6 @@ def build_peagle_head(cfg, target_model, vocab_map: dict | None) -> PEagleHead:
 def validate_peagle(cfg, target_config) -> None:
     """The P-EAGLE keys of a TrainConfig, checked before any compute."""
     vocab = text_config(target_config).vocab_size
-    if cfg.tv_weight:
-        raise ValueError("tv_weight is EAGLE-3's (scripts/train_eagle3.py): P-EAGLE trains on soft cross-entropy")
     if cfg.num_depths < 2:
         raise ValueError(f"num_depths (K, drafts per forward) must be >= 2, got {cfg.num_depths}")
     if cfg.num_segments is not None and cfg.num_segments < 1:
@@ -99,9 +99,9 @@ def batch_lengths(batch) -> torch.Tensor:
     return last + 1
 
 
-def segment_loss(head, seg: pb.Elements, batch, total):
-    """(loss to backpropagate, per-element soft CE [N] and top-1 agreement [N] of the owned
-    supervised elements) of one segment."""
+def segment_loss(head, seg: pb.Elements, batch, total, tv_weight: float = TV_WEIGHT):
+    """(loss to backpropagate, per-element loss [N] (soft CE mixed with total variation by `tv_weight`, as in
+    `ttt.step_loss`) and top-1 agreement [N] of the owned supervised elements) of one segment."""
     aux, is_mask, ids, pos = pb.gather_inputs(seg, batch["input_ids"], batch["aux_hidden"], head.config.mask_token_id)
     h = head.hidden_states(aux, is_mask, ids, pos, pb.attention_mask(seg))
     sup = seg.supervised
@@ -111,7 +111,9 @@ def segment_loss(head, seg: pb.Elements, batch, total):
     probs = batch["target_probs"]
     b, t, vd = probs.shape
     rows = (torch.arange(b, device=h.device)[:, None] * t + seg.anchor + seg.depth + 1)[sup]
-    ce, agree = soft_cross_entropy(head.norm(h[sup]), head.lm_head.weight, probs.reshape(b * t, vd), rows)
+    ce, agree = soft_cross_entropy(
+        head.norm(h[sup]), head.lm_head.weight, probs.reshape(b * t, vd), rows, tv_weight=tv_weight
+    )
     return ce.sum() / total, ce.detach(), agree
 
 
@@ -120,13 +122,14 @@ class PEagleObjective:
     `peagle_batch.default_num_segments`). Depth sampling draws from the batch's `generator` (the
     trainer seeds one per micro-batch: `trainer.draw_seed`), else from torch's global RNG."""
 
-    def __init__(self, num_depths: int, num_segments: int = 1):
+    def __init__(self, num_depths: int, num_segments: int = 1, tv_weight: float = TV_WEIGHT):
         if num_segments < 1:
             raise ValueError(f"num_segments must be >= 1, got {num_segments}")
         if num_depths < 1:
             raise ValueError(f"num_depths must be >= 1, got {num_depths}")
         self.num_depths = num_depths
         self.num_segments = num_segments
+        self.tv_weight = tv_weight
 
     def __call__(self, model, batch, backward):
         loss_mask = batch["loss_mask"].bool()
@@ -141,7 +144,7 @@ class PEagleObjective:
             last = s == len(segments) - 1
             sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
             with sync:
-                loss, ce, agree = model(segment_loss, seg, batch, total)
+                loss, ce, agree = model(segment_loss, seg, batch, total, self.tv_weight)
                 if loss.requires_grad:
                     backward(loss)
             depth = seg.depth[seg.supervised]

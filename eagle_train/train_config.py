@@ -47,7 +47,7 @@ class TrainConfig:
     # the objective
     ttt_length: int = TTT_LENGTH
     ttt_decay: float = TTT_DECAY
-    tv_weight: float = TV_WEIGHT  # EAGLE-3: each TTT step's loss is (1 - w) soft CE + w total variation; > 0: unfused
+    tv_weight: float = TV_WEIGHT  # each draft's loss is (1 - w) soft CE + w total variation (EAGLE-3 and P-EAGLE)
     # P-EAGLE (method peagle; checked by eagle_train.peagle_train.validate_peagle)
     num_depths: int = NUM_DEPTHS  # K: drafts per forward
     draft_num_layers: int | None = None  # N: None -> 2 below target hidden 2048, else 4
@@ -240,10 +240,6 @@ def validate(cfg: TrainConfig, target_config) -> None:
     need(cfg.ttt_length >= 1, f"ttt_length must be >= 1 (the number of unrolled draft steps), got {cfg.ttt_length}")
     need(0 < cfg.ttt_decay <= 1, f"ttt_decay must be in (0, 1], got {cfg.ttt_decay}")
     need(0 <= cfg.tv_weight <= 1, f"tv_weight must be in [0, 1] (the share of total variation), got {cfg.tv_weight}")
-    need(
-        not (cfg.tv_weight and cfg.fused_loss),
-        "the fused loss is soft cross-entropy alone: tv_weight > 0 needs fused_loss=false",
-    )
     need(cfg.max_length >= 4, f"max_length must be >= 4 tokens, got {cfg.max_length}")
     need(
         cfg.tokens_per_batch >= cfg.max_length,

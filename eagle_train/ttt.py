@@ -89,8 +89,6 @@ def ttt_loss(
     """
     if ttt_length < 1:
         raise ValueError(f"ttt_length must be >= 1, got {ttt_length}")
-    if fused_loss and tv_weight:
-        raise ValueError("the fused loss is soft cross-entropy alone: tv_weight > 0 needs fused_loss=false")
     b, t = input_ids.shape
     positions = torch.arange(t, device=input_ids.device).expand(b, t)
     hidden, past = head.fc(aux_hidden), []
@@ -106,7 +104,7 @@ def ttt_loss(
             where = supervised.nonzero()
             rows = where[:, 0] * t + where[:, 1] + i + 1
             loss_rows, agree = soft_cross_entropy(
-                head.norm(h), head.lm_head.weight, target_probs.reshape(b * t, -1), rows
+                head.norm(h), head.lm_head.weight, target_probs.reshape(b * t, -1), rows, tv_weight=tv_weight
             )
             loss_sum, correct = loss_rows.sum(), agree.sum()
         else:

@@ -20,7 +20,7 @@ def main(argv=None):
         target_config = load_target_config(cfg.target)
         validate(cfg, target_config)  # the P-EAGLE keys' checks rely on the common ones
         validate_peagle(cfg, target_config)
-        train(cfg, build_peagle_head, PEagleObjective(cfg.num_depths, segments_for(cfg)))
+        train(cfg, build_peagle_head, PEagleObjective(cfg.num_depths, segments_for(cfg), cfg.tv_weight))
 
 
 if __name__ == "__main__":

@@ -13,9 +13,12 @@ from eagle_train.fused_ce import soft_cross_entropy
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
-def reference(hidden, weight, probs):
+def reference(hidden, weight, probs, tv_weight=0.0):
     logits = hidden @ weight.t()
-    loss = -(probs * torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)).sum(-1)
+    log_q = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+    loss = -(probs * log_q).sum(-1)
+    if tv_weight:
+        loss = (1 - tv_weight) * loss + tv_weight * 0.5 * (probs - log_q.exp()).abs().sum(-1)
     return loss, logits.argmax(-1) == probs.argmax(-1)
 
 
@@ -49,6 +52,28 @@ def test_matches_log_softmax_reference_fp64(chunk_size):
         else:
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     assert float(got[0][5]) == 0.0 and float(got[2][5].abs().max()) == 0.0
+
+
+@pytest.mark.parametrize("tv_weight", [0.3, 1.0])
+@pytest.mark.parametrize("chunk_size", [128, 1000])
+def test_total_variation_mix_matches_the_direct_computation_fp64(chunk_size, tv_weight):
+    """tv_weight w: each row's loss is (1 - w) CE + w TV(p, softmax(z)), value and gradient as autograd
+    differentiates the direct computation (TV's two-pass chunked forward and its analytic backward)."""
+    inputs = make_inputs()
+    want = grads(lambda h, w, p: reference(h, w, p, tv_weight), *inputs)
+    got = grads(
+        lambda h, w, p: soft_cross_entropy(h, w, p, chunk_size=chunk_size, impl="chunked", tv_weight=tv_weight),
+        *inputs,
+    )
+    for a, b in zip(got, want):
+        if a.dtype == torch.bool:
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    ce = grads(lambda h, w, p: soft_cross_entropy(h, w, p, chunk_size=chunk_size), *inputs)
+    assert (got[0] - ce[0]).abs().max() > 1e-3  # the mix is not CE under another name
+    with pytest.raises(ValueError, match="impl='chunked'"):
+        soft_cross_entropy(*inputs[:3], impl="triton", tv_weight=tv_weight)
 
 
 def test_matches_reference_fp32():
@@ -194,10 +219,11 @@ def test_triton_matches_chunked_on_cuda(dtype):
         torch.testing.assert_close(got[0], ref[0], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("ttt_length", [1, 3])
-def test_ttt_loss_fused_equals_log_softmax_path(tiny_llama, ttt_length):
+@pytest.mark.parametrize("ttt_length,tv_weight", [(1, 0.0), (3, 0.0), (3, 0.5)])
+def test_ttt_loss_fused_equals_log_softmax_path(tiny_llama, ttt_length, tv_weight):
     """`ttt_loss(fused_loss=True)` (config key fused_loss) gives the log_softmax path's loss,
-    per-step metrics and head gradients, with right padding and partial loss masks."""
+    per-step metrics and head gradients, with right padding and partial loss masks, with and
+    without total variation in the mix."""
     from eagle_train.eagle3 import Eagle3Head
     from eagle_train.ttt import ttt_loss
 
@@ -214,7 +240,9 @@ def test_ttt_loss_fused_equals_log_softmax_path(tiny_llama, ttt_length):
     results = []
     for fused in (False, True):
         head.zero_grad()
-        loss, metrics = ttt_loss(head, aux, ids, loss_mask, probs, in_draft, ttt_length=ttt_length, fused_loss=fused)
+        loss, metrics = ttt_loss(
+            head, aux, ids, loss_mask, probs, in_draft, ttt_length=ttt_length, fused_loss=fused, tv_weight=tv_weight
+        )
         loss.backward()
         grads = {n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None}
         results.append((loss.detach(), metrics, grads))

@@ -106,21 +106,25 @@ def test_partitioned_gradients_equal_unpartitioned():
             assert rel < 1e-5, f"S={s} {name}: relative error {rel:.2e}"
 
 
-def test_loss_equals_a_direct_reference():
-    """The objective's loss is the mean soft CE over supervised elements, recomputed here from
-    plain logits of the unpartitioned forward and the target distribution at a+d+1."""
+@pytest.mark.parametrize("tv_weight", [0.0, 0.4])
+def test_loss_equals_a_direct_reference(tv_weight):
+    """The objective's loss is the mean soft CE (mixed with total variation by tv_weight) over supervised
+    elements, recomputed here from plain logits of the unpartitioned forward and the target distribution at a+d+1."""
     head = tiny_head("peagle", draft_ids=KEPT).double()
     batch = random_batch(1)
     torch.manual_seed(5)
-    metrics = PEagleObjective(K, num_segments=3)(runner(head), batch, lambda loss: None)
+    metrics = PEagleObjective(K, num_segments=3, tv_weight=tv_weight)(runner(head), batch, lambda loss: None)
     torch.manual_seed(5)
     lengths = torch.tensor([int(m.nonzero().max()) + 1 for m in batch["loss_mask"]])
     el = pb.build_elements(batch["loss_mask"], batch["in_draft"], lengths, K)
     with torch.no_grad():
         logits = head(*pb.gather_inputs(el, batch["input_ids"], batch["aux_hidden"], V - 1), pb.dense_mask(el))
     target = pb.gather_targets(el, batch["target_probs"])
-    ce = -(target * torch.log_softmax(logits, -1)).sum(-1)[el.supervised]
-    assert torch.allclose(metrics["loss"], ce.mean(), rtol=1e-10)
+    log_q = torch.log_softmax(logits, -1)
+    ce = -(target * log_q).sum(-1)
+    tv = 0.5 * (target - log_q.exp()).abs().sum(-1)
+    want = ((1 - tv_weight) * ce + tv_weight * tv)[el.supervised]
+    assert torch.allclose(metrics["loss"], want.mean(), rtol=1e-10)
     for d in range(K):
         assert metrics[f"count_{d}"] == (el.depth[el.supervised] == d).sum()
 

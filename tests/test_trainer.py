@@ -82,7 +82,6 @@ def test_a_training_script_implies_its_method_and_refuses_another():
         (["draft_vocab_size=50000"], ValueError, "draft_vocab_size 50000 is larger than the target vocabulary 49152"),
         (["ttt_length=0"], ValueError, "ttt_length must be >= 1"),
         (["tv_weight=1.5"], ValueError, r"tv_weight must be in \[0, 1\]"),
-        (["tv_weight=0.5", "fused_loss=true"], ValueError, "tv_weight > 0 needs fused_loss=false"),
         (["data_path=/nonexistent/store"], FileNotFoundError, "data_path /nonexistent/store does not exist"),
         (["eval_fraction=1.5"], ValueError, "eval_fraction must be in"),
         (["aux_layer_ids=[3,15,27]"], ValueError, "store holds aux layers"),
@@ -421,13 +420,3 @@ def test_rotation_after_passing_over_a_damaged_newer_checkpoint_keeps_the_one_ju
     run(config(train_store, out, "max_steps=4", "save_every=1", "keep_checkpoints=1", "resume=auto"))
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-9"]
     assert (out / "final" / "model.safetensors").is_file()
-
-
-def test_peagle_refuses_the_total_variation_loss_it_does_not_have():
-    from types import SimpleNamespace
-
-    from eagle_train.peagle_train import validate_peagle
-    from eagle_train.target import SMOLLM2, load_target_config
-
-    with pytest.raises(ValueError, match="tv_weight is EAGLE-3's"):
-        validate_peagle(SimpleNamespace(tv_weight=0.5, num_depths=3), load_target_config(SMOLLM2))

@@ -168,5 +168,3 @@ def test_total_variation_loss_and_its_gradient_match_the_direct_computation():
     grad_tv = 0.5 * q * (s - (s * q).sum(-1, keepdim=True))
     grad_ce = q - p  # of -sum p log softmax(z), rows of p summing to 1
     torch.testing.assert_close(logits.grad, (1 - w) * grad_ce + w * grad_tv)
-    with pytest.raises(ValueError, match="fused_loss=false"):
-        ttt_loss(None, None, torch.zeros(1, 4, dtype=torch.int64), None, None, None, fused_loss=True, tv_weight=w)
