@@ -4,7 +4,7 @@ builder and the objective (one training-time-test unroll per micro-batch, `eagle
 from eagle_train.checkpoint import load_draft_head
 from eagle_train.eagle3 import Eagle3Head
 from eagle_train.train_config import TrainConfig
-from eagle_train.ttt import TTT_DECAY, TTT_LENGTH, TV_WEIGHT, ttt_loss
+from eagle_train.ttt import REJECTION_WEIGHT, TTT_DECAY, TTT_LENGTH, TV_WEIGHT, ttt_loss
 from eagle_train.warm_start import warm_start_from_target
 
 
@@ -33,6 +33,7 @@ def eagle3_objective(
     checkpoint_logits: bool = False,
     fused_loss: bool = False,
     tv_weight: float = TV_WEIGHT,
+    rejection_weight: float = REJECTION_WEIGHT,
 ):
     """The trainer's objective for EAGLE-3: one TTT unroll and one backward per micro-batch."""
 
@@ -49,6 +50,7 @@ def eagle3_objective(
             checkpoint_logits=checkpoint_logits,
             fused_loss=fused_loss,
             tv_weight=tv_weight,
+            rejection_weight=rejection_weight,
         )
         backward(loss)
         return metrics

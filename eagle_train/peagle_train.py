@@ -62,6 +62,10 @@ def build_peagle_head(cfg, target_model, vocab_map: dict | None) -> PEagleHead:
 def validate_peagle(cfg, target_config) -> None:
     """The P-EAGLE keys of a TrainConfig, checked before any compute."""
     vocab = text_config(target_config).vocab_size
+    if cfg.rejection_weight:
+        raise ValueError(
+            "rejection_weight weighs EAGLE-3's chain walk (scripts/train_eagle3.py): set it to 0 for P-EAGLE"
+        )
     if cfg.num_depths < 2:
         raise ValueError(f"num_depths (K, drafts per forward) must be >= 2, got {cfg.num_depths}")
     if cfg.num_segments is not None and cfg.num_segments < 1:

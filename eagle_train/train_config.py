@@ -20,7 +20,7 @@ import yaml
 from eagle_train.architectures import check_supported
 from eagle_train.peagle import NUM_DEPTHS
 from eagle_train.store import HIDDEN_FORMAT, check_store_matches, read_manifest, read_vocab_map
-from eagle_train.ttt import TTT_DECAY, TTT_LENGTH, TV_WEIGHT
+from eagle_train.ttt import REJECTION_WEIGHT, TTT_DECAY, TTT_LENGTH, TV_WEIGHT
 from eagle_train.vocab_map import check_draft_vocab_size
 
 METHODS = ("eagle3", "peagle")
@@ -48,6 +48,8 @@ class TrainConfig:
     ttt_length: int = TTT_LENGTH
     ttt_decay: float = TTT_DECAY
     tv_weight: float = TV_WEIGHT  # each draft's loss is (1 - w) soft CE + w total variation (EAGLE-3 and P-EAGLE)
+    # EAGLE-3: a draft the current head's chain walk gets rejected at weighs 1 + w (eagle_train.ttt.chain_rounds)
+    rejection_weight: float = REJECTION_WEIGHT
     # P-EAGLE (method peagle; checked by eagle_train.peagle_train.validate_peagle)
     num_depths: int = NUM_DEPTHS  # K: drafts per forward
     draft_num_layers: int | None = None  # N: None -> 2 below target hidden 2048, else 4
@@ -240,6 +242,10 @@ def validate(cfg: TrainConfig, target_config) -> None:
     need(cfg.ttt_length >= 1, f"ttt_length must be >= 1 (the number of unrolled draft steps), got {cfg.ttt_length}")
     need(0 < cfg.ttt_decay <= 1, f"ttt_decay must be in (0, 1], got {cfg.ttt_decay}")
     need(0 <= cfg.tv_weight <= 1, f"tv_weight must be in [0, 1] (the share of total variation), got {cfg.tv_weight}")
+    need(
+        cfg.rejection_weight >= 0,
+        f"rejection_weight must be >= 0 (0: every draft weighs 1), got {cfg.rejection_weight}",
+    )
     need(cfg.max_length >= 4, f"max_length must be >= 4 tokens, got {cfg.max_length}")
     need(
         cfg.tokens_per_batch >= cfg.max_length,

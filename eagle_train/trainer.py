@@ -12,7 +12,8 @@
   `target_probs` [B,T,Vd], `in_draft` [B,T] (`eagle_train.ttt.target_distribution`) and the
   `generator` for any random draws, seeded per micro-batch (`draw_seed`). The
   returned metrics are detached scalars; `acc_i` / `loss_i` are pooled weighted by `count_i`,
-  anything else averaged, and `sim_al` is derived from the `acc_i`.
+  `count_*` summed, anything else averaged; `sim_al` is derived from the `acc_i`, and `chain_al` from
+  `count_chain_tokens / count_rounds` (EAGLE-3's chain walk, `eagle_train.ttt.chain_rounds`).
 
 Data order: every epoch is a seeded permutation of the training samples, cut into length-grouped
 micro-batches of at most `tokens_per_batch` padded tokens. That list depends on the seed and the
@@ -200,6 +201,8 @@ def pool_metrics(per_batch: list[dict], accelerator, keys=None) -> dict[str, flo
     accs = [out[f"acc_{i}"] for i in range(len(keys)) if f"acc_{i}" in out]
     if accs:
         out["sim_al"] = simulated_acceptance_length(accs)
+    if out.get("count_rounds"):
+        out["chain_al"] = out["count_chain_tokens"] / out["count_rounds"]
     return out
 
 
@@ -445,7 +448,8 @@ def logged_step(line: str) -> float:
 
 def summary(metrics: dict, steps: int = 3) -> str:
     accs = " ".join(f"{metrics[f'acc_{i}']:.3f}" for i in range(steps) if f"acc_{i}" in metrics)
-    return f"loss {metrics['loss']:.4f} | acc {accs} | sim AL {metrics.get('sim_al', float('nan')):.3f}"
+    chain = f" | chain AL {metrics['chain_al']:.3f}" if "chain_al" in metrics else ""
+    return f"loss {metrics['loss']:.4f} | acc {accs} | sim AL {metrics.get('sim_al', float('nan')):.3f}{chain}"
 
 
 # ------------------------------------------------------------------------------------ the run

@@ -8,8 +8,15 @@ argmax at t+i+1 lies in the draft vocabulary (otherwise the draft cannot match i
 
 The target distribution is computed once per batch (`target_distribution`) and shifted per step;
 P-EAGLE reads the same tensors.
+
+Step i at anchor t is the i-th draft of a runtime round whose last committed token is x_t (the
+round verifies x_{t+1} and drafts x_{t+2}..x_{t+K+1}). On the target's own greedy text (`eagle-prep
+distil`), which greedy speculative decoding reproduces token for token, the rounds the runtime would
+run follow from the steps' top-1 agreement alone (`chain_rounds`): the loss can then weigh the drafts
+the current head gets rejected at, the states its own drafting leads to (`rejection_weight`).
 """
 
+import numpy as np
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -18,6 +25,7 @@ from eagle_train.fused_ce import soft_cross_entropy
 TTT_LENGTH = 7  # unrolled draft steps, the default
 TTT_DECAY = 0.8  # step i's loss weighs decay**i, the default
 TV_WEIGHT = 0.0  # the share of total variation in each step's loss, the default (soft cross-entropy alone)
+REJECTION_WEIGHT = 0.0  # the extra weight of a draft a chain walk rejects, the default (every draft weighs 1)
 
 
 @torch.no_grad()
@@ -43,8 +51,8 @@ def shift_left(x, n: int, fill=0):
 
 
 def step_loss(head, h, target_probs, tv_weight: float = TV_WEIGHT):
-    """(1 - tv_weight) x soft cross-entropy + tv_weight x total variation, summed over the given rows, and the
-    number of top-1 agreements.
+    """Per row, (1 - tv_weight) x soft cross-entropy + tv_weight x total variation [N], and top-1 agreement
+    bool [N].
 
     A draft sampled from q is accepted with probability 1 - TV(p, q), TV = 0.5 sum |p - q|: the total variation
     is the acceptance objective itself, where cross-entropy only bounds it. h [N, H] are the supervised
@@ -53,12 +61,11 @@ def step_loss(head, h, target_probs, tv_weight: float = TV_WEIGHT):
     """
     logits = head.logits(h)
     log_q = torch.log_softmax(logits.float(), dim=-1)
-    loss = -(target_probs * log_q).sum()
+    loss = -(target_probs * log_q).sum(-1)
     if tv_weight:
-        tv = 0.5 * (target_probs - log_q.exp()).abs().sum()
+        tv = 0.5 * (target_probs - log_q.exp()).abs().sum(-1)
         loss = (1 - tv_weight) * loss + tv_weight * tv
-    correct = (logits.argmax(-1) == target_probs.argmax(-1)).sum()
-    return loss, correct
+    return loss, logits.argmax(-1) == target_probs.argmax(-1)
 
 
 def ttt_loss(
@@ -73,13 +80,16 @@ def ttt_loss(
     checkpoint_logits: bool = False,
     fused_loss: bool = False,
     tv_weight: float = TV_WEIGHT,
+    rejection_weight: float = REJECTION_WEIGHT,
 ):
     """Unroll `head` for `ttt_length` steps and return (loss, metrics).
 
     loss = sum_i decay**i * loss_i, loss_i step i's `step_loss` (soft cross-entropy, mixed with
-    total variation by `tv_weight`) averaged over its supervised positions. metrics (detached
-    scalars): `loss`, `loss_i`, `acc_i` (top-1 agreement of draft and target over step i's
-    supervised positions) and `count_i` (their number).
+    total variation by `tv_weight`) averaged over its supervised positions, each weighing 1, or
+    1 + `rejection_weight` where the chain walk of `chain_rounds` (K = ttt_length) rejects the
+    draft. metrics (detached scalars): `loss`, `loss_i`, `acc_i` (top-1 agreement of draft and
+    target over step i's supervised positions), `count_i` (their number), and the walk's
+    `count_rounds` and `count_chain_tokens` (rounds and the tokens they emit).
 
     Each step's draft logits [N, Vd] dominate memory (Vd >> H). With `checkpoint_logits`
     they are not kept for backward but recomputed from the step's [N, H] output; with `fused_loss`
@@ -92,8 +102,7 @@ def ttt_loss(
     b, t = input_ids.shape
     positions = torch.arange(t, device=input_ids.device).expand(b, t)
     hidden, past = head.fc(aux_hidden), []
-    total = 0.0
-    metrics = {}
+    steps = []  # per step: its supervised mask [B, n] and per-row loss and agreement
     for i in range(ttt_length):
         hidden = head.ttt_step(hidden, shift_left(input_ids, i + 1), positions + i, past)
         # position p is supervised iff p+i+2 < T, loss_mask[p+i+2] and in_draft[p+i+1]
@@ -106,21 +115,61 @@ def ttt_loss(
             loss_rows, agree = soft_cross_entropy(
                 head.norm(h), head.lm_head.weight, target_probs.reshape(b * t, -1), rows, tv_weight=tv_weight
             )
-            loss_sum, correct = loss_rows.sum(), agree.sum()
         else:
             probs = target_probs[:, i + 1 : t - 1][supervised]
             if checkpoint_logits and torch.is_grad_enabled():
-                loss_sum, correct = checkpoint(step_loss, head, h, probs, tv_weight, use_reentrant=False)
+                loss_rows, agree = checkpoint(step_loss, head, h, probs, tv_weight, use_reentrant=False)
             else:
-                loss_sum, correct = step_loss(head, h, probs, tv_weight)
-        count = supervised.sum()
-        loss_i = loss_sum / count.clamp(min=1)
+                loss_rows, agree = step_loss(head, h, probs, tv_weight)
+        steps.append((supervised, loss_rows, agree))
+    correct = torch.zeros(b, ttt_length, t, dtype=torch.bool)
+    for i, (supervised, _, agree) in enumerate(steps):
+        correct[:, i, : supervised.shape[1]][supervised.cpu()] = agree.cpu()
+    rounds, rejected = chain_rounds(correct, loss_mask.cpu())
+    total = 0.0
+    metrics = {}
+    for i, (supervised, loss_rows, agree) in enumerate(steps):
+        weight = torch.ones_like(loss_rows)
+        if rejection_weight:
+            weight = weight + rejection_weight * rejected[:, i, : supervised.shape[1]].to(weight.device)[supervised]
+        loss_i = (weight * loss_rows).sum() / weight.sum().clamp(min=1)
         total = total + decay**i * loss_i
+        count = supervised.sum()
         metrics[f"loss_{i}"] = loss_i.detach()
-        metrics[f"acc_{i}"] = (correct / count.clamp(min=1)).detach()
+        metrics[f"acc_{i}"] = (agree.sum() / count.clamp(min=1)).detach()
         metrics[f"count_{i}"] = count.detach()
     metrics["loss"] = total.detach()
+    metrics["count_rounds"] = torch.tensor(len(rounds))
+    metrics["count_chain_tokens"] = torch.tensor(sum(a + 1 for *_, a in rounds))
     return total, metrics
+
+
+def chain_rounds(correct, loss_mask):
+    """The rounds of greedy chain drafting (K = correct.shape[1] drafts each) over the text, and where they reject.
+
+    correct bool [B, K, T]: step i's draft at anchor t is the target's argmax there (False where it is
+    not supervised); loss_mask bool [B, T]: the answers. Each answer starting at position P is one
+    generation: the prefill emits x_P, then rounds run at anchors t = P-1, t + a + 1, ... while x_{t+2}
+    is still an answer token, a round accepting a = its leading correct drafts (at most K) and emitting
+    a + 1 tokens, as `inference.generate.Runtime.generate` does on this text.
+    Returns ([(row, anchor, accepted)], rejected bool [B, K, T]: the draft each round got rejected at).
+    """
+    b, k, t = correct.shape
+    leading = np.cumprod(correct.numpy(), axis=1).sum(axis=1)  # [B, T]: drafts a round at t accepts
+    mask = loss_mask.bool().numpy()
+    rejected = np.zeros((b, k, t), dtype=bool)
+    rounds = []
+    for row in range(b):
+        starts = np.flatnonzero(mask[row, 1:] & ~mask[row, :-1]) + 1  # answers' first tokens
+        for start in starts:
+            anchor = start - 1
+            while anchor + 2 < t and mask[row, anchor + 2]:
+                a = int(leading[row, anchor])
+                rounds.append((row, int(anchor), a))
+                if a < k:
+                    rejected[row, a, anchor] = True
+                anchor += a + 1
+    return rounds, torch.from_numpy(rejected)
 
 
 def simulated_acceptance_length(accs) -> float:

@@ -230,3 +230,30 @@ def test_fixed_shape_path_of_cuda_graphs_is_lossless_on_cpu():
     spec = runtime.generate(prompt, 30)
     assert runtime.target.max_len == 256 and spec.output_ids == reference and sum(spec.accepted) > 10
     assert runtime.generate_plain(prompt, 30).output_ids == reference
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_chain_walk_over_the_greedy_text_is_what_the_runtime_accepts(k):
+    """On the target's own greedy text, `ttt.chain_rounds` over the TTT steps' top-1 agreement runs the rounds
+    greedy chain drafting runs: as many verifications, emitting as many tokens, as `Runtime.generate`."""
+    from eagle_train.hidden_states import TargetLogits, target_hidden_states
+    from eagle_train.ttt import target_distribution, ttt_loss
+
+    model, head = tiny_pair(3, **PAIR)
+    per_round = []
+    for i in range(4):
+        prompt = torch.randint(0, V, (4 + 3 * i,)).tolist()
+        spec = Runtime(model, head, TreeShape.chain(k)).generate(prompt, 40)
+        seq = torch.tensor([prompt + spec.output_ids])
+        loss_mask = torch.zeros_like(seq, dtype=torch.bool)
+        loss_mask[0, len(prompt) :] = True
+        with torch.no_grad():
+            aux, final = target_hidden_states(model, seq, aux_layer_ids=head.config.aux_layer_ids)
+            probs, in_draft = target_distribution(final, TargetLogits.of(model), head.t2d)
+            _, metrics = ttt_loss(head, aux, seq, loss_mask, probs, in_draft, ttt_length=k)
+        # every round but a last one cut at 40 tokens emits its accepted drafts + 1
+        assert sum(spec.accepted) + spec.forwards >= sum(spec.emitted) == len(spec.output_ids) - 1
+        assert int(metrics["count_rounds"]) == spec.forwards, i
+        assert int(metrics["count_chain_tokens"]) == sum(spec.accepted) + spec.forwards, i
+        per_round += spec.accepted
+    assert sum(per_round) > 10 and max(per_round) == k  # drafts were accepted, whole chains too: the walk jumped

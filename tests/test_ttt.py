@@ -9,7 +9,7 @@ from conftest import VD, H, V, as_target_logits, tiny_head
 
 from eagle_train.eagle3 import Eagle3Head
 from eagle_train.hidden_states import TargetLogits
-from eagle_train.ttt import simulated_acceptance_length, target_distribution, ttt_loss
+from eagle_train.ttt import chain_rounds, simulated_acceptance_length, target_distribution, ttt_loss
 
 
 def random_batch(b=2, t=13, seed=0):
@@ -22,14 +22,16 @@ def random_batch(b=2, t=13, seed=0):
     return aux, ids, mask, final, lm_head
 
 
-def reference_losses(head, aux, ids, mask, final, lm_head, steps):
+def reference_losses(head, aux, ids, mask, final, lm_head, steps, rejection_weight=0.0):
     """Per-step (loss, acc, count) by the definition, one position at a time, through the runtime's
-    cached draft step (step i's keys in slots [i*T, (i+1)*T), diagonal visibility)."""
+    cached draft step (step i's keys in slots [i*T, (i+1)*T), diagonal visibility); a row the chain
+    walk rejects weighs 1 + rejection_weight in its step's mean."""
     b, t = ids.shape
     cache = head.new_cache(b, steps * t)
     full = final @ lm_head.T  # target logits [B, T, V]
     draft_targets = head.draft_to_target_ids(torch.arange(VD))  # target id of each draft id
-    hidden, out = head.fc(aux), []
+    hidden, rows = head.fc(aux), []
+    correct = torch.zeros(b, steps, t, dtype=torch.bool)
     for i in range(steps):
         vis = torch.zeros(t, steps * t, dtype=torch.bool)
         vis[:, :t] = torch.ones(t, t, dtype=torch.bool).tril()
@@ -38,17 +40,22 @@ def reference_losses(head, aux, ids, mask, final, lm_head, steps):
         step_ids = F.pad(ids[:, 1 + i :], (0, 1 + i))
         pos = (torch.arange(t)[None] + i).expand(b, t)
         hidden, logits = head.step(hidden, step_ids, pos, cache, torch.arange(i * t, (i + 1) * t), vis[None, None])
-        losses, hits = [], 0
+        rows.append([])
         for bb in range(b):
             for p in range(t):
                 q = p + i + 1  # the target position this draft imitates; it predicts token q + 1
                 if q + 1 >= t or not mask[bb, q + 1] or not head.t2d[full[bb, q].argmax()]:
                     continue
                 target = torch.softmax(full[bb, q, draft_targets], -1)
-                losses.append(-(target * torch.log_softmax(logits[bb, p], -1)).sum())
-                hits += int(logits[bb, p].argmax() == target.argmax())
-        n = len(losses)
-        out.append((torch.stack(losses).mean() if n else torch.tensor(0.0), hits / max(n, 1), n))
+                correct[bb, i, p] = logits[bb, p].argmax() == target.argmax()
+                rows[i].append((bb, p, -(target * torch.log_softmax(logits[bb, p], -1)).sum()))
+    _, rejected = chain_rounds(correct, mask)
+    out = []
+    for i, step_rows in enumerate(rows):
+        n = len(step_rows)
+        weights = torch.tensor([1 + rejection_weight * float(rejected[bb, i, p]) for bb, p, _ in step_rows])
+        loss = sum(w * row[2] for w, row in zip(weights, step_rows)) / weights.sum() if n else torch.tensor(0.0)
+        out.append((loss, sum(float(correct[bb, i, p]) for bb, p, _ in step_rows) / max(n, 1), n))
     return out
 
 
@@ -78,16 +85,28 @@ def test_step0_loss_equals_hand_computed_cross_entropy_of_a_plain_forward():
     assert abs(metrics["acc_0"].item() - ref_acc) < 1e-9
 
 
-@pytest.mark.parametrize("fused_loss", [False, True])
-def test_every_ttt_step_loss_matches_the_cached_runtime_reference(fused_loss):
+@pytest.mark.parametrize("fused_loss,rejection_weight", [(False, 0.0), (True, 0.0), (False, 3.0), (True, 3.0)])
+def test_every_ttt_step_loss_matches_the_cached_runtime_reference(fused_loss, rejection_weight):
     head = tiny_head(seed=2).double()
     aux, ids, mask, final, lm_head = random_batch(seed=2, t=15)
     probs, in_draft = target_distribution(final, as_target_logits(lm_head), head.t2d)
     with torch.no_grad():
         loss, metrics = ttt_loss(
-            head, aux, ids, mask, probs.double(), in_draft, ttt_length=4, decay=0.8, fused_loss=fused_loss
+            head,
+            aux,
+            ids,
+            mask,
+            probs.double(),
+            in_draft,
+            ttt_length=4,
+            decay=0.8,
+            fused_loss=fused_loss,
+            rejection_weight=rejection_weight,
         )
-        ref = reference_losses(head, aux, ids, mask, final, lm_head, 4)
+        ref = reference_losses(head, aux, ids, mask, final, lm_head, 4, rejection_weight)
+    if rejection_weight:  # the weights moved the loss: rejected rows are some of the rows, not all
+        plain = reference_losses(head, aux, ids, mask, final, lm_head, 4)
+        assert abs(ref[0][0].item() - plain[0][0].item()) > 1e-3
     for i, (ref_loss, ref_acc, ref_n) in enumerate(ref):
         assert metrics[f"count_{i}"] == ref_n, f"step {i}"
         assert abs(metrics[f"loss_{i}"].item() - ref_loss.item()) < 1e-6, f"step {i}"
@@ -112,6 +131,29 @@ def test_logit_checkpointing_gives_the_same_loss_and_gradients():
     assert g0.keys() == g1.keys() and len(g0) > 10
     for n in g0:
         assert torch.allclose(g0[n], g1[n], atol=1e-12), n
+
+
+def test_chain_rounds_hand_worked():
+    """Row 0: one answer at 2..9, K=2. Rounds at anchors 1 (both drafts right: 3 tokens), 4 (first draft
+    wrong), 5 (second wrong), 7 (its second draft would be x_10, past the text). Row 1: two answers, 3..4
+    and 7..9, each its own generation."""
+    correct = torch.zeros(2, 2, 10, dtype=torch.bool)
+    correct[0, 0, [1, 5, 7]] = True
+    correct[0, 1, [1, 4]] = True  # at 4 the first draft was wrong: its second never counts
+    correct[1, 0, 7] = True
+    mask = torch.zeros(2, 10, dtype=torch.bool)
+    mask[0, 2:] = True
+    mask[1, 3:5] = mask[1, 7:] = True
+    rounds, rejected = chain_rounds(correct, mask)
+    assert rounds == [(0, 1, 2), (0, 4, 0), (0, 5, 1), (0, 7, 1), (1, 2, 0), (1, 6, 0), (1, 7, 1)]
+    assert sorted(map(tuple, rejected.nonzero().tolist())) == [
+        (0, 0, 4),
+        (0, 1, 5),
+        (0, 1, 7),
+        (1, 0, 2),
+        (1, 0, 6),
+        (1, 1, 7),
+    ]
 
 
 def test_simulated_acceptance_length():
@@ -146,7 +188,7 @@ def test_gradients_reach_every_head_parameter_and_nothing_else(smollm2):
 
 
 def test_total_variation_loss_and_its_gradient_match_the_direct_computation():
-    """step_loss with tv_weight w is (1 - w) CE + w TV(p, softmax(z)), summed over rows, and its gradient with
+    """step_loss with tv_weight w is (1 - w) CE + w TV(p, softmax(z)) per row, and its gradient with
     respect to the logits is the analytic one: dTV/dz_j = 0.5 q_j (s_j - sum_k s_k q_k), s = sign(q - p)."""
     from types import SimpleNamespace
 
@@ -158,11 +200,12 @@ def test_total_variation_loss_and_its_gradient_match_the_direct_computation():
     head = SimpleNamespace(logits=lambda h: h)
     w = 0.3
     loss, correct = step_loss(head, logits, p, tv_weight=w)
+    loss = loss.sum()
     q = torch.softmax(logits.detach(), -1)
     ce = -(p * torch.log(q)).sum()
     tv = 0.5 * sum(abs(p[r, j] - q[r, j]) for r in range(5) for j in range(VD))
     torch.testing.assert_close(loss.detach(), (1 - w) * ce + w * tv)
-    assert correct == (q.argmax(-1) == p.argmax(-1)).sum()
+    assert torch.equal(correct, q.argmax(-1) == p.argmax(-1))
     loss.backward()
     s = torch.sign(q - p)
     grad_tv = 0.5 * q * (s - (s * q).sum(-1, keepdim=True))
