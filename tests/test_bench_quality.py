@@ -84,3 +84,25 @@ def test_help_explains_the_run():
     out = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, check=True).stdout
     for flag in ("--budget", "--prep", "--train", "--eval-every", "--save-every", "--num-prompts", "--tree"):
         assert flag in out
+
+
+def test_every_recipe_is_a_valid_objective_and_later_overrides_win(quality):
+    from eagle_train.train_config import load_train_config
+
+    yaml = str(Path(__file__).resolve().parents[1] / "configs" / "eagle3_smollm2.yaml")
+
+    def parse(*extra):
+        return quality.parse_args(["--budget", "1", "--out", "x", "--prep", "p", "--train", yaml, *extra])
+
+    seen = set()
+    for name, overrides in quality.RECIPES.items():
+        args = parse("--recipe", name)
+        assert args.train == [yaml, *overrides]
+        cfg = load_train_config(args.train[0], args.train[1:])
+        seen.add((cfg.tv_weight, cfg.rejection_weight))
+    assert len(seen) == len(quality.RECIPES)  # each recipe trains another objective
+    assert (0.0, 0.0) in seen  # sft is the YAML's own
+    args = parse("tv_weight=0.1", "--recipe", "tv")
+    assert load_train_config(args.train[0], args.train[1:]).tv_weight == 0.1
+    with pytest.raises(SystemExit):
+        parse("--recipe", "nope")

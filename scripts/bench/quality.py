@@ -7,7 +7,8 @@
 A recipe is a prep YAML and a train YAML, each followed by key=value overrides, exactly as
 `eagle-prep run --config FILE key=value ...` and `scripts/train_eagle3.py --config FILE key=value ...`
 take them. The harness sets the paths itself (prep out_dir, train data_path and output_dir) and the
-checkpoint interval (save_every, from --save-every).
+checkpoint interval (save_every, from --save-every). --recipe names an objective (`RECIPES`: sft, tv,
+onpolicy, tv+onpolicy) whose overrides go right after the train YAML.
 
 One run:
 1. data: `eagle-prep run` into <out>/data (or --data DIR), timed. A DIR that already holds the
@@ -61,6 +62,13 @@ from inference.evaluate import BENCHES, chat_ids, load_bench, summarise
 from inference.generate import Runtime
 
 TRAIN_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_eagle3.py"
+# --recipe: the training objective, as train overrides placed after the YAML file (later --train overrides win)
+RECIPES = {
+    "sft": [],  # soft cross-entropy toward the target's distribution, every draft weighing 1 (the YAML's)
+    "tv": ["tv_weight=0.5"],  # half total variation: the acceptance objective of sampled decoding
+    "onpolicy": ["rejection_weight=2"],  # drafts the head's own chain walk gets rejected at weigh 3
+    "tv+onpolicy": ["tv_weight=0.5", "rejection_weight=2"],
+}
 POLL_SECONDS = 2.0
 
 
@@ -89,6 +97,12 @@ def parse_args(argv=None):
         metavar="ARG",
         help="train YAML then its key=value overrides (scripts/train_eagle3.py), e.g. "
         "configs/eagle3_smollm2.yaml max_steps=300 ttt_length=4",
+    )
+    p.add_argument(
+        "--recipe",
+        choices=list(RECIPES),
+        default=None,
+        help="the objective: " + "; ".join(f"{k}: {' '.join(v) or 'the YAML as it is'}" for k, v in RECIPES.items()),
     )
     p.add_argument(
         "--data",
@@ -131,7 +145,10 @@ def parse_args(argv=None):
     )
     p.add_argument("--device", default=None, help="evaluation device (default: cuda when available, else cpu)")
     p.add_argument("--name", default=None, help="label of the curve (default: the --out directory's name)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.recipe:
+        args.train[1:1] = RECIPES[args.recipe]
+    return args
 
 
 # ------------------------------------------------------------------------------------ data
@@ -373,6 +390,7 @@ def main(argv=None):
         "eval_every_minutes": eval_every,
         "prep": args.prep,
         "prep_python": args.prep_python,
+        "recipe": args.recipe,
         "train": args.train,
         "train_command": train_command[1:],
         "eval": {
