@@ -8,8 +8,8 @@ depth) elements, split them into `num_segments` sequence segments, and run one f
 per segment through `model(fn, ...)` (so DDP/FSDP see every pass). Each segment's loss is its
 owned supervised loss (soft cross-entropy, or its mix with total variation) divided by the
 batch's TOTAL supervised count, so the summed gradient is that of the whole batch's mean
-whatever the segment count. Under DDP every segment
-but the last runs inside `no_sync`, so gradients are all-reduced once per micro-batch.
+whatever the segment count. Under DDP every segment but the last runs inside `no_sync`, so
+gradients are all-reduced once per micro-batch.
 
 The loss goes through `fused_ce.soft_cross_entropy`: the [E, Vd] draft logits never exist in
 full, which at 2048 tokens x K=7 (~6k elements x 32k vocab) would dominate memory.
