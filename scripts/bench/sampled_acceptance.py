@@ -1,0 +1,99 @@
+"""Expected acceptance under sampling, without sampling: heads compared on the held-out answers of a store.
+
+    python scripts/bench/sampled_acceptance.py --store runs/q/data/store --head runs/a/final runs/b/final \\
+        --temperature 0 0.7 1.0
+
+A draft sampled from the head's q at temperature T is accepted by speculative sampling with probability
+sum_v min(p(v), q(v)) = 1 - TV(p, q), p the target's distribution at T over its whole vocabulary (a draft
+vocabulary that misses p's mass loses it). Per TTT step i, this prints that probability averaged over the
+held-out answer positions (T = 0: the greedy draft equals the target's argmax). Step 0 is the exact chance
+that a round's first draft is accepted, given the target's own text so far; a later step i reads the stored
+tokens as the earlier drafts, so it is that chance given the earlier drafts matched the stored text.
+The runtime's sampled AL (`eagle-eval --temperature T`) measures the same thing with sampling noise.
+
+Held-out answers: the samples the trainer held out (`trainer.split_indices` with --eval-fraction and --seed,
+the train YAML's), so none of them was trained on.
+"""
+
+import argparse
+
+import torch
+
+from eagle_train.checkpoint import load_draft_head
+from eagle_train.hidden_states import TargetLogits
+from eagle_train.store import ShardedSamples, read_manifest
+from eagle_train.target import load_target
+from eagle_train.trainer import split_indices
+from eagle_train.ttt import shift_left
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--store", required=True, help="the hidden-state store the heads trained on")
+    p.add_argument("--head", nargs="+", required=True, help="EAGLE-3 heads or checkpoints to compare")
+    p.add_argument("--temperature", nargs="+", type=float, default=[0.0, 0.7, 1.0])
+    p.add_argument("--steps", type=int, default=3, help="TTT steps, K of a chain (default 3)")
+    p.add_argument("--eval-fraction", type=float, default=0.05, help="the train YAML's (default 0.05)")
+    p.add_argument("--seed", type=int, default=0, help="the train YAML's (default 0)")
+    return p.parse_args(argv)
+
+
+@torch.no_grad()
+def acceptance(head, target_logits, sample, temperatures, steps):
+    """Per temperature, per step: (sum of acceptance probabilities, positions) over one sample's answers."""
+    ids, mask = sample["input_ids"][None], sample["loss_mask"][None]
+    t = ids.shape[1]
+    p_logits = target_logits(sample["final_hidden"][None].float()).float()  # [1, T, V]
+    draft_ids = head.draft_to_target_ids(torch.arange(head.lm_head.weight.shape[0]))
+    positions = torch.arange(t)[None]
+    hidden, past = head.fc(sample["aux_hidden"][None].float()), []
+    out = {temp: [[0.0, 0] for _ in range(steps)] for temp in temperatures}
+    for i in range(steps):
+        hidden = head.ttt_step(hidden, shift_left(ids, i + 1), positions + i, past)
+        n = max(t - i - 2, 0)
+        rows = mask[0, i + 2 :].nonzero()[:, 0]  # anchors whose step-i draft is an answer token
+        if n == 0 or rows.numel() == 0:
+            continue
+        q_logits = head.logits(hidden[0, rows]).float()  # [N, Vd]
+        p = p_logits[0, rows + i + 1]  # [N, V]: the target at t+i+1 predicts x_{t+i+2}
+        for temp in temperatures:
+            if temp == 0:
+                accepted = (draft_ids[q_logits.argmax(-1)] == p.argmax(-1)).float()
+            else:
+                p_t = torch.softmax(p / temp, -1)[:, draft_ids]
+                q_t = torch.softmax(q_logits / temp, -1)
+                accepted = torch.minimum(p_t, q_t).sum(-1)
+            out[temp][i][0] += float(accepted.sum())
+            out[temp][i][1] += rows.numel()
+    return out
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    store = ShardedSamples(args.store)
+    made_by = read_manifest(args.store)["target"]
+    target = made_by.get("given") or made_by["name"]
+    model, _ = load_target(target)
+    target_logits = TargetLogits.of(model)
+    _, held_out = split_indices(len(store), args.eval_fraction, args.seed)
+    print(f"{len(held_out)} held-out samples of {len(store)} in {args.store}; target {target}")
+    print("head | T | per step: expected acceptance of the draft | chain AL of a K-step chain (1 + sum of products)")
+    for path in args.head:
+        head = load_draft_head(path, model).eval()
+        totals = {temp: [[0.0, 0] for _ in range(args.steps)] for temp in args.temperature}
+        for k in held_out:
+            for temp, per_step in acceptance(head, target_logits, store[k], args.temperature, args.steps).items():
+                for i, (s, n) in enumerate(per_step):
+                    totals[temp][i][0] += s
+                    totals[temp][i][1] += n
+        for temp, per_step in totals.items():
+            rates = [s / max(n, 1) for s, n in per_step]
+            al, run = 1.0, 1.0
+            for r in rates:
+                run *= r
+                al += run
+            print(f"{path} | {temp:g} | {' '.join(f'{r:.4f}' for r in rates)} | {al:.4f}")
+
+
+if __name__ == "__main__":
+    main()
