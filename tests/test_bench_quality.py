@@ -101,7 +101,7 @@ def test_every_recipe_is_a_valid_objective_and_later_overrides_win(quality):
         cfg = load_train_config(args.train[0], args.train[1:])
         seen.add((cfg.tv_weight, cfg.rejection_weight))
     assert len(seen) == len(quality.RECIPES)  # each recipe trains another objective
-    assert (0.0, 0.0) in seen  # sft is the YAML's own
+    assert (0.0, 0.0) in seen  # sft: soft cross-entropy alone, whatever the YAML says
     args = parse("tv_weight=0.1", "--recipe", "tv")
     assert load_train_config(args.train[0], args.train[1:]).tv_weight == 0.1
     with pytest.raises(SystemExit):

@@ -64,9 +64,9 @@ from inference.generate import Runtime
 TRAIN_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_eagle3.py"
 # --recipe: the training objective, as train overrides placed after the YAML file (later --train overrides win)
 RECIPES = {
-    "sft": [],  # soft cross-entropy toward the target's distribution, every draft weighing 1 (the YAML's)
-    "tv": ["tv_weight=0.5"],  # half total variation: the acceptance objective of sampled decoding
-    "onpolicy": ["rejection_weight=2"],  # drafts the head's own chain walk gets rejected at weigh 3
+    "sft": ["tv_weight=0", "rejection_weight=0"],  # soft cross-entropy toward the target's distribution
+    "tv": ["tv_weight=0.5", "rejection_weight=0"],  # half total variation: sampled decoding's acceptance objective
+    "onpolicy": ["tv_weight=0", "rejection_weight=2"],  # drafts the head's own chain walk gets rejected at weigh 3
     "tv+onpolicy": ["tv_weight=0.5", "rejection_weight=2"],
 }
 POLL_SECONDS = 2.0
@@ -102,7 +102,7 @@ def parse_args(argv=None):
         "--recipe",
         choices=list(RECIPES),
         default=None,
-        help="the objective: " + "; ".join(f"{k}: {' '.join(v) or 'the YAML as it is'}" for k, v in RECIPES.items()),
+        help="the objective: " + "; ".join(f"{k}: {' '.join(v)}" for k, v in RECIPES.items()),
     )
     p.add_argument(
         "--data",
