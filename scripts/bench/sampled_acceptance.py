@@ -24,7 +24,7 @@ from eagle_train.hidden_states import TargetLogits
 from eagle_train.store import ShardedSamples, read_manifest
 from eagle_train.target import load_target
 from eagle_train.trainer import split_indices
-from eagle_train.ttt import shift_left
+from eagle_train.ttt import shift_left, simulated_acceptance_length
 
 
 def parse_args(argv=None):
@@ -35,24 +35,28 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=3, help="TTT steps, K of a chain (default 3)")
     p.add_argument("--eval-fraction", type=float, default=0.05, help="the train YAML's (default 0.05)")
     p.add_argument("--seed", type=int, default=0, help="the train YAML's (default 0)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if any(temp < 0 for temp in args.temperature):
+        p.error(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if args.steps < 1:
+        p.error(f"--steps must be >= 1, got {args.steps}")
+    return args
 
 
 @torch.no_grad()
-def acceptance(head, target_logits, sample, temperatures, steps):
-    """Per temperature, per step: (sum of acceptance probabilities, positions) over one sample's answers."""
+def acceptance(head, draft_ids, target_logits, sample, temperatures, steps):
+    """Per temperature, per step: (sum of acceptance probabilities, positions) over one sample's answers.
+    draft_ids [Vd]: the target id of each draft id."""
     ids, mask = sample["input_ids"][None], sample["loss_mask"][None]
     t = ids.shape[1]
     p_logits = target_logits(sample["final_hidden"][None].float()).float()  # [1, T, V]
-    draft_ids = head.draft_to_target_ids(torch.arange(head.lm_head.weight.shape[0]))
     positions = torch.arange(t)[None]
     hidden, past = head.fc(sample["aux_hidden"][None].float()), []
     out = {temp: [[0.0, 0] for _ in range(steps)] for temp in temperatures}
     for i in range(steps):
         hidden = head.ttt_step(hidden, shift_left(ids, i + 1), positions + i, past)
-        n = max(t - i - 2, 0)
         rows = mask[0, i + 2 :].nonzero()[:, 0]  # anchors whose step-i draft is an answer token
-        if n == 0 or rows.numel() == 0:
+        if rows.numel() == 0:
             continue
         q_logits = head.logits(hidden[0, rows]).float()  # [N, Vd]
         p = p_logits[0, rows + i + 1]  # [N, V]: the target at t+i+1 predicts x_{t+i+2}
@@ -71,6 +75,8 @@ def acceptance(head, target_logits, sample, temperatures, steps):
 def main(argv=None):
     args = parse_args(argv)
     store = ShardedSamples(args.store)
+    if not store.has_hidden:
+        raise SystemExit(f"{args.store} holds tokens only: give a hidden-state store (eagle-prep run or capture)")
     made_by = read_manifest(args.store)["target"]
     target = made_by.get("given") or made_by["name"]
     model, _ = load_target(target)
@@ -80,18 +86,19 @@ def main(argv=None):
     print("head | T | per step: expected acceptance of the draft | chain AL of a K-step chain (1 + sum of products)")
     for path in args.head:
         head = load_draft_head(path, model).eval()
+        if head.config.method != "eagle3":
+            raise SystemExit(f"{path} holds a {head.config.method} head: this script unrolls EAGLE-3's TTT steps")
+        draft_ids = head.draft_to_target_ids(torch.arange(head.lm_head.weight.shape[0]))
         totals = {temp: [[0.0, 0] for _ in range(args.steps)] for temp in args.temperature}
         for k in held_out:
-            for temp, per_step in acceptance(head, target_logits, store[k], args.temperature, args.steps).items():
+            per_temp = acceptance(head, draft_ids, target_logits, store[k], args.temperature, args.steps)
+            for temp, per_step in per_temp.items():
                 for i, (s, n) in enumerate(per_step):
                     totals[temp][i][0] += s
                     totals[temp][i][1] += n
         for temp, per_step in totals.items():
             rates = [s / max(n, 1) for s, n in per_step]
-            al, run = 1.0, 1.0
-            for r in rates:
-                run *= r
-                al += run
+            al = simulated_acceptance_length(rates)
             print(f"{path} | {temp:g} | {' '.join(f'{r:.4f}' for r in rates)} | {al:.4f}")
 
 
