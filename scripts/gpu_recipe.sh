@@ -10,6 +10,9 @@
 #   stage2: export both heads (+ the engines' checks), scripts/bench/gpu.py (decoding on the three
 #           benches for every drafting shape, capture, training MFU), eagle-eval on mt_bench /
 #           humaneval / gsm8k for as many shapes as the stage's time allows.
+#   objectives (instead of stage1 + stage2): stage1's data, then EAGLE-3 once per training objective
+#           (scripts/bench/quality.py's RECIPES) side by side for the same steps, compared held out and on
+#           the three benches (call 2 of the list below, NUM_CONV sized to leave the training its time).
 #
 # Device calls (the working tree travels with each; /tmp/eg survives between calls while the
 # machine stays warm):
@@ -25,7 +28,7 @@
 # EVAL_PROMPTS, EVAL_TOKENS, NUM_CONV override sizes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-STAGE=${1:?usage: gpu_recipe.sh kernels|stage1|stage2|all}
+STAGE=${1:?usage: gpu_recipe.sh kernels|stage1|stage2|all|objectives}
 START=$(date +%s)
 SCALE=${SCALE:-full}
 EG=${EG:-/tmp/eg}
@@ -40,6 +43,7 @@ if [ "$SCALE" = tiny ]; then
   TRAIN_ARGS=(max_length=256 tokens_per_batch=1024 max_steps=3 save_every=2 log_every=1 num_workers=0
               eval_fraction=0.1 mixed_precision=auto warmup_steps=1)
   EVAL_PROMPTS=${EVAL_PROMPTS:-2}; EVAL_TOKENS=${EVAL_TOKENS:-16}; TREE=3,2,4
+  OBJECTIVE_STEPS=${OBJECTIVE_STEPS:-4}; OBJECTIVE_SAVE_EVERY=2; OBJECTIVE_PROMPTS=${OBJECTIVE_PROMPTS:-1}
   BENCH_ARGS=(--tree "$TREE" --hf-prompts 2 --train-tokens 512 --train-steps 2 --capture-tokens 1024
               --capture-token-budget 512 --loss-tokens 256 --repeat 2)
   STAGE_SECONDS=${STAGE_SECONDS:-3000}
@@ -48,6 +52,7 @@ else
   NUM_CONV=${NUM_CONV:-6144}; MAX_LEN=1024; NEW_TOKENS=512; DISTIL_BATCH=256; WORKERS=$(nproc); AMP=bf16
   TRAIN_ARGS=()
   EVAL_PROMPTS=${EVAL_PROMPTS:-80}; EVAL_TOKENS=${EVAL_TOKENS:-128}; TREE=6,8,60
+  OBJECTIVE_STEPS=${OBJECTIVE_STEPS:-240}; OBJECTIVE_SAVE_EVERY=40; OBJECTIVE_PROMPTS=${OBJECTIVE_PROMPTS:-10}
   BENCH_ARGS=(--tree "$TREE")
   STAGE_SECONDS=${STAGE_SECONDS:-540}
 fi
@@ -130,7 +135,8 @@ stage_kernels() {
   return $rc
 }
 
-stage1() {
+# the self-distilled store: unpack what part2 carried, dequantise the GGUF, distil NUM_CONV first turns
+distil_store() {
   if [ ! -f "$DATA" ] || [ ! -f "$TARGET" ]; then
     [ -d .carry/part2 ] || { say "no $DATA and no .carry/part2: carry .carry/part2 (scripts/device_pack.sh)"; exit 2; }
     [ -f "$EG/gguf.0" ] || { say "no $EG/gguf.0: the previous call must copy .carry/part1 to $EG"; exit 2; }
@@ -145,6 +151,10 @@ stage1() {
       || { say "distil did not finish in ${DISTIL_SECONDS:-240}s: rerun stage1 (it resumes) or lower NUM_CONV"; return 1; }
   fi
   cp "$RUNS/prep/store/manifest.json" "$OUT/store_manifest.json"
+}
+
+stage1() {
+  distil_store
   if [ ! -f "$RUNS/bench_data/tokenized/manifest.json" ]; then  # scripts/bench/gpu.py's capture and training sections
     step tokenize "$PY" -m data_prep.cli run --config configs/gpu_smollm2.yaml target="$TARGET" data="$DATA" \
       out_dir="$RUNS/bench_data" prep.num_conversations=2000 prep.max_length="$MAX_LEN" prep.workers="$WORKERS" \
@@ -219,6 +229,63 @@ PY
   return $rc
 }
 
+# The training objectives of scripts/bench/quality.py's RECIPES on one store: EAGLE-3 once per recipe in
+# OBJECTIVES, side by side for OBJECTIVE_STEPS steps (fused loss: Triton's CE where it passed, the chunked
+# path where total variation is mixed in), then each head at the newest checkpoint step all runs reached:
+# expected acceptance on the held-out answers at T = 0, 0.7, 1.0 (scripts/bench/sampled_acceptance.py) and
+# greedy chain K=3 on the three benches (OBJECTIVE_PROMPTS each, EVAL_TOKENS new tokens). OBJECTIVE_EVAL_SECONDS
+# of the stage are kept for the evaluations.
+stage_objectives() {
+  distil_store
+  local o pids=() rc=0 args fused runs=()
+  fused=$(fused_loss_choice 2>/dev/null || true); [ "$fused" = true ] || fused=false
+  say "fused_loss=true for every recipe; Triton's kernels measured faster: $fused"
+  export OMP_NUM_THREADS=4  # four trainers share the machine's cores
+  for o in ${OBJECTIVES:-sft tv onpolicy tv+onpolicy}; do
+    args=$("$PY" -c "import sys; sys.path.insert(0, 'scripts/bench'); from quality import RECIPES; print(*RECIPES['$o'])")
+    train "eagle3_$o" scripts/train_eagle3.py configs/eagle3_smollm2_gpu.yaml "${OBJECTIVE_EVAL_SECONDS:-200}" \
+      $args fused_loss=true max_steps="$OBJECTIVE_STEPS" save_every="$OBJECTIVE_SAVE_EVERY" keep_checkpoints=20 \
+      eval_fraction=0.05 &
+    pids+=($!)
+    runs+=("$RUNS/eagle3_$o")
+  done
+  for pid in "${pids[@]}"; do wait "$pid" || rc=$?; done
+  say "training done (last failing rc: $rc)"
+  local common heads=() d
+  common=$(for d in "${runs[@]}"; do
+           ls -d "$d"/checkpoint-*/trainer_state.json 2>/dev/null | xargs -r -n1 dirname | sed 's/.*checkpoint-//' | sort -n | tail -n 1
+         done | sort -n | head -n 1)
+  [ -n "$common" ] || { say "a recipe saved no checkpoint: raise STAGE_SECONDS or lower OBJECTIVE_STEPS"; return 1; }
+  for d in "${runs[@]}"; do
+    [ -d "$d/checkpoint-$common" ] || { say "$d has no checkpoint-$common"; return 1; }
+    heads+=("$d/checkpoint-$common")
+  done
+  say "comparing the heads at step $common: ${heads[*]}"
+  for d in "${runs[@]}"; do
+    sed "s/^/$(basename "$d") /" "$d/metrics.jsonl" 2>/dev/null; rm -f "$OUT/$(basename "$d")_metrics.jsonl"
+  done > "$OUT/objectives_metrics.txt"
+  step sampled_acceptance "$PY" scripts/bench/sampled_acceptance.py --store "$RUNS/prep/store" --head "${heads[@]}" \
+    --eval-fraction 0.05 --steps 3 --temperature 0 0.7 1.0 || rc=$?
+  cp "$RUNS/logs/sampled_acceptance.log" "$OUT/sampled_acceptance.txt" || true
+  step bench_objectives timeout -k 5 $(( $(left) - 5 )) "$PY" - "$OUT/objectives.json" "$OBJECTIVE_PROMPTS" "$EVAL_TOKENS" \
+      "$TARGET" "${heads[@]}" <<'PY' || rc=$?
+import json, sys
+sys.path.insert(0, "scripts/bench")
+from quality import Evaluator
+from inference.drafting import TreeShape
+from inference.evaluate import BENCHES
+out_path, prompts, tokens, target, heads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5:]
+evaluate = Evaluator(target, None, BENCHES, prompts, {"chain3": TreeShape.chain(3)}, tokens)
+out = {}
+for head in heads:  # saved after each head: a run cut by the time guard keeps the heads before it
+    summaries, _ = evaluate(head)
+    out[head] = summaries["chain3"]
+    json.dump(out, open(out_path, "w"), indent=1)
+    print(head, {b: round(s["acceptance_length"], 3) for b, s in out[head].items()}, flush=True)
+PY
+  return $rc
+}
+
 finish() {
   local rc=$?
   cp "$TIMES" "$OUT/timings.tsv" 2>/dev/null || true
@@ -232,6 +299,7 @@ case $STAGE in
   kernels) stage_kernels ;;
   stage1) stage1 ;;
   stage2) stage2 ;;
+  objectives) stage_objectives ;;
   all) stage1; START=$(date +%s); stage2 ;;
-  *) echo "unknown stage $STAGE: kernels, stage1, stage2 or all" >&2; exit 2 ;;
+  *) echo "unknown stage $STAGE: kernels, stage1, stage2, all or objectives" >&2; exit 2 ;;
 esac

@@ -88,63 +88,76 @@ def bench_kernels(args, device) -> dict:
     probs = torch.softmax(torch.randn(n, vd, device=device, generator=g) * 3, dim=-1)
     supervised = torch.rand(n, device=device, generator=g) < 0.7
 
-    def reference():  # eagle_train.ttt.step_loss
-        logits = torch.nn.functional.linear(x, weight)
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        loss = -(probs * logp).sum(-1)[supervised].sum()
-        correct = (logits.argmax(-1) == probs.argmax(-1))[supervised].sum()
-        return loss, correct
-
-    def fused(impl):
+    def reference(tv_weight):  # eagle_train.ttt.step_loss
         def run():
-            loss, agree = soft_cross_entropy(x, weight, probs, impl=impl)
+            logits = torch.nn.functional.linear(x, weight)
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            loss = -(probs * logp).sum(-1)
+            if tv_weight:
+                loss = (1 - tv_weight) * loss + tv_weight * 0.5 * (probs - logp.exp()).abs().sum(-1)
+            correct = (logits.argmax(-1) == probs.argmax(-1))[supervised].sum()
+            return loss[supervised].sum(), correct
+
+        return run
+
+    def fused(impl, tv_weight):
+        def run():
+            loss, agree = soft_cross_entropy(x, weight, probs, impl=impl, tv_weight=tv_weight)
             return (loss * supervised).sum(), (agree & supervised).sum()
 
         return run
 
-    impls = {"log_softmax (ttt.step_loss)": reference, "fused_ce chunked": fused("chunked")}
-    if cuda and triton is not None:
-        impls["fused_ce triton"] = fused("triton")
-    rows, results, ref = [], {}, None
-    for name, fn in impls.items():
-        x = hidden.clone().requires_grad_(True)
-        weight.grad = None
+    # the soft cross-entropy alone (Triton's too), then mixed half and half with total variation (tv_weight
+    # 0.5, the chunked path's second pass); each implementation is compared with the log_softmax one of its loss
+    groups = {"ttt_step_loss": 0.0, "ttt_step_loss_tv": 0.5}
+    rows = []
+    for key, tv in groups.items():
+        impls = {"log_softmax (ttt.step_loss)": reference(tv), "fused_ce chunked": fused("chunked", tv)}
+        if cuda and triton is not None and not tv:
+            impls["fused_ce triton"] = fused("triton", tv)
+        results, ref = {}, None
+        for name, fn in impls.items():
+            x = hidden.clone().requires_grad_(True)
+            weight.grad = None
 
-        def fwd_bwd():
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
-                loss, correct = fn()  # noqa: B023 (called within this iteration)
-            loss.backward()
-            return loss, correct
+            def fwd_bwd():
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+                    loss, correct = fn()  # noqa: B023 (called within this iteration)
+                loss.backward()
+                return loss, correct
 
-        if cuda:
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-        try:
-            t = timed(fwd_bwd, device, repeat=args.repeat)
-            peak = (torch.cuda.max_memory_allocated() - base) if cuda else 0
-            x.grad, weight.grad = None, None
-            loss, correct = fwd_bwd()
-        except Exception as e:  # e.g. a Triton kernel this GPU cannot compile: record it, time the others
-            results[name] = {"error": f"{type(e).__name__}: {e}"}
-            rows.append([name, "error", f"{type(e).__name__}: {str(e)[:60]}", "", "", "", "", ""])
-            continue
-        value = (float(loss.detach()), int(correct), x.grad.float().clone(), weight.grad.float().clone())
-        if ref is None:
-            ref = value
-        err = max(float((value[2] - ref[2]).abs().max()), float((value[3] - ref[3]).abs().max()))
-        rel = max(float((value[2] - ref[2]).norm() / ref[2].norm()), float((value[3] - ref[3]).norm() / ref[3].norm()))
-        results[name] = {
-            "seconds": t,
-            "tokens_per_s": n / t,
-            "peak_bytes": peak,
-            "loss": value[0],
-            "correct": value[1],
-            "max_grad_diff_vs_log_softmax": err,
-            "rel_grad_diff_vs_log_softmax": rel,
-        }
-        rows.append([name, t * 1e3, n / t, peak / 2**30, value[0], value[1], err, rel])
-    out["ttt_step_loss"] = {"tokens": n, "hidden": h, "draft_vocab": vd, "impls": results}
+            label = f"{name}, tv_weight {tv:g}"
+            if cuda:
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+            try:
+                t = timed(fwd_bwd, device, repeat=args.repeat)
+                peak = (torch.cuda.max_memory_allocated() - base) if cuda else 0
+                x.grad, weight.grad = None, None
+                loss, correct = fwd_bwd()
+            except Exception as e:  # e.g. a Triton kernel this GPU cannot compile: record it, time the others
+                results[name] = {"error": f"{type(e).__name__}: {e}"}
+                rows.append([label, "error", f"{type(e).__name__}: {str(e)[:60]}", "", "", "", "", ""])
+                continue
+            value = (float(loss.detach()), int(correct), x.grad.float().clone(), weight.grad.float().clone())
+            if ref is None:
+                ref = value
+            err = max(float((value[2] - ref[2]).abs().max()), float((value[3] - ref[3]).abs().max()))
+            rel = max(
+                float((value[2] - ref[2]).norm() / ref[2].norm()), float((value[3] - ref[3]).norm() / ref[3].norm())
+            )
+            results[name] = {
+                "seconds": t,
+                "tokens_per_s": n / t,
+                "peak_bytes": peak,
+                "loss": value[0],
+                "correct": value[1],
+                "max_grad_diff_vs_log_softmax": err,
+                "rel_grad_diff_vs_log_softmax": rel,
+            }
+            rows.append([label, t * 1e3, n / t, peak / 2**30, value[0], value[1], err, rel])
+        out[key] = {"tokens": n, "hidden": h, "draft_vocab": vd, "tv_weight": tv, "impls": results}
     print(
         table(
             f"\n== kernels: HBM copy {out['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s (spec "

@@ -35,6 +35,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=3, help="TTT steps, K of a chain (default 3)")
     p.add_argument("--eval-fraction", type=float, default=0.05, help="the train YAML's (default 0.05)")
     p.add_argument("--seed", type=int, default=0, help="the train YAML's (default 0)")
+    p.add_argument("--device", default=None, help="default: cuda when available, else cpu (fp32 on either)")
     args = p.parse_args(argv)
     if any(temp < 0 for temp in args.temperature):
         p.error(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
@@ -47,10 +48,11 @@ def parse_args(argv=None):
 def acceptance(head, draft_ids, target_logits, sample, temperatures, steps):
     """Per temperature, per step: (sum of acceptance probabilities, positions) over one sample's answers.
     draft_ids [Vd]: the target id of each draft id."""
+    sample = {k: v.to(draft_ids.device) for k, v in sample.items() if torch.is_tensor(v)}
     ids, mask = sample["input_ids"][None], sample["loss_mask"][None]
     t = ids.shape[1]
     p_logits = target_logits(sample["final_hidden"][None].float()).float()  # [1, T, V]
-    positions = torch.arange(t)[None]
+    positions = torch.arange(t, device=ids.device)[None]
     hidden, past = head.fc(sample["aux_hidden"][None].float()), []
     out = {temp: [[0.0, 0] for _ in range(steps)] for temp in temperatures}
     for i in range(steps):
@@ -79,16 +81,17 @@ def main(argv=None):
         raise SystemExit(f"{args.store} holds tokens only: give a hidden-state store (eagle-prep run or capture)")
     made_by = read_manifest(args.store)["target"]
     target = made_by.get("given") or made_by["name"]
-    model, _ = load_target(target)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model, _ = load_target(target, dtype=torch.float32, device=device)
     target_logits = TargetLogits.of(model)
     _, held_out = split_indices(len(store), args.eval_fraction, args.seed)
     print(f"{len(held_out)} held-out samples of {len(store)} in {args.store}; target {target}")
     print("head | T | per step: expected acceptance of the draft | chain AL of a K-step chain (1 + sum of products)")
     for path in args.head:
-        head = load_draft_head(path, model).eval()
+        head = load_draft_head(path, model).to(device).eval()
         if head.config.method != "eagle3":
             raise SystemExit(f"{path} holds a {head.config.method} head: this script unrolls EAGLE-3's TTT steps")
-        draft_ids = head.draft_to_target_ids(torch.arange(head.lm_head.weight.shape[0]))
+        draft_ids = head.draft_to_target_ids(torch.arange(head.lm_head.weight.shape[0], device=device))
         totals = {temp: [[0.0, 0] for _ in range(args.steps)] for temp in args.temperature}
         for k in held_out:
             per_temp = acceptance(head, draft_ids, target_logits, store[k], args.temperature, args.steps)
