@@ -11,14 +11,14 @@ per tensor per step. Here the logits only ever exist one vocabulary chunk at a t
   d hidden += dz_c @ weight_c, d weight_c = dz_c^T @ hidden.
 - total variation (`tv_weight` > 0), TV = 0.5 sum |p - q|, q = softmax(z): a second forward pass over the
   chunks, once the logsumexp is known, sums |p - q| and S = sum s.q (s = sign(q - p)); the backward adds
-  dz_c = g * 0.5 * q_c * (s_c - S). The Triton kernels compute soft cross-entropy only, so TV runs chunked.
+  dz_c = g * 0.5 * q_c * (s_c - S).
 
 Only `hidden`, `weight`, the target probabilities and two floats per row are saved. The target
 probabilities may be passed once for the whole batch with `target_rows` picking each row's
 target row, so the TTT loop's per-step shifted copies of a [B, T, Vd] tensor are not needed.
 On CUDA with Triton installed the forward is one Triton kernel (matmul, logsumexp, dot, argmax
-in registers) and the backward's softmax-gradient is one in-place Triton pass per chunk; the
-chunked PyTorch path is the reference (and the CPU path).
+in registers), TV's second pass another, and the backward's gradient of the mix is one in-place
+Triton pass per chunk; the chunked PyTorch path is the reference (and the CPU path).
 """
 
 import warnings
@@ -63,10 +63,8 @@ def soft_cross_entropy(
         raise ValueError(f"target_rows {tuple(target_rows.shape)} must be [N] = [{hidden.shape[0]}]")
     if not 0 <= tv_weight <= 1:
         raise ValueError(f"tv_weight must be in [0, 1] (the share of total variation), got {tv_weight}")
-    if impl == "triton" and tv_weight:
-        raise ValueError("the Triton kernels compute soft cross-entropy only: use impl='chunked' with tv_weight > 0")
     if impl == "auto":
-        fast = hidden.is_cuda and hidden.dtype != torch.float64 and triton is not None and not tv_weight
+        fast = hidden.is_cuda and hidden.dtype != torch.float64 and triton is not None
         impl = "triton" if fast and triton_works(hidden.device) else "chunked"
     if impl not in ("chunked", "triton"):
         raise ValueError(f"impl {impl!r} must be 'auto', 'chunked' or 'triton'")
@@ -95,7 +93,8 @@ class _SoftCrossEntropy(torch.autograd.Function):
         loss = lse * psum - pz
         sign_q = torch.zeros_like(lse)
         if tv_weight:
-            tv, sign_q = _chunked_total_variation(hidden, weight, probs, rows, chunk_size, lse)
+            total_variation = _triton_total_variation if use_triton else _chunked_total_variation
+            tv, sign_q = total_variation(hidden, weight, probs, rows, chunk_size, lse)
             loss = (1 - tv_weight) * loss + tv_weight * tv
         ctx.save_for_backward(hidden, weight, probs, rows, lse, psum, sign_q)
         ctx.chunk_size, ctx.use_triton, ctx.tv_weight = chunk_size, use_triton, tv_weight
@@ -115,7 +114,7 @@ class _SoftCrossEntropy(torch.autograd.Function):
             w = weight[c0 : c0 + ctx.chunk_size]
             z = (hidden @ w.t()).to(acc)
             if ctx.use_triton:
-                _triton_softmax_grad_(z, probs, rows, c0, lse, psum, g)
+                _triton_softmax_grad_(z, probs, rows, c0, lse, psum, g, sign_q, w_tv)
                 dz = z
             else:
                 p = probs[rows, c0 : c0 + w.shape[0]].to(acc)
@@ -189,16 +188,22 @@ def triton_works(device) -> bool:
             p = torch.softmax(torch.randn(37, 300, device=device, generator=g), dim=-1)
             rows = torch.arange(37, device=device)
             got, want = _triton_forward(h, w, p, rows), _chunked_forward(h, w, p, rows, 128)
-            z, lse, psum, grad = (
+            got_tv = _triton_total_variation(h, w, p, rows, 128, want[0])
+            want_tv = _chunked_total_variation(h, w, p, rows, 128, want[0])
+            z, lse, psum, grad, w_tv = (
                 torch.randn(37, 128, device=device, generator=g),
                 want[0],
                 want[1],
                 torch.randn(37, device=device, generator=g),
+                0.5,
             )
-            dz = grad[:, None] * (psum[:, None] * torch.exp(z - lse[:, None]) - p[:, 128:256])
-            _triton_softmax_grad_(z, p, rows, 128, lse, psum, grad)
+            q, p_c = torch.exp(z - lse[:, None]), p[:, 128:256]
+            dz = grad[:, None] * (
+                (1 - w_tv) * (psum[:, None] * q - p_c) + w_tv * 0.5 * q * (torch.sign(q - p_c) - want_tv[1][:, None])
+            )
+            _triton_softmax_grad_(z, p, rows, 128, lse, psum, grad, want_tv[1], w_tv)
             ok = (
-                all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(got[:3], want[:3]))
+                all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(got[:3] + got_tv, want[:3] + want_tv))
                 and torch.equal(got[3], want[3])
                 and torch.equal(got[4], want[4])
                 and torch.allclose(z, dz, rtol=1e-4, atol=1e-6)
@@ -247,13 +252,55 @@ def _triton_forward(hidden, weight, probs, rows, chunk_size=None):
     return lse, psum, pz, draft_argmax, target_argmax
 
 
-def _triton_softmax_grad_(z, probs, rows, c0, lse, psum, g):
-    """z [N, C] fp32 (logits of vocab chunk starting at c0) <- g * (psum * exp(z - lse) - p), in place."""
+def _triton_total_variation(hidden, weight, probs, rows, chunk_size, lse):
+    """`_chunked_total_variation` as one Triton kernel: (TV, S) per row, the logits in registers."""
+    n, h = hidden.shape
+    tv, sign_q = torch.empty_like(lse), torch.empty_like(lse)
+    hidden, weight = hidden.contiguous(), weight.contiguous()
+    block_n, block_v, block_k = 64, 128, 32
+    precision = "ieee" if hidden.dtype == torch.float32 else "tf32"
+    _total_variation_kernel[(triton.cdiv(n, block_n),)](
+        hidden,
+        weight,
+        probs,
+        rows,
+        lse,
+        tv,
+        sign_q,
+        n,
+        weight.shape[0],
+        h,
+        probs.stride(0),
+        BLOCK_N=block_n,
+        BLOCK_V=block_v,
+        BLOCK_K=block_k,
+        DOT_PRECISION=precision,
+    )
+    return tv, sign_q
+
+
+def _triton_softmax_grad_(z, probs, rows, c0, lse, psum, g, sign_q, tv_weight):
+    """z [N, C] fp32 (logits of vocab chunk starting at c0) <- the loss mix's gradient, in place:
+    g * ((1 - w) (psum q - p) + w 0.5 q (sign(q - p) - S)), q = exp(z - lse), w = tv_weight."""
     n, c = z.shape
     block_n, block_v = 16, 256
     grid = (triton.cdiv(n, block_n), triton.cdiv(c, block_v))
     _softmax_grad_kernel[grid](
-        z, probs, rows, lse, psum, g, n, c, c0, z.stride(0), probs.stride(0), BLOCK_N=block_n, BLOCK_V=block_v
+        z,
+        probs,
+        rows,
+        lse,
+        psum,
+        g,
+        sign_q,
+        float(tv_weight),
+        n,
+        c,
+        c0,
+        z.stride(0),
+        probs.stride(0),
+        BLOCK_N=block_n,
+        BLOCK_V=block_v,
     )
 
 
@@ -336,6 +383,58 @@ if triton is not None:
         tl.store(p_argmax_ptr + offs_n, best_p_idx, mask=mask_n)
 
     @triton.jit
+    def _total_variation_kernel(
+        h_ptr,
+        w_ptr,
+        p_ptr,
+        rows_ptr,
+        lse_ptr,
+        tv_ptr,
+        sign_q_ptr,
+        N,
+        V,
+        H,
+        p_stride,
+        BLOCK_N: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        """One program per BLOCK_N rows, the forward kernel's loop with the logsumexp known: sums 0.5 |q - p|
+        and sign(q - p) q over the vocabulary (logits rounded to the input dtype, as there)."""
+        pid = tl.program_id(0)
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        prow = tl.load(rows_ptr + offs_n, mask=mask_n, other=0)
+        lse = tl.load(lse_ptr + offs_n, mask=mask_n, other=0.0)
+        tv = tl.zeros((BLOCK_N,), tl.float32)
+        sign_q = tl.zeros((BLOCK_N,), tl.float32)
+        for v0 in range(0, V, BLOCK_V):
+            offs_v = v0 + tl.arange(0, BLOCK_V)
+            mask_v = offs_v < V
+            z = tl.zeros((BLOCK_N, BLOCK_V), tl.float32)
+            for k0 in range(0, H, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                mask_k = offs_k < H
+                a = tl.load(
+                    h_ptr + offs_n[:, None] * H + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0
+                )
+                b = tl.load(
+                    w_ptr + offs_v[None, :] * H + offs_k[:, None], mask=mask_v[None, :] & mask_k[:, None], other=0.0
+                )
+                z = tl.dot(a, b, acc=z, input_precision=DOT_PRECISION)
+            z = z.to(h_ptr.dtype.element_ty).to(tl.float32)
+            p = tl.load(
+                p_ptr + prow[:, None] * p_stride + offs_v[None, :], mask=mask_n[:, None] & mask_v[None, :], other=0.0
+            ).to(tl.float32)
+            q = tl.where(mask_v[None, :], tl.exp(z - lse[:, None]), 0.0)
+            d = q - p
+            tv += 0.5 * tl.sum(tl.abs(d), axis=1)
+            sign_q += tl.sum(tl.where(d > 0, q, tl.where(d < 0, -q, 0.0)), axis=1)
+        tl.store(tv_ptr + offs_n, tv, mask=mask_n)
+        tl.store(sign_q_ptr + offs_n, sign_q, mask=mask_n)
+
+    @triton.jit
     def _softmax_grad_kernel(
         z_ptr,
         p_ptr,
@@ -343,6 +442,8 @@ if triton is not None:
         lse_ptr,
         psum_ptr,
         g_ptr,
+        sign_q_ptr,
+        tv_weight,
         N,
         C,
         c0,
@@ -360,5 +461,10 @@ if triton is not None:
         g = tl.load(g_ptr + offs_n, mask=offs_n < N, other=0.0)
         z = tl.load(z_ptr + offs_n[:, None] * z_stride + offs_v[None, :], mask=mask, other=0.0)
         p = tl.load(p_ptr + prow[:, None] * p_stride + c0 + offs_v[None, :], mask=mask, other=0.0).to(tl.float32)
-        dz = g[:, None] * (psum[:, None] * tl.exp(z - lse[:, None]) - p)
+        sign_q = tl.load(sign_q_ptr + offs_n, mask=offs_n < N, other=0.0)
+        q = tl.exp(z - lse[:, None])
+        d = q - p
+        sign = tl.where(d > 0, 1.0, tl.where(d < 0, -1.0, 0.0))
+        mix = (1 - tv_weight) * (psum[:, None] * q - p) + tv_weight * 0.5 * q * (sign - sign_q[:, None])
+        dz = g[:, None] * mix
         tl.store(z_ptr + offs_n[:, None] * z_stride + offs_v[None, :], dz, mask=mask)

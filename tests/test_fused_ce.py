@@ -72,8 +72,6 @@ def test_total_variation_mix_matches_the_direct_computation_fp64(chunk_size, tv_
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     ce = grads(lambda h, w, p: soft_cross_entropy(h, w, p, chunk_size=chunk_size), *inputs)
     assert (got[0] - ce[0]).abs().max() > 1e-3  # the mix is not CE under another name
-    with pytest.raises(ValueError, match="impl='chunked'"):
-        soft_cross_entropy(*inputs[:3], impl="triton", tv_weight=tv_weight)
 
 
 def test_matches_reference_fp32():
@@ -183,6 +181,14 @@ want = sum_grads(lambda h, w: reference(h, w, big[rows]))
 got = sum_grads(lambda h, w: soft_cross_entropy(h, w, big, target_rows=rows, impl="triton"))
 for a, b in zip(got, want):
     torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
+# mixed with total variation: its own kernel's second pass and the mix's gradient
+for tv_weight in (0.3, 1.0):
+    want = grads(lambda h, w, p: reference(h, w, p, tv_weight), hidden, weight, probs, upstream)
+    got = grads(lambda h, w, p: soft_cross_entropy(h, w, p, chunk_size=128, impl="triton", tv_weight=tv_weight),
+                hidden, weight, probs, upstream)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[2], want[2], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got[3], want[3], rtol=1e-4, atol=1e-5)
 from eagle_train.fused_ce import triton_works
 assert triton_works("cpu")  # the self-check "auto" runs before it picks Triton on a device
 print("ok")
@@ -204,18 +210,19 @@ def test_triton_kernels_in_the_interpreter():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or not HAS_TRITON, reason="needs CUDA and triton")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_matches_chunked_on_cuda(dtype):
+@pytest.mark.parametrize("tv_weight", [0.0, 0.5])
+def test_triton_matches_chunked_on_cuda(dtype, tv_weight):
     hidden, weight, probs, upstream = make_inputs(n=1000, h=576, v=32000, dtype=torch.float32, seed=4)
     cuda = [t.cuda() for t in (hidden.to(dtype), weight.to(dtype), probs, upstream)]
-    want = grads(lambda h, w, p: soft_cross_entropy(h, w, p, impl="chunked"), *cuda)
-    got = grads(lambda h, w, p: soft_cross_entropy(h, w, p, impl="triton"), *cuda)
+    want = grads(lambda h, w, p: soft_cross_entropy(h, w, p, impl="chunked", tv_weight=tv_weight), *cuda)
+    got = grads(lambda h, w, p: soft_cross_entropy(h, w, p, impl="triton", tv_weight=tv_weight), *cuda)
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(got[0], want[0], **tol)
     assert (got[1] == want[1]).float().mean() > 0.99
     torch.testing.assert_close(got[2].float(), want[2].float(), **tol)
     torch.testing.assert_close(got[3].float(), want[3].float(), **tol)
     if dtype == torch.float32:
-        ref = grads(reference, *cuda)
+        ref = grads(lambda h, w, p: reference(h, w, p, tv_weight), *cuda)
         torch.testing.assert_close(got[0], ref[0], rtol=1e-4, atol=1e-4)
 
 
