@@ -25,7 +25,9 @@
 # Knobs (environment): SCALE=tiny runs every command line at toy size on a CPU (a dry run);
 # STAGE_SECONDS (default 540) is the wall-clock budget of a stage: training stops in time for what
 # follows it (the newest checkpoint is then used); DISTIL_SECONDS (default 240) bounds the data step;
-# EVAL_PROMPTS, EVAL_TOKENS, NUM_CONV override sizes.
+# EVAL_PROMPTS, EVAL_TOKENS, NUM_CONV override sizes. The objectives stage: OBJECTIVES (default all four
+# recipes), OBJECTIVE_STEPS, OBJECTIVE_PROMPTS (per bench and head) and OBJECTIVE_EVAL_SECONDS (kept for the
+# evaluations); docs/performance.md has the sizes that fit one 10-minute call.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STAGE=${1:?usage: gpu_recipe.sh kernels|stage1|stage2|all|objectives}
@@ -230,25 +232,31 @@ PY
 }
 
 # The training objectives of scripts/bench/quality.py's RECIPES on one store: EAGLE-3 once per recipe in
-# OBJECTIVES, side by side for OBJECTIVE_STEPS steps (fused loss: Triton's CE where it passed, the chunked
-# path where total variation is mixed in), then each head at the newest checkpoint step all runs reached:
+# OBJECTIVES, side by side for OBJECTIVE_STEPS steps (fused loss: Triton's kernels where they pass their check
+# on the device), then each head at the newest checkpoint step all runs reached:
 # expected acceptance on the held-out answers at T = 0, 0.7, 1.0 (scripts/bench/sampled_acceptance.py) and
 # greedy chain K=3 on the three benches (OBJECTIVE_PROMPTS each, EVAL_TOKENS new tokens). OBJECTIVE_EVAL_SECONDS
 # of the stage are kept for the evaluations.
 stage_objectives() {
   distil_store
-  local o pids=() rc=0 args fused runs=()
-  fused=$(fused_loss_choice 2>/dev/null || true); [ "$fused" = true ] || fused=false
-  say "fused_loss=true for every recipe; Triton's kernels measured faster: $fused"
+  local o pids=() rc=0 args runs=() recipes
+  # each recipe's overrides, looked up before any run starts so that all start together
+  recipes=$("$PY" - ${OBJECTIVES:-sft tv onpolicy tv+onpolicy} <<'PY'
+import sys
+sys.path.insert(0, "scripts/bench")
+from quality import RECIPES
+for name in sys.argv[1:]:
+    print(name, *RECIPES[name])
+PY
+)
   export OMP_NUM_THREADS=4  # four trainers share the machine's cores
-  for o in ${OBJECTIVES:-sft tv onpolicy tv+onpolicy}; do
-    args=$("$PY" -c "import sys; sys.path.insert(0, 'scripts/bench'); from quality import RECIPES; print(*RECIPES['$o'])")
+  while read -r o args; do
     train "eagle3_$o" scripts/train_eagle3.py configs/eagle3_smollm2_gpu.yaml "${OBJECTIVE_EVAL_SECONDS:-200}" \
       $args fused_loss=true max_steps="$OBJECTIVE_STEPS" save_every="$OBJECTIVE_SAVE_EVERY" keep_checkpoints=20 \
-      eval_fraction=0.05 &
+      eval_fraction=0.05 < /dev/null &
     pids+=($!)
     runs+=("$RUNS/eagle3_$o")
-  done
+  done <<< "$recipes"
   for pid in "${pids[@]}"; do wait "$pid" || rc=$?; done
   say "training done (last failing rc: $rc)"
   local common heads=() d
