@@ -307,6 +307,45 @@ def _triton_softmax_grad_(z, probs, rows, c0, lse, psum, g, sign_q, tv_weight):
 if triton is not None:
 
     @triton.jit
+    def _logits_and_probs(
+        h_ptr,
+        w_ptr,
+        p_ptr,
+        offs_n,
+        mask_n,
+        prow,
+        v0,
+        V,
+        H,
+        p_stride,
+        BLOCK_N: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        """The vocab block at v0 of the rows offs_n: (offs_v, mask_v, logits z, target probs p), both fp32 and 0
+        in masked columns; z is rounded to the input dtype, as a PyTorch matmul's output is, so the backward
+        (which recomputes it with PyTorch) sees the same numbers."""
+        offs_v = v0 + tl.arange(0, BLOCK_V)
+        mask_v = offs_v < V
+        z = tl.zeros((BLOCK_N, BLOCK_V), tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < H
+            a = tl.load(
+                h_ptr + offs_n[:, None] * H + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0
+            )
+            b = tl.load(
+                w_ptr + offs_v[None, :] * H + offs_k[:, None], mask=mask_v[None, :] & mask_k[:, None], other=0.0
+            )
+            z = tl.dot(a, b, acc=z, input_precision=DOT_PRECISION)
+        z = z.to(h_ptr.dtype.element_ty).to(tl.float32)
+        p = tl.load(
+            p_ptr + prow[:, None] * p_stride + offs_v[None, :], mask=mask_n[:, None] & mask_v[None, :], other=0.0
+        ).to(tl.float32)
+        return offs_v, mask_v, z, p
+
+    @triton.jit
     def _fused_forward_kernel(
         h_ptr,
         w_ptr,
@@ -326,10 +365,7 @@ if triton is not None:
         BLOCK_K: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
     ):
-        """One program per BLOCK_N rows: loop over vocab blocks, logits stay in registers.
-
-        Logits are rounded to the input dtype, as a PyTorch matmul's output is, so the backward
-        (which recomputes them with PyTorch) sees the same numbers."""
+        """One program per BLOCK_N rows: loop over vocab blocks (`_logits_and_probs`), logits stay in registers."""
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
@@ -343,23 +379,9 @@ if triton is not None:
         best_p = tl.full((BLOCK_N,), float("-inf"), tl.float32)
         best_p_idx = tl.zeros((BLOCK_N,), tl.int64)
         for v0 in range(0, V, BLOCK_V):
-            offs_v = v0 + tl.arange(0, BLOCK_V)
-            mask_v = offs_v < V
-            z = tl.zeros((BLOCK_N, BLOCK_V), tl.float32)
-            for k0 in range(0, H, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                mask_k = offs_k < H
-                a = tl.load(
-                    h_ptr + offs_n[:, None] * H + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0
-                )
-                b = tl.load(
-                    w_ptr + offs_v[None, :] * H + offs_k[:, None], mask=mask_v[None, :] & mask_k[:, None], other=0.0
-                )
-                z = tl.dot(a, b, acc=z, input_precision=DOT_PRECISION)
-            z = z.to(h_ptr.dtype.element_ty).to(tl.float32)
-            p = tl.load(
-                p_ptr + prow[:, None] * p_stride + offs_v[None, :], mask=mask_n[:, None] & mask_v[None, :], other=0.0
-            ).to(tl.float32)
+            offs_v, mask_v, z, p = _logits_and_probs(
+                h_ptr, w_ptr, p_ptr, offs_n, mask_n, prow, v0, V, H, p_stride, BLOCK_N, BLOCK_V, BLOCK_K, DOT_PRECISION
+            )
             pz += tl.sum(p * z, axis=1)  # masked columns have z = 0 and p = 0
             p_masked = tl.where(mask_v[None, :], p, float("-inf"))
             p_max = tl.max(p_masked, axis=1)
@@ -401,7 +423,7 @@ if triton is not None:
         DOT_PRECISION: tl.constexpr,
     ):
         """One program per BLOCK_N rows, the forward kernel's loop with the logsumexp known: sums 0.5 |q - p|
-        and sign(q - p) q over the vocabulary (logits rounded to the input dtype, as there)."""
+        and sign(q - p) q over the vocabulary."""
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
@@ -410,23 +432,9 @@ if triton is not None:
         tv = tl.zeros((BLOCK_N,), tl.float32)
         sign_q = tl.zeros((BLOCK_N,), tl.float32)
         for v0 in range(0, V, BLOCK_V):
-            offs_v = v0 + tl.arange(0, BLOCK_V)
-            mask_v = offs_v < V
-            z = tl.zeros((BLOCK_N, BLOCK_V), tl.float32)
-            for k0 in range(0, H, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                mask_k = offs_k < H
-                a = tl.load(
-                    h_ptr + offs_n[:, None] * H + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0
-                )
-                b = tl.load(
-                    w_ptr + offs_v[None, :] * H + offs_k[:, None], mask=mask_v[None, :] & mask_k[:, None], other=0.0
-                )
-                z = tl.dot(a, b, acc=z, input_precision=DOT_PRECISION)
-            z = z.to(h_ptr.dtype.element_ty).to(tl.float32)
-            p = tl.load(
-                p_ptr + prow[:, None] * p_stride + offs_v[None, :], mask=mask_n[:, None] & mask_v[None, :], other=0.0
-            ).to(tl.float32)
+            offs_v, mask_v, z, p = _logits_and_probs(
+                h_ptr, w_ptr, p_ptr, offs_n, mask_n, prow, v0, V, H, p_stride, BLOCK_N, BLOCK_V, BLOCK_K, DOT_PRECISION
+            )
             q = tl.where(mask_v[None, :], tl.exp(z - lse[:, None]), 0.0)
             d = q - p
             tv += 0.5 * tl.sum(tl.abs(d), axis=1)
