@@ -157,10 +157,11 @@ class BatchSource:
             )
         else:
             aux, final = padded["aux_hidden"].to(self.device), padded["final_hidden"].to(self.device)
-        probs, in_draft = target_distribution(final, self.target_logits, self.t2d)
+        loss_mask = padded["loss_mask"].to(self.device)
+        probs, in_draft = target_distribution(final, self.target_logits, self.t2d, loss_mask)
         return {
             "input_ids": ids,
-            "loss_mask": padded["loss_mask"].to(self.device),
+            "loss_mask": loss_mask,
             "aux_hidden": aux.float(),
             "target_probs": probs,
             "in_draft": in_draft,

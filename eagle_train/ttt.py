@@ -29,7 +29,7 @@ REJECTION_WEIGHT = 0.0  # the extra weight of a draft a chain walk rejects, the 
 
 
 @torch.no_grad()
-def target_distribution(final_hidden, target_logits, t2d):
+def target_distribution(final_hidden, target_logits, t2d, loss_mask=None):
     """Target probabilities over the draft vocabulary and where the target's argmax is a draft token.
 
     final_hidden [B, T, H] (post-norm), target_logits the target's `hidden_states.TargetLogits` (fp32),
@@ -37,10 +37,21 @@ def target_distribution(final_hidden, target_logits, t2d):
     (softmax(target_logits[..., t2d]) [B, T, Vd] fp32, in_draft bool [B, T]).
     Draft id j is the j-th True entry of t2d (the draft ids are sorted ascending), which is
     what `d2t` encodes.
+
+    With `loss_mask` [B, T], only the positions t with loss_mask[t+1] are computed: a TTT step (and a
+    P-EAGLE depth) is trained toward position t only to predict an assistant token x_{t+1}, and the
+    target's lm_head over its whole vocabulary is an offline step's largest matmul. Elsewhere probs
+    are 0 and in_draft False.
     """
-    logits = target_logits(final_hidden.float()).float()
-    in_draft = t2d[logits.argmax(-1)]
-    probs = torch.softmax(logits[..., t2d], dim=-1)
+    if loss_mask is None:
+        logits = target_logits(final_hidden.float()).float()
+        return torch.softmax(logits[..., t2d], dim=-1), t2d[logits.argmax(-1)]
+    needed = shift_left(loss_mask.bool(), 1, False)
+    probs = torch.zeros(*needed.shape, int(t2d.sum()), device=final_hidden.device)
+    in_draft = torch.zeros_like(needed)
+    logits = target_logits(final_hidden[needed].float()).float()
+    probs[needed] = torch.softmax(logits[:, t2d], dim=-1)
+    in_draft[needed] = t2d[logits.argmax(-1)]
     return probs, in_draft
 
 

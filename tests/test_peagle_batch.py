@@ -62,15 +62,19 @@ def test_depth_sampling_nested_seeded_and_sized():
     assert not torch.equal(anchor, other[0])
 
 
-def random_batch(seed=0, b=2, t=23, lengths=(23, 17), lm_head=None):
-    """A trainer-style batch; the target distribution comes from `ttt.target_distribution`."""
+def random_batch(seed=0, b=2, t=23, lengths=(23, 17), lm_head=None, trained_positions_only=False):
+    """A trainer-style batch; the target distribution comes from `ttt.target_distribution` (at every position, or
+    where the trainer computes it)."""
     g = torch.Generator().manual_seed(seed)
     loss_mask = torch.rand(b, t, generator=g) < 0.7
     for i, n in enumerate(lengths):
         loss_mask[i, n:] = False
     lm_head = torch.randn(V, H, generator=g, dtype=torch.double) * 3 if lm_head is None else lm_head
     final = torch.randn(b, t, H, generator=g, dtype=torch.double)
-    probs, in_draft = target_distribution(final, as_target_logits(lm_head), tiny_head("peagle", draft_ids=KEPT).t2d)
+    t2d = tiny_head("peagle", draft_ids=KEPT).t2d
+    probs, in_draft = target_distribution(
+        final, as_target_logits(lm_head), t2d, loss_mask if trained_positions_only else None
+    )
     return dict(
         input_ids=torch.randint(0, V - 1, (b, t), generator=g),
         loss_mask=loss_mask,
@@ -104,6 +108,17 @@ def test_partitioned_gradients_equal_unpartitioned():
             assert g.abs().max() > 0, name
             rel = (got[name] - g).norm() / g.norm()
             assert rel < 1e-5, f"S={s} {name}: relative error {rel:.2e}"
+
+
+def test_target_distribution_at_the_trained_positions_only_changes_no_gradient():
+    head = tiny_head("peagle", draft_ids=KEPT).double()
+    ref, ref_metrics = gradients(head, random_batch(), 1)
+    got, metrics = gradients(head, random_batch(trained_positions_only=True), 1)
+    assert ref_metrics["count_3"] > 0
+    for name in ref_metrics:
+        assert torch.allclose(metrics[name].double(), ref_metrics[name].double(), atol=1e-5), name
+    for name, g in ref.items():
+        assert g.abs().max() > 0 and torch.allclose(got[name], g, atol=1e-5), name
 
 
 @pytest.mark.parametrize("tv_weight", [0.0, 0.4])

@@ -72,6 +72,30 @@ def test_target_distribution_is_the_target_softmax_on_the_draft_vocab():
     assert torch.equal(draft_targets[probs.argmax(-1)][in_draft], full.argmax(-1)[in_draft])
 
 
+@pytest.mark.parametrize("fused_loss", [False, True])
+def test_target_distribution_at_the_trained_positions_only_changes_no_loss_or_gradient(fused_loss):
+    aux, ids, mask, final, lm_head = random_batch(seed=4, t=15)
+    runs = []
+    for loss_mask in (None, mask):
+        head = tiny_head(seed=4).double()
+        probs, in_draft = target_distribution(final, as_target_logits(lm_head), head.t2d, loss_mask)
+        loss, metrics = ttt_loss(
+            head, aux, ids, mask, probs.double(), in_draft, ttt_length=4, fused_loss=fused_loss, rejection_weight=1.0
+        )
+        loss.backward()
+        runs.append((probs, metrics, {n: p.grad for n, p in head.named_parameters() if p.grad is not None}))
+    (full, m0, g0), (part, m1, g1) = runs
+    computed = torch.zeros_like(mask)
+    computed[:, :-1] = mask[:, 1:]
+    assert 0 < computed.float().mean() < 1  # some positions are skipped
+    assert torch.allclose(part[computed], full[computed], atol=1e-6) and not part[~computed].any()
+    for name in m0:  # the same rows at the same values: equal up to the fp32 lm_head's batch shape
+        assert torch.allclose(m1[name].double(), m0[name].double(), atol=1e-5), name
+    assert g0.keys() == g1.keys() and len(g0) > 10
+    for name in g0:
+        assert torch.allclose(g1[name], g0[name], atol=1e-5), name
+
+
 def test_step0_loss_equals_hand_computed_cross_entropy_of_a_plain_forward():
     head = tiny_head(seed=1).double()
     aux, ids, mask, final, lm_head = random_batch(seed=1)
