@@ -54,7 +54,7 @@ def plot(records: list[dict], path: Path) -> None:
             ax.axvline(record["data_minutes"], color=color, ls="--", lw=0.8)
         ax.set(title=name, xlabel="minutes of compute (data + training)", ylabel="acceptance length")
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
+    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # outside: no point hidden
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     print(f"plot: {path}")
