@@ -44,9 +44,9 @@ def target_distribution(final_hidden, target_logits, t2d, loss_mask=None):
     are 0 and in_draft False.
     """
     if loss_mask is None:
-        logits = target_logits(final_hidden.float()).float()
-        return torch.softmax(logits[..., t2d], dim=-1), t2d[logits.argmax(-1)]
-    needed = shift_left(loss_mask.bool(), 1, False)
+        needed = torch.ones(final_hidden.shape[:2], dtype=torch.bool, device=final_hidden.device)
+    else:
+        needed = shift_left(loss_mask.bool(), 1, False)
     probs = torch.zeros(*needed.shape, int(t2d.sum()), device=final_hidden.device)
     in_draft = torch.zeros_like(needed)
     logits = target_logits(final_hidden[needed].float()).float()
