@@ -13,6 +13,8 @@ import json
 from importlib import resources
 from pathlib import Path
 
+from inference.divergence import TIE_STEPS, first_divergence, is_tie
+
 BENCHES = ("mt_bench", "humaneval", "gsm8k")
 
 
@@ -99,8 +101,11 @@ def run_prompt(runtime, tokenizer, prompt: dict, max_new_tokens: int, ngram: int
         answer = tokenizer.decode(spec.output_ids, skip_special_tokens=True)
         messages.append({"role": "assistant", "content": answer})
         plain_record = {"output_ids": plain.output_ids, "forwards": plain.forwards, "seconds": plain.seconds}
-        lookup_record = None if lookup is None else speculative_record(lookup)
-        turns.append(turn_record(len(ids), speculative_record(spec), plain_record, answer, lookup_record))
+        records = [speculative_record(r) for r in (spec, lookup) if r is not None]
+        if runtime.sampler.greedy:  # where greedy decodes part from plain, and whether a rounding tie explains it
+            for r in records:
+                r["divergence"] = first_divergence(runtime, ids, plain.output_ids, r["output_ids"], max_new_tokens)
+        turns.append(turn_record(len(ids), records[0], plain_record, answer, records[1] if lookup else None))
     return {"question_id": prompt["question_id"], "category": prompt["category"], "turns": turns}
 
 
@@ -137,9 +142,35 @@ def summarise(results: list[dict], depth: int, drafter: str = "spec") -> dict:
         "speedup": spec_tps / plain_tps if plain_tps else 0.0,
         "turns": len(turns),
         "turns_identical_to_plain": sum(r["output_ids"] == t["plain"]["output_ids"] for r, t in zip(runs, turns)),
+        **divergence_counts(runs),
         "new_tokens_spec": spec_tokens,
         "new_tokens_plain": plain_tokens,
     }
+
+
+def divergence_counts(runs: list[dict]) -> dict:
+    """Of the turns that part from plain decoding, how many at a near tie of the target's argmax and how
+    many not (a decoding bug), with the largest gap; nothing when the engine records no divergence."""
+    parted = [r["divergence"] for r in runs if r.get("divergence")]
+    if not any("divergence" in r for r in runs):
+        return {}
+    return {
+        "turns_parting_at_ties": sum(map(is_tie, parted)),
+        "turns_parting_unexplained": sum(not is_tie(d) for d in parted),
+        "largest_gap_rounding_steps": max((abs(d["rounding_steps"]) for d in parted), default=0.0),
+    }
+
+
+def identical_note(summary: dict) -> str:
+    """What the turns that part from plain decoding are, for the tables: rounding ties or a bug."""
+    if summary.get("turns_parting_unexplained"):
+        return (
+            f" ({summary['turns_parting_unexplained']} part where the target's choice was clear: "
+            f"up to {summary['largest_gap_rounding_steps']:.0f} rounding steps; a decoding bug)"
+        )
+    if summary.get("turns_parting_at_ties"):
+        return f" (the rest part at near ties of the target's argmax, <= {TIE_STEPS} rounding steps)"
+    return ""
 
 
 def format_table(summary: dict, title: str) -> str:
@@ -153,14 +184,14 @@ def format_table(summary: dict, title: str) -> str:
         f"  tokens/s speculative        {s['spec_tokens_per_s']:.1f}",
         f"  tokens/s plain              {s['plain_tokens_per_s']:.1f}",
         f"  speedup                     {s['speedup']:.2f}x",
-        f"  turns identical to plain    {s['turns_identical_to_plain']}/{s['turns']}",
+        f"  turns identical to plain    {s['turns_identical_to_plain']}/{s['turns']}" + identical_note(s),
     ]
     if "ngram" in s:
         lines.append(f"  {'drafter':<16}{'AL':>7}{'tokens/s':>10}{'speedup':>9}   identical to plain")
         for label, row in (("head", s), ("n-gram (free)", s["ngram"])):
             lines.append(
                 f"  {label:<16}{row['acceptance_length']:>7.3f}{row['spec_tokens_per_s']:>10.1f}"
-                f"{row['speedup']:>8.2f}x   {row['turns_identical_to_plain']}/{row['turns']}"
+                f"{row['speedup']:>8.2f}x   {row['turns_identical_to_plain']}/{row['turns']}" + identical_note(row)
             )
         lines.append("  " + head_vs_ngram(s))
     return "\n".join(lines)

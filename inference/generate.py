@@ -92,13 +92,23 @@ class Runtime:
             if self.drafter:
                 self.drafter.step_fn.reset()
 
+    def causal_forward(self, ids: torch.Tensor):
+        """The target over `ids` [1, n] from slot 0, each position attending to those before it."""
+        pos = torch.arange(ids.shape[1], device=self.device)
+        return self.target.forward(ids, pos[None], pos, (pos[None, :] <= pos[:, None])[None, None])
+
     def prefill(self, prompt: torch.Tensor):
-        n = prompt.shape[1]
-        pos = torch.arange(n, device=self.device)
-        mask = (pos[None, :] <= pos[:, None])[None, None]
-        final, aux = self.target.forward(prompt, pos[None], pos, mask)
+        final, aux = self.causal_forward(prompt)
         first = self.sampler.sample(self.target.logits(final[:, -1]))  # [1]
         return first, aux
+
+    @torch.inference_mode()
+    def next_token_logits(self, prompt_ids, new_ids, max_new_tokens: int) -> torch.Tensor:
+        """The target's logits [V] for the token after prompt + new_ids, from one forward over them all, in
+        the runtime's dtype. The cache keeps the size a decode of `max_new_tokens` gave it (no recapture)."""
+        self.setup(len(prompt_ids), max_new_tokens)
+        final, _ = self.causal_forward(self.check_prompt(list(prompt_ids) + list(new_ids)))
+        return self.target.logits(final[0, -1])
 
     @staticmethod
     def finish(out: list[int], new: list[int], eos: set, max_new: int) -> tuple[list[int], bool]:

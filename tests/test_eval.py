@@ -44,6 +44,9 @@ def test_eval_tiny_target_mt_bench_two_turns(tiny_llama_dir, tiny_head_dir, tmp_
     assert [len(p["turns"]) for p in saved["prompts"]] == [2, 2]  # MT-Bench asks its second turn
     assert saved["summary"]["acceptance_length"] == pytest.approx(recount_al(saved), abs=1e-12)
     assert saved["summary"]["turns_identical_to_plain"] == 4  # greedy: spec == plain
+    turns = [t for p in saved["prompts"] for t in p["turns"]]
+    assert [(t["spec"]["divergence"], t["ngram"]["divergence"]) for t in turns] == [(None, None)] * 4
+    assert saved["summary"]["turns_parting_unexplained"] == saved["summary"]["ngram"]["turns_parting_at_ties"] == 0
     assert len(saved["summary"]["acceptance_per_position"]) == 3
     assert "acceptance length (AL)" in capsys.readouterr().out
 
