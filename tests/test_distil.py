@@ -110,7 +110,7 @@ def test_every_turn_is_greedy_decoding_of_the_conversation_so_far(smollm2, tmp_p
     renders for that conversation; both answers are loss-masked, the hidden states cover the whole sequence."""
     model, tok = smollm2
     data = tmp_path / "convs.jsonl"
-    data.write_text("".join(json.dumps(c) + "\n" for c in [ARITHMETIC, *CONVERSATIONS]))
+    data.write_text(json.dumps(ARITHMETIC) + "\n")
     run_distil(smollm2, str(data), tmp_path / "all", turns=None, max_new_tokens=40, max_length=256)
     store = ShardedSamples(tmp_path / "all")
     conv = ARITHMETIC["messages"]
