@@ -2,11 +2,19 @@
 
 import math
 import os
+import socket
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
 import torch
+
+# Under pytest-xdist (`pytest -n 2`) each worker takes its share of the cores: torch's default of every core in
+# each worker oversubscribes the machine and its matmuls crawl. OMP_NUM_THREADS passes the share to subprocesses.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    _share = max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ["OMP_NUM_THREADS"] = str(_share)
+    torch.set_num_threads(_share)
 
 # No machine that runs the tests reaches the Hub: a name left to it fails at once instead of after the Hub
 # client's retries. Set before transformers and huggingface_hub are imported, which read it once.
@@ -27,6 +35,19 @@ def matrix_table() -> list[str]:
     return lines
 
 
+def pytest_sessionfinish(session):
+    """An xdist worker hands its rows of the matrix to the controller, which prints the table."""
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["matrix"] = dict(MATRIX)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """The xdist controller: a finished worker's rows of the matrix."""
+    for model_type, row in getattr(node, "workeroutput", {}).get("matrix", {}).items():
+        MATRIX[model_type].update(row)
+
+
 def pytest_terminal_summary(terminalreporter):
     """Print the matrix; with EAGLE_MATRIX_MARKDOWN=FILE also write it there (scripts/supported_models.py)."""
     if MATRIX:
@@ -35,6 +56,14 @@ def pytest_terminal_summary(terminalreporter):
             terminalreporter.write_line(line)
         if os.environ.get("EAGLE_MATRIX_MARKDOWN"):
             Path(os.environ["EAGLE_MATRIX_MARKDOWN"]).write_text("\n".join(matrix_table()) + "\n")
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now: each `accelerate launch` of the tests gets its own, so launches in
+    parallel workers (pytest -n) never meet on accelerate's default port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 # ------------------------------------------------------------------------------ comparing forwards

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_same_forward
+from conftest import assert_same_forward, free_port
 from safetensors import safe_open
 
 import data_prep.capture as capture_mod
@@ -182,6 +182,8 @@ def test_two_processes_under_accelerate_make_one_store(smollm2, small_tokenized,
         "2",
         "--num_machines",
         "1",
+        "--main_process_port",
+        str(free_port()),
         "--mixed_precision",
         "no",
         "--dynamo_backend",

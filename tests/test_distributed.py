@@ -10,13 +10,13 @@ import importlib.util
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import free_port
 from safetensors.torch import load_file
 
 from eagle_train.checkpoint import load_draft_head
@@ -73,7 +73,7 @@ def one_process(data_path, out, *extra) -> dict:
 
 def launch_command(backend: str, args: list[str], script="train_eagle3.py", machines=None, processes=2) -> list[str]:
     """`accelerate launch` of 2 processes; machines = (rank, port) for one of 2 single-process nodes."""
-    where = ["--num_machines", "1"]
+    where = ["--num_machines", "1", "--main_process_port", str(free_port())]
     if machines is not None:
         rank, port = machines
         where = ["--num_machines", "2", "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1"]
@@ -245,9 +245,7 @@ def test_two_nodes_on_one_machine_train_one_head(reference, train_store, tmp_pat
     """Two `accelerate launch` commands, one per node (--num_machines 2 --machine_rank 0|1), train
     the one-process run together."""
     out = tmp_path / "nodes"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     nodes = [
         subprocess.Popen(
             launch_command("ddp", overrides(train_store, out), machines=(rank, port)),
