@@ -151,9 +151,9 @@ def summarise(results: list[dict], depth: int, drafter: str = "spec") -> dict:
 def divergence_counts(runs: list[dict]) -> dict:
     """Of the turns that part from plain decoding, how many at a near tie of the target's argmax and how
     many not (a decoding bug), with the largest gap; nothing when the engine records no divergence."""
-    parted = [r["divergence"] for r in runs if r.get("divergence")]
     if not any("divergence" in r for r in runs):
         return {}
+    parted = [r["divergence"] for r in runs if r.get("divergence")]
     return {
         "turns_parting_at_ties": sum(map(is_tie, parted)),
         "turns_parting_unexplained": sum(not is_tie(d) for d in parted),

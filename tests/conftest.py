@@ -12,7 +12,8 @@ import torch
 # Under pytest-xdist (`pytest -n 2`) each worker takes its share of the cores: torch's default of every core in
 # each worker oversubscribes the machine and its matmuls crawl. OMP_NUM_THREADS passes the share to subprocesses.
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
-    _share = max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    _share = max(1, _cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
     os.environ["OMP_NUM_THREADS"] = str(_share)
     torch.set_num_threads(_share)
 
