@@ -17,11 +17,13 @@ from eagle_train.head import HEAD_CLASSES, DraftHead, KVCache
 from eagle_train.layers import Attention
 
 
-def ttt_attention(attn: Attention, q, past: list[tuple[torch.Tensor, torch.Tensor]]):
-    """Attention of step i = len(past) - 1 during training-time test.
+def ttt_attention(attn: Attention, q, past: list[tuple[torch.Tensor, torch.Tensor]], where):
+    """Attention of step i = len(past) - 1 during training-time test, at the positions `where` only.
 
     past[0] holds step 0's keys/values (visible causally); past[j>0] holds step j's, each visible
     only at the same position (a diagonal). Equivalent to the runtime's per-step cache.
+    q [B, h, T, d]; where: the (batch, position) indices whose output is used. Returns o_proj's
+    output there [N, H].
     """
     k0, v0 = (attn.expand_kv(x) for x in past[0])
     t = q.shape[2]
@@ -35,7 +37,14 @@ def ttt_attention(attn: Attention, q, past: list[tuple[torch.Tensor, torch.Tenso
     out = torch.matmul(probs[..., :t], v0)
     for j, (_, v) in enumerate(past[1:]):
         out = out + probs[..., t + j : t + j + 1] * attn.expand_kv(v)
-    return attn.o_proj(out.transpose(1, 2).reshape(q.shape[0], t, -1))
+    return attn.o_proj(out.transpose(1, 2)[where].flatten(1))
+
+
+def scattered(shape, where, at_rows):
+    """A [B, h, T, d] tensor from its values at the positions `where` of a [B, T] `shape` (at_rows
+    [1, h, N, d]), zero elsewhere."""
+    values = at_rows[0].transpose(0, 1)  # [N, h, d]
+    return values.new_zeros(*shape, *values.shape[1:]).index_put(where, values).transpose(1, 2)
 
 
 @HEAD_CLASSES.register("eagle3")
@@ -48,18 +57,30 @@ class Eagle3Head(DraftHead):
         head.use_target_embedding(target_model)
         return head
 
-    def ttt_step(self, hidden, input_ids, position_ids, past: list):
+    def ttt_step(self, hidden, input_ids, position_ids, past: list, rows=None):
         """One training-time-test step over whole sequences.
 
         hidden: fc(aux) [B, T, H] at step 0, else the previous step's pre-norm output;
         input_ids: the tokens this step reads (shifted one further per step); past: the list of
-        earlier steps' (k, v), appended to. Returns the pre-norm output h [B, T, H].
+        earlier steps' (k, v), appended to. rows bool [B, T]: the positions whose output is used
+        (by a loss or a later step; None: all). Only these pay for the layer, but for step 0's keys
+        and values, which every later position attends to. Returns the pre-norm output h [B, T, H],
+        zero outside `rows`.
         """
-        layer = self.midlayer
-        cos, sin = self.rotary(position_ids)
-        q, k, v = layer.self_attn.qkv(layer.attention_input(hidden, self.embed_tokens(input_ids)), cos, sin)
+        layer, attn = self.midlayer, self.midlayer.self_attn
+        if rows is None:
+            rows = torch.ones(input_ids.shape, dtype=torch.bool, device=input_ids.device)
+        where = rows.nonzero(as_tuple=True)
+        if not past:
+            cos, sin = self.rotary(position_ids)
+            q, k, v = attn.qkv(layer.attention_input(hidden, self.embed_tokens(input_ids)), cos, sin)
+        else:
+            cos, sin = self.rotary(position_ids.expand(rows.shape)[where][None])
+            x = layer.attention_input(hidden[where], self.embed_tokens(input_ids[where]))
+            q, k, v = (scattered(rows.shape, where, y) for y in attn.qkv(x[None], cos, sin))
         past.append((k, v))
-        return layer.finish(hidden, ttt_attention(layer.self_attn, q, past))
+        out = layer.finish(hidden[where], ttt_attention(attn, q, past, where))
+        return out.new_zeros(*rows.shape, out.shape[-1]).index_put(where, out)
 
     def step(self, hidden, input_ids, position_ids, cache: KVCache | None = None, slots=None, mask=None):
         """The runtime's draft step: new tokens [B, n] at `position_ids`, written into `cache` at

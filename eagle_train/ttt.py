@@ -112,14 +112,15 @@ def ttt_loss(
         raise ValueError(f"ttt_length must be >= 1, got {ttt_length}")
     b, t = input_ids.shape
     positions = torch.arange(t, device=input_ids.device).expand(b, t)
+    # position p is supervised at step i iff p+i+2 < T, loss_mask[p+i+2] and in_draft[p+i+1]
+    supervised_at = [loss_mask[:, i + 2 :] & in_draft[:, i + 1 : t - 1] for i in range(ttt_length)]
     hidden, past = head.fc(aux_hidden), []
     steps = []  # per step: its supervised mask [B, n] and per-row loss and agreement
-    for i in range(ttt_length):
-        hidden = head.ttt_step(hidden, shift_left(input_ids, i + 1), positions + i, past)
-        # position p is supervised iff p+i+2 < T, loss_mask[p+i+2] and in_draft[p+i+1]
-        n = max(t - i - 2, 0)
-        supervised = loss_mask[:, i + 2 :] & in_draft[:, i + 1 : t - 1]
-        h = hidden[:, :n][supervised]
+    for i, supervised in enumerate(supervised_at):
+        hidden = head.ttt_step(
+            hidden, shift_left(input_ids, i + 1), positions + i, past, rows_used(supervised_at, i, t)
+        )
+        h = hidden[:, : supervised.shape[1]][supervised]
         if fused_loss:  # each row's target is read in place: row b*T + p+i+1 of the [B*T, Vd] targets
             where = supervised.nonzero()
             rows = where[:, 0] * t + where[:, 1] + i + 1
@@ -153,6 +154,15 @@ def ttt_loss(
     metrics["count_rounds"] = torch.tensor(len(rounds))
     metrics["count_chain_tokens"] = torch.tensor(sum(a + 1 for *_, a in rounds))
     return total, metrics
+
+
+def rows_used(supervised_at, i: int, t: int):
+    """bool [B, T]: the positions whose step-i output is used, by step i's loss or a later step's (step j at
+    position p reads step j-1's output at p). Prompts and padding are not: they only lend step 0 their keys."""
+    used = torch.zeros(supervised_at[0].shape[0], t, dtype=torch.bool, device=supervised_at[0].device)
+    for supervised in supervised_at[i:]:
+        used[:, : supervised.shape[1]] |= supervised
+    return used
 
 
 def chain_rounds(correct, loss_mask):

@@ -9,7 +9,7 @@ from conftest import VD, H, V, as_target_logits, tiny_head
 
 from eagle_train.eagle3 import Eagle3Head
 from eagle_train.hidden_states import TargetLogits
-from eagle_train.ttt import chain_rounds, simulated_acceptance_length, target_distribution, ttt_loss
+from eagle_train.ttt import chain_rounds, rows_used, simulated_acceptance_length, target_distribution, ttt_loss
 
 
 def random_batch(b=2, t=13, seed=0):
@@ -137,6 +137,33 @@ def test_every_ttt_step_loss_matches_the_cached_runtime_reference(fused_loss, re
         assert abs(metrics[f"acc_{i}"].item() - ref_acc) < 1e-9, f"step {i}"
     assert ref[3][2] < ref[0][2]  # later steps lose positions at the end
     assert abs(loss.item() - sum(0.8**i * r[0].item() for i, r in enumerate(ref))) < 1e-6
+
+
+@pytest.mark.parametrize("fused_loss", [False, True])
+def test_gradients_equal_the_cached_runtime_reference_and_unused_rows_cost_nothing(fused_loss):
+    aux, ids, mask, final, lm_head = random_batch(seed=5, t=15)
+    grads = []
+    for use_ttt in (True, False):
+        head = tiny_head(seed=5).double()
+        full = final @ lm_head.T  # the reference's fp64 target, not target_distribution's fp32 one
+        probs, in_draft = (
+            torch.softmax(full[..., head.draft_to_target_ids(torch.arange(VD))], -1),
+            head.t2d[full.argmax(-1)],
+        )
+        if use_ttt:
+            loss, _ = ttt_loss(head, aux, ids, mask, probs, in_draft, ttt_length=3, fused_loss=fused_loss)
+        else:
+            ref = reference_losses(head, aux, ids, mask, final, lm_head, 3)
+            loss = sum(0.8**i * r[0] for i, r in enumerate(ref))
+        loss.backward()
+        grads.append({n: p.grad for n, p in head.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 10
+    for name in grads[0]:
+        scale = grads[1][name].abs().max()  # RMSNorm normalises in fp32 even in an fp64 head
+        assert (grads[0][name] - grads[1][name]).abs().max() <= 1e-5 * scale, name
+    supervised_at = [mask[:, i + 2 :] & in_draft[:, i + 1 : -1] for i in range(3)]
+    used = [rows_used(supervised_at, i, 15) for i in range(3)]
+    assert 0 < used[2].sum() < used[0].sum() < mask.numel()  # the layer skips positions, fewer at later steps
 
 
 def test_logit_checkpointing_gives_the_same_loss_and_gradients():
