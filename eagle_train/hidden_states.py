@@ -117,6 +117,19 @@ class TargetLogits(nn.Module):
         scale = float(getattr(cfg, "logit_scale", None) or 1.0) / float(getattr(cfg, "logits_scaling", None) or 1.0)
         return cls(lm_head, scale, getattr(cfg, "final_logit_softcapping", None) or None)
 
+    def restricted(self, ids: torch.Tensor) -> "TargetLogits":
+        """The logits of the target ids `ids` (a bool mask [V] or indices) alone: the same rule on those lm_head
+        rows (scale and soft cap act per logit), a frozen copy."""
+        weight, bias = self.lm_head.weight, self.lm_head.bias
+        lm_head = nn.Linear(
+            weight.shape[1], int(ids.sum()) if ids.dtype == torch.bool else len(ids), bias=bias is not None
+        )
+        lm_head.requires_grad_(False)
+        lm_head.weight.data = weight.detach()[ids].clone()
+        if bias is not None:
+            lm_head.bias.data = bias.detach()[ids].clone()
+        return TargetLogits(lm_head, self.scale, self.softcap)
+
     def forward(self, final_hidden):
         logits = self.lm_head(final_hidden)
         if self.scale != 1.0:

@@ -99,6 +99,11 @@ def draw_seed(seed: int, epoch: int, index: int) -> int:
     return hash((seed, epoch, index)) % 2**63  # int tuples hash the same in every process
 
 
+def micro_batch(samples: list[dict], sample_ids: list[int], max_length: int, seed: int) -> dict:
+    """What `BatchSource` takes: the store items `sample_ids` padded, their ids and the batch's draw seed."""
+    return {**pad_samples(samples, max_length), "sample_ids": torch.tensor(sample_ids), "draw_seed": seed}
+
+
 class MicroBatches(torch.utils.data.Dataset):
     """Item k = micro-batch k of a list, padded, with its draw seed; lets a DataLoader prefetch them in workers."""
 
@@ -111,7 +116,8 @@ class MicroBatches(torch.utils.data.Dataset):
 
     def __getitem__(self, k):
         read = self.data.__getitem__ if self.with_hidden else self.data.tokens
-        return {**pad_samples([read(i) for i in self.batches[k]], self.max_length), "draw_seed": self.seeds[k]}
+        ids = self.batches[k]
+        return micro_batch([read(i) for i in ids], ids, self.max_length, self.seeds[k])
 
 
 def loader(data, batches, seeds, cfg: TrainConfig, with_hidden: bool):
@@ -139,7 +145,10 @@ class HeadRunner(nn.Module):
 
 class BatchSource:
     """Turns padded micro-batches into objective batches: aux states and the target distribution,
-    from the store (offline) or from running the target (online)."""
+    from the store (offline) or from running the target (online).
+
+    Where the target's argmax is a draft token (`in_draft`) is kept per sample after its first batch:
+    later epochs run only the draft vocabulary's rows of the target's lm_head."""
 
     def __init__(self, cfg: TrainConfig, target_model, t2d, aux_layer_ids, device):
         self.online = cfg.mode == "online"
@@ -147,6 +156,8 @@ class BatchSource:
         self.aux_layer_ids = aux_layer_ids
         self.target_logits = TargetLogits.of(target_model, device, torch.float32)
         self.t2d = t2d.to(device)
+        self.draft_logits = self.target_logits.restricted(self.t2d)
+        self.in_draft = {}  # sample id -> in_draft over its positions
         self.device = device
 
     def __call__(self, padded: dict) -> dict:
@@ -158,7 +169,16 @@ class BatchSource:
         else:
             aux, final = padded["aux_hidden"].to(self.device), padded["final_hidden"].to(self.device)
         loss_mask = padded["loss_mask"].to(self.device)
-        probs, in_draft = target_distribution(final, self.target_logits, self.t2d, loss_mask)
+        samples = padded["sample_ids"].tolist()
+        if all(i in self.in_draft for i in samples):
+            in_draft = torch.zeros_like(loss_mask, dtype=torch.bool)
+            for b, i in enumerate(samples):
+                in_draft[b, : len(self.in_draft[i])] = self.in_draft[i]
+            probs, in_draft = target_distribution(final, self.draft_logits, self.t2d, loss_mask, in_draft)
+        else:
+            probs, in_draft = target_distribution(final, self.target_logits, self.t2d, loss_mask)
+            for b, (i, n) in enumerate(zip(samples, padded["attention_mask"].sum(1).tolist())):
+                self.in_draft[i] = in_draft[b, :n].clone()
         return {
             "input_ids": ids,
             "loss_mask": loss_mask,

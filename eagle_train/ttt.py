@@ -29,7 +29,7 @@ REJECTION_WEIGHT = 0.0  # the extra weight of a draft a chain walk rejects, the 
 
 
 @torch.no_grad()
-def target_distribution(final_hidden, target_logits, t2d, loss_mask=None):
+def target_distribution(final_hidden, target_logits, t2d, loss_mask=None, in_draft=None):
     """Target probabilities over the draft vocabulary and where the target's argmax is a draft token.
 
     final_hidden [B, T, H] (post-norm), target_logits the target's `hidden_states.TargetLogits` (fp32),
@@ -42,16 +42,24 @@ def target_distribution(final_hidden, target_logits, t2d, loss_mask=None):
     P-EAGLE depth) is trained toward position t only to predict an assistant token x_{t+1}, and the
     target's lm_head over its whole vocabulary is an offline step's largest matmul. Elsewhere probs
     are 0 and in_draft False.
+
+    With `in_draft` known (from an earlier pass over the same samples), `target_logits` gives the draft
+    vocabulary's logits alone (`TargetLogits.restricted(t2d)`): the whole vocabulary is needed only to
+    find where the target's argmax falls outside it.
     """
     if loss_mask is None:
         needed = torch.ones(final_hidden.shape[:2], dtype=torch.bool, device=final_hidden.device)
     else:
         needed = shift_left(loss_mask.bool(), 1, False)
     probs = torch.zeros(*needed.shape, int(t2d.sum()), device=final_hidden.device)
-    in_draft = torch.zeros_like(needed)
     logits = target_logits(final_hidden[needed].float()).float()
-    probs[needed] = torch.softmax(logits[:, t2d], dim=-1)
-    in_draft[needed] = t2d[logits.argmax(-1)]
+    if in_draft is None:
+        in_draft = torch.zeros_like(needed)
+        in_draft[needed] = t2d[logits.argmax(-1)]
+        logits = logits[:, t2d]
+    elif logits.shape[-1] != probs.shape[-1]:
+        raise ValueError(f"with in_draft known, target_logits must give the {probs.shape[-1]} draft logits alone")
+    probs[needed] = torch.softmax(logits, dim=-1)
     return probs, in_draft
 
 

@@ -139,6 +139,22 @@ def test_a_smaller_draft_vocab_keeps_the_most_frequent_ids(train_store):
     assert vocab_map_of_size(vmap, TRAIN_DRAFT_VOCAB) is vmap
 
 
+def test_a_sample_seen_before_needs_only_the_draft_rows_of_the_target_lm_head(train_store, smollm2, tmp_path):
+    from eagle_train.store import ShardedSamples, read_vocab_map
+    from eagle_train.trainer import BatchSource, micro_batch
+
+    cfg = config(train_store, tmp_path)
+    t2d = read_vocab_map(train_store)["t2d"]
+    source = BatchSource(cfg, smollm2[0], t2d, [2, 15, 27], torch.device("cpu"))
+    data, ids = ShardedSamples(train_store), [3, 1, 4]
+    first = source(micro_batch([data[i] for i in ids], ids, 128, seed=0))
+    assert sorted(source.in_draft) == sorted(ids)
+    source.target_logits = None  # a second pass over these samples must not need the whole vocabulary
+    again = source(micro_batch([data[i] for i in ids[::-1]], ids[::-1], 128, seed=0))
+    assert torch.equal(again["in_draft"], first["in_draft"].flip(0)) and first["in_draft"].any()
+    assert torch.allclose(again["target_probs"], first["target_probs"].flip(0), atol=1e-6)
+
+
 def test_batches_are_length_grouped_within_budget_and_seeded():
     lengths = [5, 90, 30, 31, 64, 7, 100, 12, 45, 46]
     batches = epoch_batches(list(range(10)), lengths, 128, seed=3, epoch=0)

@@ -72,6 +72,19 @@ def test_target_distribution_is_the_target_softmax_on_the_draft_vocab():
     assert torch.equal(draft_targets[probs.argmax(-1)][in_draft], full.argmax(-1)[in_draft])
 
 
+def test_with_in_draft_known_the_draft_rows_alone_give_the_same_distribution():
+    head = tiny_head().double()
+    _, _, mask, final, lm_head = random_batch(seed=6)
+    target_logits = as_target_logits(lm_head)
+    target_logits.scale, target_logits.softcap = 0.7, 2.0  # per-logit rules the restricted rows keep
+    probs, in_draft = target_distribution(final, target_logits, head.t2d, mask)
+    again, known = target_distribution(final, target_logits.restricted(head.t2d), head.t2d, mask, in_draft)
+    assert known is in_draft and 0 < in_draft.float().mean() < 1
+    assert torch.allclose(again, probs, atol=1e-6) and probs.any()
+    with pytest.raises(ValueError, match="draft logits alone"):
+        target_distribution(final, target_logits, head.t2d, mask, in_draft)
+
+
 @pytest.mark.parametrize("fused_loss", [False, True])
 def test_target_distribution_at_the_trained_positions_only_changes_no_loss_or_gradient(fused_loss):
     aux, ids, mask, final, lm_head = random_batch(seed=4, t=15)

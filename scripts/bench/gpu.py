@@ -448,7 +448,7 @@ def bench_train(args, device, model, tokenizer) -> dict:
     from eagle_train.eagle3_train import build_eagle3_head, eagle3_objective
     from eagle_train.store import read_vocab_map
     from eagle_train.train_config import TrainConfig
-    from eagle_train.trainer import BatchSource, HeadRunner, draw_seed, pad_samples
+    from eagle_train.trainer import BatchSource, HeadRunner, draw_seed, micro_batch
 
     cfg = TrainConfig(
         target=args.target, data_path=args.data, mode="online", max_length=2048, tokens_per_batch=args.train_tokens
@@ -463,7 +463,7 @@ def bench_train(args, device, model, tokenizer) -> dict:
     data, batches = real_batches(args.data, args.train_tokens, args.train_tokens * (args.train_steps + 2))
     batches = batches[: args.train_steps + 1]
     padded = [
-        {**pad_samples([data.tokens(i) for i in b], cfg.max_length), "draw_seed": draw_seed(cfg.seed, 0, k)}
+        micro_batch([data.tokens(i) for i in b], b, cfg.max_length, draw_seed(cfg.seed, 0, k))
         for k, b in enumerate(batches)
     ]
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
