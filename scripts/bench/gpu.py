@@ -218,7 +218,9 @@ def decode_weight_bytes(model) -> int:
 def bench_decode(args, device, model, tokenizer, save=lambda partial: None) -> dict:
     from eagle_train.checkpoint import load_draft_head
     from eagle_train.target import end_of_turn_ids
+    from inference.divergence import first_divergence
     from inference.drafting import TreeShape
+    from inference.evaluate import divergence_counts, identical_note
     from inference.generate import Runtime
 
     eos = end_of_turn_ids(model, tokenizer)
@@ -291,8 +293,8 @@ def bench_decode(args, device, model, tokenizer, save=lambda partial: None) -> d
     configs.sort(key=lambda c: (c[1] != middle[c[0]], "tree" not in c[1]))
     heads = {}
     rows = [
-        ["HF generate", "", "", hf_tps, hf_tps / sub_plain_tps, 1.0, ""],
-        ["plain (runtime)", "", "", plain_tps, 1.0, sub_plain_tps / hf_tps, ""],
+        ["HF generate", "", "", hf_tps, hf_tps / sub_plain_tps, 1.0, "", ""],
+        ["plain (runtime)", "", "", plain_tps, 1.0, sub_plain_tps / hf_tps, "", ""],
     ]
     out["speculative"] = []
     for method, name, path, shape in configs:
@@ -302,7 +304,7 @@ def bench_decode(args, device, model, tokenizer, save=lambda partial: None) -> d
             rt = Runtime(model, heads[path], shape, eos_token_ids=eos)
             rt.generate(all_turns[0]["ids"], 8)  # graph capture
             tokens = seconds = forwards = emitted = 0
-            accepted, identical = [], 0
+            accepted, identical, parted = [], 0, []
             for t in all_turns:
                 r = rt.generate(t["ids"], args.max_new_tokens)
                 tokens += len(r.output_ids)
@@ -311,11 +313,15 @@ def bench_decode(args, device, model, tokenizer, save=lambda partial: None) -> d
                 emitted += sum(r.emitted)
                 accepted += r.accepted
                 identical += r.output_ids == t["plain"].output_ids
+                plain_ids = t["plain"].output_ids
+                parted.append(
+                    {"divergence": first_divergence(rt, t["ids"], plain_ids, r.output_ids, args.max_new_tokens)}
+                )
         except Exception as e:  # e.g. a head the runtime cannot drive yet: the other shapes still run
             out["speculative"].append(
                 {"method": method, "drafting": name, "head": str(path), "error": f"{type(e).__name__}: {e}"}
             )
-            rows.append([f"{method} {name}", "error", f"{type(e).__name__}: {str(e)[:60]}", "", "", "", ""])
+            rows.append([f"{method} {name}", "error", f"{type(e).__name__}: {str(e)[:60]}", "", "", "", "", ""])
             print(f"{method} {name}: {type(e).__name__}: {e}", file=sys.stderr)
             continue
         al = emitted / max(forwards, 1)
@@ -332,6 +338,7 @@ def bench_decode(args, device, model, tokenizer, save=lambda partial: None) -> d
             "speedup_vs_hf": tps / hf_tps,
             "speedup_over_al": speedup / al,
             "identical_to_plain": identical,
+            **divergence_counts(parted),
             "turns": len(all_turns),
         }
         out["speculative"].append(record)
@@ -345,6 +352,7 @@ def bench_decode(args, device, model, tokenizer, save=lambda partial: None) -> d
                 speedup,
                 tps / hf_tps,
                 f"{speedup / al:.2f}",
+                f"{identical}/{len(all_turns)}{identical_note(record)}",
             ]
         )
 
@@ -361,7 +369,7 @@ def bench_decode(args, device, model, tokenizer, save=lambda partial: None) -> d
         table(
             f"\n== decode at batch 1, greedy, {len(all_turns)} turns of {args.prompts} prompts x "
             f"{len(turns)} benches, <= {args.max_new_tokens} new tokens (AL: tokens per verification)",
-            ["", "AL", "accept@pos", "tok/s", "x plain", "x HF", "speedup/AL"],
+            ["", "AL", "accept@pos", "tok/s", "x plain", "x HF", "speedup/AL", "identical to plain"],
             rows,
         )
     )
