@@ -63,9 +63,9 @@ class Eagle3Head(DraftHead):
         hidden: fc(aux) [B, T, H] at step 0, else the previous step's pre-norm output;
         input_ids: the tokens this step reads (shifted one further per step); past: the list of
         earlier steps' (k, v), appended to. rows bool [B, T]: the positions whose output is used
-        (by a loss or a later step; None: all). Only these pay for the layer, but for step 0's keys
-        and values, which every later position attends to. Returns the pre-norm output h [B, T, H],
-        zero outside `rows`.
+        (by a loss or a later step; None: all). Only these pay for the layer, but for step 0's q/k/v
+        projections (its keys and values are what every later position attends to). Returns the
+        pre-norm output h [B, T, H], zero outside `rows`.
         """
         layer, attn = self.midlayer, self.midlayer.self_attn
         if rows is None:

@@ -312,8 +312,8 @@ def bench_decode(args, device, model, tokenizer, save=lambda partial: None) -> d
                 forwards += r.forwards
                 emitted += sum(r.emitted)
                 accepted += r.accepted
-                identical += r.output_ids == t["plain"].output_ids
                 plain_ids = t["plain"].output_ids
+                identical += r.output_ids == plain_ids
                 parted.append(
                     {"divergence": first_divergence(rt, t["ids"], plain_ids, r.output_ids, args.max_new_tokens)}
                 )
