@@ -171,14 +171,15 @@ class BatchSource:
         loss_mask = padded["loss_mask"].to(self.device)
         samples = padded["sample_ids"].tolist()
         if all(i in self.in_draft for i in samples):
-            in_draft = torch.zeros_like(loss_mask, dtype=torch.bool)
+            in_draft = torch.zeros(loss_mask.shape, dtype=torch.bool)
             for b, i in enumerate(samples):
                 in_draft[b, : len(self.in_draft[i])] = self.in_draft[i]
+            in_draft = in_draft.to(self.device)
             probs, in_draft = target_distribution(final, self.draft_logits, self.t2d, loss_mask, in_draft)
         else:
             probs, in_draft = target_distribution(final, self.target_logits, self.t2d, loss_mask)
             for b, (i, n) in enumerate(zip(samples, padded["attention_mask"].sum(1).tolist())):
-                self.in_draft[i] = in_draft[b, :n].clone()
+                self.in_draft[i] = in_draft[b, :n].to("cpu", copy=True)  # host memory: a byte per token of the data
         return {
             "input_ids": ids,
             "loss_mask": loss_mask,
