@@ -92,6 +92,18 @@ def target_hidden_states(model, input_ids, attention_mask=None, aux_layer_ids=No
     return aux, out.last_hidden_state
 
 
+def frozen_linear(linear: nn.Linear, convert) -> nn.Linear:
+    """A frozen nn.Linear holding `convert` of `linear`'s weight and bias (detached)."""
+    weight = convert(linear.weight.detach())
+    bias = None if linear.bias is None else convert(linear.bias.detach())
+    out = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+    out.requires_grad_(False)
+    out.weight.data = weight
+    if bias is not None:
+        out.bias.data = bias
+    return out
+
+
 class TargetLogits(nn.Module):
     """The target's logits from its final (post-norm) hidden state, computed as the target computes them:
     its lm_head, then the architecture's scale (Cohere's `logit_scale`, Granite's 1 / `logits_scaling`)
@@ -108,27 +120,14 @@ class TargetLogits(nn.Module):
         cfg = text_config(model.config)
         lm_head = model.get_output_embeddings()
         if device is not None or dtype is not None:
-            weight, bias = lm_head.weight, lm_head.bias
-            lm_head = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
-            lm_head.requires_grad_(False)
-            lm_head.weight.data = weight.detach().to(device, dtype)
-            if bias is not None:
-                lm_head.bias.data = bias.detach().to(device, dtype)
+            lm_head = frozen_linear(lm_head, lambda x: x.to(device, dtype))
         scale = float(getattr(cfg, "logit_scale", None) or 1.0) / float(getattr(cfg, "logits_scaling", None) or 1.0)
         return cls(lm_head, scale, getattr(cfg, "final_logit_softcapping", None) or None)
 
     def restricted(self, ids: torch.Tensor) -> "TargetLogits":
         """The logits of the target ids `ids` (a bool mask [V] or indices) alone: the same rule on those lm_head
         rows (scale and soft cap act per logit), a frozen copy."""
-        weight, bias = self.lm_head.weight, self.lm_head.bias
-        lm_head = nn.Linear(
-            weight.shape[1], int(ids.sum()) if ids.dtype == torch.bool else len(ids), bias=bias is not None
-        )
-        lm_head.requires_grad_(False)
-        lm_head.weight.data = weight.detach()[ids].clone()
-        if bias is not None:
-            lm_head.bias.data = bias.detach()[ids].clone()
-        return TargetLogits(lm_head, self.scale, self.softcap)
+        return TargetLogits(frozen_linear(self.lm_head, lambda x: x[ids].clone()), self.scale, self.softcap)
 
     def forward(self, final_hidden):
         logits = self.lm_head(final_hidden)
