@@ -1,6 +1,8 @@
 """EAGLE-3's two plug-ins for the shared trainer loop (`eagle_train.trainer.train`): the head
 builder and the objective (one training-time-test unroll per micro-batch, `eagle_train.ttt`)."""
 
+import torch
+
 from eagle_train.checkpoint import load_draft_head
 from eagle_train.eagle3 import Eagle3Head
 from eagle_train.train_config import TrainConfig
@@ -34,13 +36,18 @@ def eagle3_objective(
     fused_loss: bool = False,
     tv_weight: float = TV_WEIGHT,
     rejection_weight: float = REJECTION_WEIGHT,
+    feature_noise: float = 0.0,
 ):
-    """The trainer's objective for EAGLE-3: one TTT unroll and one backward per micro-batch."""
+    """The trainer's objective for EAGLE-3: one TTT unroll and one backward per micro-batch
+    (training batches with `feature_noise`, see `noisy_features`; evaluation, under no_grad, without)."""
 
     def objective(model, batch, backward):
+        aux = batch["aux_hidden"]
+        if feature_noise and torch.is_grad_enabled():
+            aux = noisy_features(aux, feature_noise, batch["generator"])
         loss, metrics = model(
             ttt_loss,
-            batch["aux_hidden"],
+            aux,
             batch["input_ids"],
             batch["loss_mask"],
             batch["target_probs"],
@@ -56,3 +63,13 @@ def eagle3_objective(
         return metrics
 
     return objective
+
+
+def noisy_features(aux_hidden, scale: float, generator):
+    """The target's fused hidden states [B, T, 3H] plus Gaussian noise, for each of the three layers of each
+    token `scale` times that layer's RMS there: an augmentation against a head that memorises a small store
+    (the layers differ in scale by orders of magnitude, so one absolute level would drown the low layer)."""
+    layers = aux_hidden.unflatten(-1, (3, -1))
+    rms = layers.pow(2).mean(-1, keepdim=True).sqrt()
+    noise = torch.randn(layers.shape, generator=generator).to(layers.device, layers.dtype)
+    return (layers + scale * rms * noise).flatten(-2)

@@ -66,6 +66,8 @@ def validate_peagle(cfg, target_config) -> None:
         raise ValueError(
             "rejection_weight weighs EAGLE-3's chain walk (scripts/train_eagle3.py): set it to 0 for P-EAGLE"
         )
+    if cfg.feature_noise:
+        raise ValueError("feature_noise augments EAGLE-3's training (scripts/train_eagle3.py): set it to 0 for P-EAGLE")
     if cfg.num_depths < 2:
         raise ValueError(f"num_depths (K, drafts per forward) must be >= 2, got {cfg.num_depths}")
     if cfg.num_segments is not None and cfg.num_segments < 1:

@@ -50,6 +50,8 @@ class TrainConfig:
     tv_weight: float = TV_WEIGHT  # each draft's loss is (1 - w) soft CE + w total variation (EAGLE-3 and P-EAGLE)
     # EAGLE-3: a draft the current head's chain walk gets rejected at weighs 1 + w (eagle_train.ttt.chain_rounds)
     rejection_weight: float = REJECTION_WEIGHT
+    # EAGLE-3: noise on the training batches' target hidden states, times each layer's RMS (eagle3_train.noisy_features)
+    feature_noise: float = 0.0
     # P-EAGLE (method peagle; checked by eagle_train.peagle_train.validate_peagle)
     num_depths: int = NUM_DEPTHS  # K: drafts per forward
     draft_num_layers: int | None = None  # N: None -> 2 below target hidden 2048, else 4
@@ -261,6 +263,7 @@ def validate(cfg: TrainConfig, target_config) -> None:
     need(cfg.stop_after_step >= 0, f"stop_after_step must be >= 0 (0: run to the end), got {cfg.stop_after_step}")
     need(0 <= cfg.eval_fraction < 1, f"eval_fraction must be in [0, 1), got {cfg.eval_fraction}")
     need(0 < cfg.learning_rate < math.inf, f"learning_rate must be a number > 0, got {cfg.learning_rate}")
+    need(cfg.feature_noise >= 0, f"feature_noise must be >= 0 (0: none), got {cfg.feature_noise}")
     need(cfg.weight_decay >= 0, f"weight_decay must be >= 0, got {cfg.weight_decay}")
     need(cfg.warmup_steps >= 0, f"warmup_steps must be >= 0 (0: no warmup), got {cfg.warmup_steps}")
     need(cfg.max_steps >= 0, f"max_steps must be >= 0 (0: run num_epochs), got {cfg.max_steps}")

@@ -17,7 +17,13 @@ from eagle_train.trainer import train
 def main(argv=None):
     cfg = config_from_command_line(__doc__, "eagle3", argv)
     objective = eagle3_objective(
-        cfg.ttt_length, cfg.ttt_decay, cfg.gradient_checkpointing, cfg.fused_loss, cfg.tv_weight, cfg.rejection_weight
+        cfg.ttt_length,
+        cfg.ttt_decay,
+        cfg.gradient_checkpointing,
+        cfg.fused_loss,
+        cfg.tv_weight,
+        cfg.rejection_weight,
+        cfg.feature_noise,
     )
     with one_line_refusals():  # train() checks the config before any compute
         train(cfg, build_eagle3_head, objective)

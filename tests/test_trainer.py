@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 from eagle_train.batching import epoch_batches
 from eagle_train.checkpoint import load_draft_head
-from eagle_train.eagle3_train import build_eagle3_head, eagle3_objective
+from eagle_train.eagle3_train import build_eagle3_head, eagle3_objective, noisy_features
 from eagle_train.train_config import load_train_config
 from eagle_train.trainer import train
 
@@ -155,6 +155,32 @@ def test_a_sample_seen_before_needs_only_the_draft_rows_of_the_target_lm_head(tr
     assert torch.allclose(again["target_probs"], first["target_probs"].flip(0), atol=1e-6)
 
 
+def test_feature_noise_scales_with_each_layer_and_reaches_training_batches_only():
+    scales = torch.tensor([0.5, 5.0, 200.0])  # the low, mid and high layers of a real target differ so
+    aux = (torch.randn(2, 50, 3, 64) * scales[:, None]).flatten(-2)
+    batch = {"aux_hidden": aux, "input_ids": None, "loss_mask": None, "target_probs": None, "in_draft": None}
+    seen = []
+
+    def model(fn, features, *args, **kwargs):
+        seen.append(features)
+        return features.sum(), {}
+
+    objective = eagle3_objective(feature_noise=0.1)
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            objective(model, {**batch, "generator": torch.Generator().manual_seed(7)}, lambda loss: None)
+    trained, evaluated = seen
+    assert torch.equal(evaluated, aux)
+    assert torch.equal(trained, noisy_features(aux, 0.1, torch.Generator().manual_seed(7)))
+    assert not torch.equal(trained, noisy_features(aux, 0.1, torch.Generator().manual_seed(8)))
+    layers, noise = aux.unflatten(-1, (3, -1)), (trained - aux).unflatten(-1, (3, -1))
+    relative = noise / (0.1 * layers.pow(2).mean(-1, keepdim=True).sqrt())
+    n = relative[..., 0, :].numel()
+    for layer in range(3):  # standard normal per layer: sample std within 5 of its standard errors (1 / sqrt(2n))
+        assert relative[..., layer, :].std().item() == pytest.approx(1.0, abs=5 / (2 * n) ** 0.5)
+        assert relative[..., layer, :].mean().item() == pytest.approx(0.0, abs=5 / n**0.5)
+
+
 def test_batches_are_length_grouped_within_budget_and_seeded():
     lengths = [5, 90, 30, 31, 64, 7, 100, 12, 45, 46]
     batches = epoch_batches(list(range(10)), lengths, 128, seed=3, epoch=0)
@@ -281,6 +307,7 @@ def test_a_run_that_supervises_nothing_stops(train_store, tmp_path):
         (["keep_checkpoints=0"], "keep_checkpoints must be >= 1"),
         (["learning_rate=.inf"], "learning_rate must be a number > 0"),
         (["weight_decay=-0.1"], "weight_decay must be >= 0"),
+        (["feature_noise=-0.1"], "feature_noise must be >= 0"),
         (["num_epochs=0", "max_steps=3"], "num_epochs must be >= 1"),
         (["num_workers=-1"], "num_workers must be >= 0"),
     ],
