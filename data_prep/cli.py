@@ -3,7 +3,7 @@
     eagle-prep tokenize   --target smollm2-135m --data sharegpt --limit 64 --out runs/x/tokenized
     eagle-prep show-mask  --target smollm2-135m --data sharegpt --index 0
     eagle-prep regenerate --target smollm2-135m --data sharegpt --limit 64 --out runs/x/regenerated.jsonl
-    eagle-prep vocab      --data runs/x/tokenized --draft-vocab-size 32000
+    eagle-prep vocab      --data runs/x/tokenized --draft-vocab-size 32000 [--fill-from sharegpt]
     eagle-prep capture    --target smollm2-135m --data runs/x/tokenized --out runs/x/store
     eagle-prep distil     --target smollm2-135m --data sharegpt --limit 500 --out runs/x/store
     eagle-prep run        --config configs/smollm2_sharegpt.yaml [prep.num_conversations=200 ...]
@@ -31,7 +31,7 @@ from data_prep.dataset import tokenize_dataset
 from data_prep.distil import ENGINES, distil
 from data_prep.readers import SHAREGPT, ReadReport, read_conversations
 from data_prep.regenerate import regenerate, regenerate_batch
-from data_prep.vocab import coverage_line, make_vocab_map
+from data_prep.vocab import count_answer_tokens, coverage_line, make_vocab_map
 from eagle_train.architectures import check_supported
 from eagle_train.store import STORE_DTYPES, read_manifest
 from eagle_train.target import SMOLLM2, load_target, load_target_config, load_tokenizer
@@ -195,11 +195,20 @@ def distil_store(target, data, out, *, limit, split, device=None, engine="hf", v
     return manifest
 
 
-def rewrite_vocab_map(data, draft_vocab_size) -> dict:
-    """Recount the loss-masked tokens of a tokenized dataset or store and rewrite its vocab map."""
-    vocab_size = read_manifest(data)["target"]["vocab_size"]
-    vmap = make_vocab_map(data, vocab_size, draft_vocab_size)
+def rewrite_vocab_map(data, draft_vocab_size, fill_from=None, fill_conversations=20000) -> dict:
+    """Recount the loss-masked tokens of a tokenized dataset or store and rewrite its vocab map; with
+    `fill_from`, ids the data uses equally often (never, most of all) go by the answers of that source's first
+    `fill_conversations` conversations."""
+    manifest = read_manifest(data)
+    vocab_size = manifest["target"]["vocab_size"]
+    fill = None
+    if fill_from:
+        fill = count_answer_tokens(fill_from, load_tokenizer(manifest["tokenizer"]), vocab_size, fill_conversations)
+    vmap = make_vocab_map(data, vocab_size, draft_vocab_size, fill)
     print(coverage_line(vmap))
+    if fill is not None:
+        filled = int((vmap["t2d"] & (vmap["counts"] == 0)).sum())
+        print(f"{filled} draft ids the data never uses, chosen by {int(fill.sum())} answer tokens of {fill_from}")
     print(f"wrote {Path(data) / 'vocab_map.safetensors'}")
     return vmap
 
@@ -503,6 +512,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--data", required=True, help="tokenized dataset or store directory")
     s.add_argument("--draft-vocab-size", type=int, default=default(make_vocab_map, "draft_vocab_size"))
+    s.add_argument(
+        "--fill-from",
+        default=None,
+        help="conversations (sharegpt, a file, a hub dataset) whose answers rank the ids the data never uses: "
+        "a small dataset's map then fills with words answers elsewhere use",
+    )
+    s.add_argument(
+        "--fill-conversations",
+        type=int,
+        default=default(rewrite_vocab_map, "fill_conversations"),
+        help="how many of --fill-from's conversations to count (default %(default)s)",
+    )
 
     s = add(
         "capture",

@@ -2,10 +2,16 @@
 
 The draft's lm_head covers only the `Vd` ids seen most often among loss-masked tokens (what the
 draft is trained to predict), which cuts its largest matmul; docs/design.md section 3 fixes the map.
+A small dataset leaves ids at count 0 (a store of 600 answers uses ~6k ids): answers from wider
+text (`count_answer_tokens`) rank those, so the map fills with words answers elsewhere use.
 """
 
-import torch
+import itertools
 
+import torch
+from tqdm import tqdm
+
+from data_prep.readers import read_conversations
 from eagle_train.store import ShardedSamples, write_vocab_map
 from eagle_train.vocab_map import DRAFT_VOCAB_SIZE, top_k_vocab_map
 
@@ -19,23 +25,38 @@ def count_tokens(samples, vocab_size: int) -> torch.Tensor:
     return counts
 
 
-def build_vocab_map(counts: torch.Tensor, draft_vocab_size: int = DRAFT_VOCAB_SIZE) -> dict:
-    """Top-Vd ids by count (ties to the lower id), sorted ascending, as `d2t`/`t2d`, plus coverage.
+def count_answer_tokens(source: str, tokenizer, vocab_size: int, limit: int) -> torch.Tensor:
+    """Counts of each target id in the assistant turns of the first `limit` conversations of `source`
+    (any `read_conversations` source), each turn's text tokenized alone."""
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for conv in tqdm(itertools.islice(read_conversations(source), limit), total=limit, unit="conv", desc="count"):
+        for m in conv["messages"]:
+            if m["role"] == "assistant":
+                ids = torch.tensor(tokenizer(m["content"], add_special_tokens=False)["input_ids"], dtype=torch.int64)
+                counts += torch.bincount(ids, minlength=vocab_size)[:vocab_size]
+    return counts
+
+
+def build_vocab_map(counts: torch.Tensor, draft_vocab_size: int = DRAFT_VOCAB_SIZE, fill=None) -> dict:
+    """Top-Vd ids by count (ties by `fill`'s counts when given, then to the lower id), sorted ascending, as
+    `d2t`/`t2d`, plus coverage.
 
     `target_id = draft_id + d2t[draft_id]`; `t2d[target_id]` is true for ids in the draft vocab.
     `coverage` is the fraction of loss-masked tokens the draft vocabulary can express.
     """
-    vmap = top_k_vocab_map(counts, draft_vocab_size)
+    vmap = top_k_vocab_map(counts, draft_vocab_size, fill)
     total = int(counts.sum())
     coverage = float(counts[vmap["t2d"]].sum()) / total if total else 0.0
-    return {**vmap, "counts": counts, "coverage": coverage}
+    return {**vmap, "counts": counts, "coverage": coverage, **({} if fill is None else {"fill": fill})}
 
 
-def make_vocab_map(path, vocab_size: int, draft_vocab_size: int = DRAFT_VOCAB_SIZE) -> dict:
-    """Count a tokenized dataset or store at `path` and write its `vocab_map.safetensors`."""
+def make_vocab_map(path, vocab_size: int, draft_vocab_size: int = DRAFT_VOCAB_SIZE, fill=None) -> dict:
+    """Count a tokenized dataset or store at `path` and write its `vocab_map.safetensors` (with `fill`, the
+    wider text's counts that rank its ties)."""
     data = ShardedSamples(path)
-    vmap = build_vocab_map(count_tokens((data.tokens(i) for i in range(len(data))), vocab_size), draft_vocab_size)
-    write_vocab_map(path, vmap["d2t"], vmap["t2d"], vmap["counts"])
+    counts = count_tokens((data.tokens(i) for i in range(len(data))), vocab_size)
+    vmap = build_vocab_map(counts, draft_vocab_size, fill)
+    write_vocab_map(path, vmap["d2t"], vmap["t2d"], vmap["counts"], fill)
     return vmap
 
 

@@ -316,19 +316,23 @@ def finalize_manifest(path: str | Path, header: dict) -> dict:
     return manifest
 
 
-def write_vocab_map(path: str | Path, d2t: torch.Tensor, t2d: torch.Tensor, counts: torch.Tensor) -> None:
-    write_safetensors(
-        Path(path) / VOCAB_MAP,
-        {
-            "d2t": d2t.to(torch.int64).contiguous(),
-            "t2d": t2d.to(torch.bool).contiguous(),
-            "counts": counts.to(torch.int64).contiguous(),
-        },
-    )
+def write_vocab_map(
+    path: str | Path, d2t: torch.Tensor, t2d: torch.Tensor, counts: torch.Tensor, fill: torch.Tensor | None = None
+) -> None:
+    """`fill`: the wider text's counts that ranked the data's ties (`vocab_map.top_k_vocab_map`), if any."""
+    tensors = {
+        "d2t": d2t.to(torch.int64).contiguous(),
+        "t2d": t2d.to(torch.bool).contiguous(),
+        "counts": counts.to(torch.int64).contiguous(),
+    }
+    if fill is not None:
+        tensors["fill"] = fill.to(torch.int64).contiguous()
+    write_safetensors(Path(path) / VOCAB_MAP, tensors)
 
 
 def read_vocab_map(path: str | Path) -> dict[str, torch.Tensor]:
-    """`d2t` int64 [Vd], `t2d` bool [V], `counts` int64 [V] from a store or tokenized dataset dir."""
+    """`d2t` int64 [Vd], `t2d` bool [V], `counts` int64 [V] and, where the map has one, `fill` int64 [V]
+    from a store or tokenized dataset dir."""
     file = Path(path) / VOCAB_MAP if Path(path).is_dir() else Path(path)
     if not file.is_file():
         raise FileNotFoundError(f"no {VOCAB_MAP} in {path}; make one with `eagle-prep vocab`")
@@ -336,11 +340,13 @@ def read_vocab_map(path: str | Path) -> dict[str, torch.Tensor]:
     try:
         with safe_open(str(file), framework="pt") as f:
             vmap = {k: f.get_tensor(k) for k in ("d2t", "t2d", "counts")}
+            if "fill" in f.keys():
+                vmap["fill"] = f.get_tensor("fill")
     except (SafetensorError, OSError) as e:
         raise unreadable(file, "vocab map", e, remake) from None
     ids, t2d = vmap["d2t"] + torch.arange(len(vmap["d2t"])), vmap["t2d"]  # draft id k is target id k + d2t[k]
     consistent = (
-        len(vmap["counts"]) == len(t2d)
+        len(vmap["counts"]) == len(t2d) == len(vmap.get("fill", t2d))
         and bool((ids[1:] > ids[:-1]).all())
         and (len(ids) == 0 or 0 <= int(ids[0]) <= int(ids[-1]) < len(t2d))
         and int(t2d.sum()) == len(ids)

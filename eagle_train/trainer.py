@@ -191,11 +191,12 @@ class BatchSource:
 
 
 def vocab_map_of_size(vmap: dict, size: int) -> dict:
-    """The `size` most frequent ids of a vocab map's counts (ties to the lower id), sorted ascending:
-    the docs/design.md section 3 rule, so a run can use a smaller (faster) draft vocabulary than the data's map."""
+    """The `size` most frequent ids of a vocab map's counts (ties by its fill, then to the lower id), sorted
+    ascending: the docs/design.md section 3 rule, so a run can use a smaller (faster) draft vocabulary than
+    the data's map."""
     if size == len(vmap["d2t"]):
         return vmap
-    return {**top_k_vocab_map(vmap["counts"], size), "counts": vmap["counts"]}
+    return {**vmap, **top_k_vocab_map(vmap["counts"], size, vmap.get("fill"))}
 
 
 def count_weighted(key: str, metrics: dict) -> str | None:

@@ -301,6 +301,9 @@ def test_vocab_map_definition():
     assert (torch.arange(2) + tie["d2t"]).tolist() == [0, 1]
     full = build_vocab_map(counts, draft_vocab_size=32000)  # capped at V
     assert len(full["d2t"]) == 8 and full["t2d"].all() and full["coverage"] == 1.0
+    fill = torch.tensor([0, 0, 0, 0, 0, 0, 0, 0, 0, 4, 0, 7])  # wider text ranks the ids the data never shows
+    filled = build_vocab_map(torch.tensor([1, 0, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0]), draft_vocab_size=4, fill=fill)
+    assert (torch.arange(4) + filled["d2t"]).tolist() == [0, 2, 9, 11] and torch.equal(filled["fill"], fill)
 
 
 # ------------------------------------------------------------------------------------ regeneration
@@ -377,6 +380,35 @@ def test_cli_show_mask_and_vocab(conversations_jsonl, small_tokenized, tmp_path,
     with pytest.raises(SystemExit):
         cli.main(["tokenize", "--help"])
     assert "--max-length" in capsys.readouterr().out
+
+
+def test_vocab_fill_keeps_every_id_the_data_uses_and_adds_the_wider_answers_most_frequent(
+    small_tokenized, smollm2, tmp_path, capsys
+):
+    from eagle_train.trainer import vocab_map_of_size
+
+    wider = [
+        {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Tomatoes, tomatoes! " * k}]}
+        for k in (1, 3)
+    ] + [{"messages": [{"role": "user", "content": "Tomatoes?"}, {"role": "assistant", "content": "Zebras graze."}]}]
+    source = tmp_path / "wider.jsonl"
+    source.write_text("".join(json.dumps(c) + "\n" for c in wider))
+    data = shutil.copytree(small_tokenized, tmp_path / "tokenized")
+    used = read_vocab_map(data)["counts"] > 0
+    size = int(used.sum()) + 3
+    cli.main(["vocab", "--data", str(data), "--draft-vocab-size", str(size), "--fill-from", str(source)])
+    assert "3 draft ids the data never uses, chosen by" in capsys.readouterr().out
+    vmap = read_vocab_map(data)
+    reference = torch.zeros(49152, dtype=torch.int64)  # the wider answers' tokens, user turns left out
+    for c in wider:
+        for token in smollm2[1](c["messages"][1]["content"], add_special_tokens=False)["input_ids"]:
+            reference[token] += 1
+    assert torch.equal(vmap["fill"], reference)
+    unused = reference.masked_fill(used, -1)
+    ranked = torch.sort(-unused, stable=True).indices[:3]  # most frequent first, ties to the lower id
+    assert torch.equal(vmap["t2d"], used | torch.zeros_like(used).index_fill(0, ranked, True))
+    narrowed = vocab_map_of_size(vmap, size - 1)  # a run's smaller draft vocabulary keeps the same rule
+    assert (narrowed["t2d"] <= vmap["t2d"]).all() and not narrowed["t2d"][ranked[2]]
 
 
 def test_cli_run_config_end_to_end(conversations_jsonl, tmp_path, capsys):
