@@ -305,6 +305,8 @@ RUN_KEYS = {
     "prep.capture.aux_layer_ids": default(capture, "aux_layer_ids"),
     "prep.capture.token_budget": default(capture, "token_budget"),
     "prep.capture.shard_tokens": default(capture, "shard_tokens"),
+    "prep.vocab_fill.source": default(rewrite_vocab_map, "fill_from"),
+    "prep.vocab_fill.conversations": default(rewrite_vocab_map, "fill_conversations"),
 }
 
 
@@ -358,6 +360,7 @@ def run(config, overrides) -> None:
             draft_vocab_size=c["prep.draft_vocab_size"],
             engine=c["prep.distil.engine"],
         )
+        fill_vocab_map(out / "store", c)
         return
     if c["prep.regenerate.enabled"]:
         regenerated = out / "regenerated.jsonl"
@@ -387,6 +390,7 @@ def run(config, overrides) -> None:
         shard_tokens=c["prep.tokenized_shard_tokens"],
         workers=c["prep.workers"],
     )
+    fill_vocab_map(out / "tokenized", c)  # capture copies it into the store
     if c["prep.capture.enabled"]:
         capture_store(
             target,
@@ -396,6 +400,14 @@ def run(config, overrides) -> None:
             dtype=c["prep.capture.dtype"],
             token_budget=c["prep.capture.token_budget"],
             shard_tokens=c["prep.capture.shard_tokens"],
+        )
+
+
+def fill_vocab_map(data: Path, c: dict) -> None:
+    """`eagle-prep vocab --fill-from` on the data `run` just wrote, when its config names a source."""
+    if c["prep.vocab_fill.source"]:
+        rewrite_vocab_map(
+            data, c["prep.draft_vocab_size"], c["prep.vocab_fill.source"], c["prep.vocab_fill.conversations"]
         )
 
 

@@ -417,6 +417,7 @@ def test_cli_run_config_end_to_end(conversations_jsonl, tmp_path, capsys):
         f"target: {SMOLLM2}\ndata: {conversations_jsonl}\nout_dir: {tmp_path / 'run'}\n"
         "prep:\n  num_conversations: 3\n  max_length: 64\n"
         "  capture: {dtype: float8_e4m3fn, token_budget: 128, shard_tokens: 64}\n"
+        f"  vocab_fill: {{source: {conversations_jsonl}}}\n"
     )
     cli.main(["run", "--config", str(config), "prep.num_conversations=2", "prep.capture.token_budget=64"])
     out = capsys.readouterr().out
@@ -424,9 +425,9 @@ def test_cli_run_config_end_to_end(conversations_jsonl, tmp_path, capsys):
     store = ShardedSamples(tmp_path / "run" / "store")
     assert len(store) == 2 and store.manifest["dtype"] == "float8_e4m3fn" and store.has_hidden
     assert "store " in out and "bytes/token" in out
-    assert torch.equal(
-        read_vocab_map(tmp_path / "run" / "store")["d2t"], read_vocab_map(tmp_path / "run" / "tokenized")["d2t"]
-    )
+    filled = read_vocab_map(tmp_path / "run" / "tokenized")
+    assert "draft ids the data never uses, chosen by" in out and filled["fill"].sum() > 0
+    assert torch.equal(read_vocab_map(tmp_path / "run" / "store")["d2t"], filled["d2t"])
 
 
 @pytest.mark.parametrize("where", ["file", "override"])

@@ -8,9 +8,10 @@ import torch
 from conftest import CONVERSATIONS
 
 from data_prep.distil import ANSWER, distil, generate_and_capture, render_prompt, turn_prompts
+from data_prep.vocab import count_answer_tokens
 from eagle_train.hidden_states import target_hidden_states
 from eagle_train.store import ShardedSamples, list_shards, read_vocab_map
-from eagle_train.target import end_of_turn_ids
+from eagle_train.target import SMOLLM2, end_of_turn_ids, load_tokenizer
 
 AUX = (2, 15, 27)
 
@@ -163,13 +164,17 @@ def test_prep_run_with_distil_writes_a_store_the_trainer_reads(conversations_fil
     config.write_text(
         f"target: smollm2-135m\ndata: {conversations_file}\nout_dir: {tmp_path / 'run'}\n"
         "prep:\n  max_length: 96\n  draft_vocab_size: 64\n  distil: {enabled: true, max_new_tokens: 8, batch_size: 4}\n"
+        f"  vocab_fill: {{source: {conversations_file}, conversations: 3}}\n"
     )
     main(["run", "--config", str(config)])
     printed = capsys.readouterr().out
     assert "distilled 6 conversations this run (6 answers)" in printed and "answer tok/s" in printed
     store = ShardedSamples(tmp_path / "run" / "store")
     assert len(store) == 6 and store.has_hidden and store[0]["aux_hidden"].shape[1] == 3 * 576
-    assert len(read_vocab_map(tmp_path / "run" / "store")["d2t"]) == 64
+    vmap = read_vocab_map(tmp_path / "run" / "store")  # 6 answers of <= 8 tokens use fewer than 64 ids
+    assert len(vmap["d2t"]) == 64 and "draft ids the data never uses, chosen by" in printed
+    assert torch.equal(vmap["fill"], count_answer_tokens(str(conversations_file), load_tokenizer(SMOLLM2), 49152, 3))
+    assert vmap["t2d"][vmap["counts"] > 0].all() and vmap["t2d"][(vmap["counts"] == 0) & (vmap["fill"] > 0)].any()
     assert not (tmp_path / "run" / "tokenized").exists()
 
 
