@@ -14,7 +14,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "${SCALE:-full}" = smoke ]; then
   RUN=runs/smoke; HEAD=runs/smoke/eagle3
-  PREP=(out_dir="$RUN" prep.num_conversations=6 prep.max_length=256 prep.distil.max_new_tokens=16)
+  PREP=(out_dir="$RUN" prep.num_conversations=6 prep.max_length=256 prep.distil.max_new_tokens=16 prep.vocab_fill.conversations=50)
   TRAIN=(max_length=256 tokens_per_batch=512 max_steps=2 warmup_steps=1 save_every=1)
   EVAL=(--num-prompts 1 --max-new-tokens 8)
 else
