@@ -43,18 +43,21 @@ def plot(records: list[dict], path: Path) -> None:
 
     names = [n for n in records[0]["eval"]["drafting"] if all(n in r["eval"]["drafting"] for r in records)]
     benches = records[0]["eval"]["benches"]
+    styles = ("o-", "s--", "^:")
     fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 4.5), squeeze=False, sharey=True)
+    colors = plt.get_cmap("tab10" if len(records) <= 10 else "tab20")
     for ax, name in zip(axes[0], names):
         for k, record in enumerate(records):
-            color = f"C{k}"
+            color = colors(k % colors.N)
             x = [p["compute_minutes"] for p in record["points"]]
-            for bench, style in zip(benches, ("o-", "s--", "^:")):
+            for j, (bench, style) in enumerate(zip(benches, styles)):
                 y = [p["results"][name][bench]["acceptance_length"] for p in record["points"]]
-                ax.plot(x, y, style, color=color, lw=1, label=f"{record['name']}: {bench}")
+                ax.plot(x, y, style, color=color, lw=1, label=record["name"] if j == 0 else None)
             ax.axvline(record["data_minutes"], color=color, ls="--", lw=0.8)
-        ax.set(title=name, xlabel="minutes of compute (data + training)", ylabel="acceptance length")
+        marks = ", ".join(f"{style[0]} {bench}" for bench, style in zip(benches, styles))
+        ax.set(title=f"{name} ({marks})", xlabel="minutes of compute (data + training)", ylabel="acceptance length")
         ax.grid(alpha=0.3)
-    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # outside: no point hidden
+    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # outside: no point hidden; a run a line
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     print(f"plot: {path}")
