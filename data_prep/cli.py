@@ -195,10 +195,16 @@ def distil_store(target, data, out, *, limit, split, device=None, engine="hf", v
     return manifest
 
 
+def check_fill_conversations(n) -> None:
+    if n < 1:
+        raise ValueError(f"fill_conversations must be >= 1 (the conversations whose answers fill the map), got {n}")
+
+
 def rewrite_vocab_map(data, draft_vocab_size, fill_from=None, fill_conversations=20000) -> dict:
     """Recount the loss-masked tokens of a tokenized dataset or store and rewrite its vocab map; with
     `fill_from`, ids the data uses equally often (never, most of all) go by the answers of that source's first
     `fill_conversations` conversations."""
+    check_fill_conversations(fill_conversations)
     manifest = read_manifest(data)
     vocab_size = manifest["target"]["vocab_size"]
     fill = None
@@ -341,6 +347,7 @@ def run(config, overrides) -> None:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         sys.exit("`eagle-prep run` is one process; for several, run `accelerate launch -m data_prep.cli capture ...`")
     c = load_run_config(config, overrides)
+    check_fill_conversations(c["prep.vocab_fill.conversations"])  # before hours of data, not after
     out = Path(c["out_dir"])
     target, data, system_prompt = c["target"], c["data"], c["prep.system_prompt"]
     read = {"limit": c["prep.num_conversations"], "split": c["prep.split"]}

@@ -68,7 +68,7 @@ def eagle3_objective(
 def noisy_features(aux_hidden, scale: float, generator):
     """The target's fused hidden states [B, T, 3H] plus Gaussian noise, for each of the three layers of each
     token `scale` times that layer's RMS there: an augmentation against a head that memorises a small store
-    (the layers differ in scale by orders of magnitude, so one absolute level would drown the low layer)."""
+    (the layers' scales differ about tenfold, so one absolute level would drown the low layer)."""
     layers = aux_hidden.unflatten(-1, (3, -1))
     rms = layers.pow(2).mean(-1, keepdim=True).sqrt()
     noise = torch.randn(layers.shape, generator=generator).to(layers.device, layers.dtype)

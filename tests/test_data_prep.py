@@ -409,6 +409,8 @@ def test_vocab_fill_keeps_every_id_the_data_uses_and_adds_the_wider_answers_most
     assert torch.equal(vmap["t2d"], used | torch.zeros_like(used).index_fill(0, ranked, True))
     narrowed = vocab_map_of_size(vmap, size - 1)  # a run's smaller draft vocabulary keeps the same rule
     assert (narrowed["t2d"] <= vmap["t2d"]).all() and not narrowed["t2d"][ranked[2]]
+    with pytest.raises(SystemExit, match="fill_conversations must be >= 1"):
+        cli.main(["vocab", "--data", str(data), "--fill-from", str(source), "--fill-conversations", "0"])
 
 
 def test_cli_run_config_end_to_end(conversations_jsonl, tmp_path, capsys):
@@ -440,6 +442,10 @@ def test_cli_run_refuses_a_misspelt_key(conversations_jsonl, tmp_path, where):
     extra = ["prep.capture.dtpye=float32"] if where == "override" else []
     with pytest.raises(SystemExit, match="unknown key.*(num_conversation|dtpye).*prep.num_conversations"):
         cli.main(["run", "--config", str(config), *extra])
+    assert not (tmp_path / "run").exists()
+    config.write_text(f"data: {conversations_jsonl}\nout_dir: {tmp_path / 'run'}\n")
+    with pytest.raises(SystemExit, match="fill_conversations must be >= 1"):  # before any data is made
+        cli.main(["run", "--config", str(config), "prep.vocab_fill.source=sharegpt", "prep.vocab_fill.conversations=0"])
     assert not (tmp_path / "run").exists()
 
 
