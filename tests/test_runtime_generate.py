@@ -1,5 +1,8 @@
 """Greedy speculative decoding is lossless: token for token the target's own greedy output."""
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import EagerStep, tiny_pair
@@ -11,8 +14,19 @@ from inference.generate import Runtime
 from inference.llama import TargetModel
 
 V, VD = 16, 12
+
+
 # A tiny Llama with a 16-token vocabulary, confident (lm_head x 20), and a random head over 12 of those
 # tokens: random drafts are accepted often enough to exercise multi-token acceptance and tree compaction.
+def load_script(name: str):
+    """A scripts/bench module, imported from its file (scripts/ is not a package)."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 PAIR = dict(
     draft_vocab_size=VD,
     lm_head_scale=20,
@@ -235,9 +249,12 @@ def test_fixed_shape_path_of_cuda_graphs_is_lossless_on_cpu():
 @pytest.mark.parametrize("k", [1, 3])
 def test_chain_walk_over_the_greedy_text_is_what_the_runtime_accepts(k):
     """On the target's own greedy text, `ttt.chain_rounds` over the TTT steps' top-1 agreement runs the rounds
-    greedy chain drafting runs: as many verifications, emitting as many tokens, as `Runtime.generate`."""
+    greedy chain drafting runs: as many verifications, emitting as many tokens, as `Runtime.generate`; both in
+    the trainer's loss and in scripts/bench/sampled_acceptance.py's walk over one stored sample."""
     from eagle_train.hidden_states import TargetLogits, target_hidden_states
     from eagle_train.ttt import target_distribution, ttt_loss
+
+    sampled = load_script("sampled_acceptance")
 
     model, head = tiny_pair(3, **PAIR)
     per_round = []
@@ -255,5 +272,9 @@ def test_chain_walk_over_the_greedy_text_is_what_the_runtime_accepts(k):
         assert sum(spec.accepted) + spec.forwards >= sum(spec.emitted) == len(spec.output_ids) - 1
         assert int(metrics["count_rounds"]) == spec.forwards, i
         assert int(metrics["count_chain_tokens"]) == sum(spec.accepted) + spec.forwards, i
+        sample = {"input_ids": seq[0], "loss_mask": loss_mask[0], "aux_hidden": aux[0], "final_hidden": final[0]}
+        draft_ids = head.draft_to_target_ids(torch.arange(head.config.draft_vocab_size))
+        _, walk = sampled.acceptance(head, draft_ids, TargetLogits.of(model), sample, [0.0], k)
+        assert walk == (sum(spec.accepted) + spec.forwards, spec.forwards), i
         per_round += spec.accepted
     assert sum(per_round) > 10 and max(per_round) == k  # drafts were accepted, whole chains too: the walk jumped

@@ -12,7 +12,10 @@ tokens as the earlier drafts, so it is that chance given the earlier drafts matc
 The runtime's sampled AL (`eagle-eval --temperature T`) measures the same thing with sampling noise.
 
 Held-out answers: the samples the trainer held out (`trainer.split_indices` with --eval-fraction and --seed,
-the train YAML's), so none of them was trained on.
+the train YAML's), so none of them was trained on; with --all-samples every sample of a store no head trained
+on, e.g. the target's answers to a bench's prompts (`eagle-prep distil --data prompts.jsonl`). At T = 0 the
+line ends with the greedy chain walk's AL (`ttt.chain_rounds`): what greedy chain decoding with K = --steps
+drafts gets on that text, round by round.
 """
 
 import argparse
@@ -24,7 +27,7 @@ from eagle_train.hidden_states import TargetLogits
 from eagle_train.store import ShardedSamples, read_manifest
 from eagle_train.target import load_target
 from eagle_train.trainer import split_indices
-from eagle_train.ttt import shift_left, simulated_acceptance_length
+from eagle_train.ttt import chain_rounds, shift_left, simulated_acceptance_length
 
 
 def parse_args(argv=None):
@@ -35,6 +38,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=3, help="TTT steps, K of a chain (default 3)")
     p.add_argument("--eval-fraction", type=float, default=0.05, help="the train YAML's (default 0.05)")
     p.add_argument("--seed", type=int, default=0, help="the train YAML's (default 0)")
+    p.add_argument("--all-samples", action="store_true", help="score every sample: a store no head trained on")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu (fp32 on either)")
     args = p.parse_args(argv)
     if any(temp < 0 for temp in args.temperature):
@@ -46,8 +50,8 @@ def parse_args(argv=None):
 
 @torch.no_grad()
 def acceptance(head, draft_ids, target_logits, sample, temperatures, steps):
-    """Per temperature, per step: (sum of acceptance probabilities, positions) over one sample's answers.
-    draft_ids [Vd]: the target id of each draft id."""
+    """Per temperature, per step: (sum of acceptance probabilities, positions) over one sample's answers, and
+    the greedy chain walk's (tokens, rounds) there. draft_ids [Vd]: the target id of each draft id."""
     sample = {k: v.to(draft_ids.device) for k, v in sample.items() if torch.is_tensor(v)}
     ids, mask = sample["input_ids"][None], sample["loss_mask"][None]
     t = ids.shape[1]
@@ -55,6 +59,7 @@ def acceptance(head, draft_ids, target_logits, sample, temperatures, steps):
     positions = torch.arange(t, device=ids.device)[None]
     hidden, past = head.fc(sample["aux_hidden"][None].float()), []
     out = {temp: [[0.0, 0] for _ in range(steps)] for temp in temperatures}
+    correct = torch.zeros(1, steps, t, dtype=torch.bool)
     for i in range(steps):
         hidden = head.ttt_step(hidden, shift_left(ids, i + 1), positions + i, past)
         rows = mask[0, i + 2 :].nonzero()[:, 0]  # anchors whose step-i draft is an answer token
@@ -62,16 +67,18 @@ def acceptance(head, draft_ids, target_logits, sample, temperatures, steps):
             continue
         q_logits = head.logits(hidden[0, rows]).float()  # [N, Vd]
         p = p_logits[0, rows + i + 1]  # [N, V]: the target at t+i+1 predicts x_{t+i+2}
+        correct[0, i, rows.cpu()] = (draft_ids[q_logits.argmax(-1)] == p.argmax(-1)).cpu()
         for temp in temperatures:
             if temp == 0:
-                accepted = (draft_ids[q_logits.argmax(-1)] == p.argmax(-1)).float()
+                accepted = correct[0, i, rows.cpu()].float()
             else:
                 p_t = torch.softmax(p / temp, -1)[:, draft_ids]
                 q_t = torch.softmax(q_logits / temp, -1)
                 accepted = torch.minimum(p_t, q_t).sum(-1)
             out[temp][i][0] += float(accepted.sum())
             out[temp][i][1] += rows.numel()
-    return out
+    rounds, _ = chain_rounds(correct, mask.cpu())
+    return out, (sum(a + 1 for *_, a in rounds), len(rounds))
 
 
 def main(argv=None):
@@ -84,17 +91,25 @@ def main(argv=None):
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model, _ = load_target(target, dtype=torch.float32, device=device)
     target_logits = TargetLogits.of(model)
-    _, held_out = split_indices(len(store), args.eval_fraction, args.seed)
-    print(f"{len(held_out)} held-out samples of {len(store)} in {args.store}; target {target}")
-    print("head | T | per step: expected acceptance of the draft | chain AL of a K-step chain (1 + sum of products)")
+    held_out = range(len(store)) if args.all_samples else split_indices(len(store), args.eval_fraction, args.seed)[1]
+    which = "" if args.all_samples else "held-out "
+    print(f"{len(held_out)} {which}samples of {len(store)} in {args.store}; target {target}")
+    print(
+        "head | T | per step: expected acceptance of the draft | chain AL of a K-step chain (1 + sum of products)"
+        " [| T = 0: the greedy chain walk's AL]"
+    )
     for path in args.head:
         head = load_draft_head(path, model).to(device).eval()
         if head.config.method != "eagle3":
             raise SystemExit(f"{path} holds a {head.config.method} head: this script unrolls EAGLE-3's TTT steps")
         draft_ids = head.draft_to_target_ids(torch.arange(head.lm_head.weight.shape[0], device=device))
         totals = {temp: [[0.0, 0] for _ in range(args.steps)] for temp in args.temperature}
+        walk = [0, 0]
         for k in held_out:
-            per_temp = acceptance(head, draft_ids, target_logits, store[k], args.temperature, args.steps)
+            per_temp, (tokens, rounds) = acceptance(
+                head, draft_ids, target_logits, store[k], args.temperature, args.steps
+            )
+            walk = [walk[0] + tokens, walk[1] + rounds]
             for temp, per_step in per_temp.items():
                 for i, (s, n) in enumerate(per_step):
                     totals[temp][i][0] += s
@@ -102,7 +117,8 @@ def main(argv=None):
         for temp, per_step in totals.items():
             rates = [s / max(n, 1) for s, n in per_step]
             al = simulated_acceptance_length(rates)
-            print(f"{path} | {temp:g} | {' '.join(f'{r:.4f}' for r in rates)} | {al:.4f}")
+            greedy = f" | walk {walk[0] / max(walk[1], 1):.4f} ({walk[1]} rounds)" if temp == 0 else ""
+            print(f"{path} | {temp:g} | {' '.join(f'{r:.4f}' for r in rates)} | {al:.4f}{greedy}")
 
 
 if __name__ == "__main__":
