@@ -59,6 +59,17 @@ def pytest_terminal_summary(terminalreporter):
             Path(os.environ["EAGLE_MATRIX_MARKDOWN"]).write_text("\n".join(matrix_table()) + "\n")
 
 
+def load_script(path: str):
+    """A module of scripts/ (not a package), imported from its file: `path` under scripts/, e.g. "bench/quality.py"."""
+    import importlib.util
+
+    file = Path(__file__).resolve().parents[1] / "scripts" / path
+    spec = importlib.util.spec_from_file_location(file.stem, file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def free_port() -> int:
     """A TCP port nothing listens on now: each `accelerate launch` of the tests gets its own, so launches in
     parallel workers (pytest -n) never meet on accelerate's default port."""

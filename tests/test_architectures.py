@@ -1,6 +1,7 @@
 """The one table of target architectures per stage, and its one-line refusals."""
 
 import pytest
+from conftest import load_script
 
 from eagle_train.architectures import check_supported
 from eagle_train.draft_config import DraftConfig
@@ -96,9 +97,6 @@ def test_eagle_prep_refuses_a_target_training_cannot_take_before_loading_it(
 
 
 def test_training_refuses_a_target_it_cannot_take_before_loading_it(gpt2_dir, tmp_path, monkeypatch):
-    import importlib.util
-    from pathlib import Path
-
     from eagle_train import trainer
     from eagle_train.eagle3_train import build_eagle3_head, eagle3_objective
     from eagle_train.train_config import load_train_config
@@ -108,10 +106,7 @@ def test_training_refuses_a_target_it_cannot_take_before_loading_it(gpt2_dir, tm
     with pytest.raises(ValueError, match="does not take target model_type 'gpt2'"):
         trainer.train(load_train_config(None, overrides), build_eagle3_head, eagle3_objective(3, 0.8, False))
     for script in ("train_eagle3.py", "train_peagle.py"):  # the scripts say it in one line
-        path = Path(__file__).parents[1] / "scripts" / script
-        spec = importlib.util.spec_from_file_location(script[:-3], path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        module = load_script(script)
         with pytest.raises(SystemExit, match=r"^error: training a draft head does not take .*'gpt2'") as err:
             module.main(overrides)
         assert "\n" not in str(err.value)

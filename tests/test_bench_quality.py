@@ -1,13 +1,13 @@
 """scripts/bench/quality.py at toy scale: the trainer's clock leaves out its pauses, one evaluation
 point on the tiny random Llama is lossless and complete, and the curve is drawn."""
 
-import importlib.util
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from conftest import load_script
 
 from eagle_train.eagle3 import Eagle3Head
 from inference.drafting import TreeShape
@@ -17,10 +17,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench" / "quality.py
 
 @pytest.fixture(scope="module")
 def quality():
-    spec = importlib.util.spec_from_file_location("quality", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench/quality.py")
 
 
 def process_state(pid: int) -> str:

@@ -1,11 +1,8 @@
 """Greedy speculative decoding is lossless: token for token the target's own greedy output."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
-from conftest import EagerStep, tiny_pair
+from conftest import EagerStep, load_script, tiny_pair
 
 from eagle_train.eagle3 import Eagle3Head
 from inference.drafting import TreeShape
@@ -18,15 +15,6 @@ V, VD = 16, 12
 
 # A tiny Llama with a 16-token vocabulary, confident (lm_head x 20), and a random head over 12 of those
 # tokens: random drafts are accepted often enough to exercise multi-token acceptance and tree compaction.
-def load_script(name: str):
-    """A scripts/bench module, imported from its file (scripts/ is not a package)."""
-    path = Path(__file__).resolve().parents[1] / "scripts" / "bench" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 PAIR = dict(
     draft_vocab_size=VD,
     lm_head_scale=20,
@@ -254,7 +242,7 @@ def test_chain_walk_over_the_greedy_text_is_what_the_runtime_accepts(k):
     from eagle_train.hidden_states import TargetLogits, target_hidden_states
     from eagle_train.ttt import target_distribution, ttt_loss
 
-    sampled = load_script("sampled_acceptance")
+    sampled = load_script("bench/sampled_acceptance.py")
 
     model, head = tiny_pair(3, **PAIR)
     per_round = []
@@ -274,7 +262,7 @@ def test_chain_walk_over_the_greedy_text_is_what_the_runtime_accepts(k):
         assert int(metrics["count_chain_tokens"]) == sum(spec.accepted) + spec.forwards, i
         sample = {"input_ids": seq[0], "loss_mask": loss_mask[0], "aux_hidden": aux[0], "final_hidden": final[0]}
         draft_ids = head.draft_to_target_ids(torch.arange(head.config.draft_vocab_size))
-        _, walk = sampled.acceptance(head, draft_ids, TargetLogits.of(model), sample, [0.0], k)
+        _, walk, _ = sampled.acceptance(head, draft_ids, TargetLogits.of(model), sample, [0.0], k)
         assert walk == (sum(spec.accepted) + spec.forwards, spec.forwards), i
         per_round += spec.accepted
     assert sum(per_round) > 10 and max(per_round) == k  # drafts were accepted, whole chains too: the walk jumped

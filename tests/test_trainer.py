@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TRAIN_DRAFT_VOCAB
+from conftest import TRAIN_DRAFT_VOCAB, load_script
 from safetensors.torch import save_file
 
 from eagle_train.batching import epoch_batches
@@ -373,25 +373,16 @@ def test_a_head_with_nan_is_never_saved(monkeypatch, train_store, tmp_path):
     assert not list(tmp_path.glob("checkpoint-*")) and not (tmp_path / "final").exists()
 
 
-def load_script(name: str):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_scripts_say_a_refusal_from_inside_train_in_one_line(monkeypatch, train_store, tmp_path):
     (tmp_path / "checkpoint-3").mkdir()
     (tmp_path / "checkpoint-3" / "trainer_state.json").write_text("{}")
     for script in ("train_eagle3", "train_peagle"):
         with pytest.raises(SystemExit, match=r"^error: output_dir .* holds checkpoints of an earlier run") as err:
-            load_script(script).main([f"data_path={train_store}", f"output_dir={tmp_path}", "report_to=none"])
+            load_script(f"{script}.py").main([f"data_path={train_store}", f"output_dir={tmp_path}", "report_to=none"])
         assert "\n" not in str(err.value)
     poison(monkeypatch, train_store, step=1)
     with pytest.raises(SystemExit, match=r"^error: step 1: loss is nan"):
-        load_script("train_eagle3").main([*overrides_of(train_store, tmp_path / "run"), "max_steps=1"])
+        load_script("train_eagle3.py").main([*overrides_of(train_store, tmp_path / "run"), "max_steps=1"])
 
 
 def overrides_of(data_path, out) -> list[str]:
