@@ -13,7 +13,7 @@ The runtime's sampled AL (`eagle-eval --temperature T`) measures the same thing 
 
 Held-out answers: the samples the trainer held out (`trainer.split_indices` with --eval-fraction and --seed,
 the train YAML's), so none of them was trained on; with --all-samples every sample of a store no head trained
-on, e.g. the target's answers to a bench's prompts (`eagle-prep distil --data prompts.jsonl`). At T = 0 the
+on, e.g. the target's answers to a bench's prompts (`eagle-prep distil`; docs/performance.md). At T = 0 the
 line ends with the greedy chain walk's AL (`ttt.chain_rounds`): what greedy chain decoding with K = --steps
 drafts gets on that text, round by round. --by-token splits the greedy first draft's acceptance by the class of
 the token it had to match (`token_class`): where a head fails, and whether a larger vocabulary or more data
@@ -128,9 +128,9 @@ def main(argv=None):
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model, tokenizer = load_target(target, dtype=torch.float32, device=device)
     target_logits = TargetLogits.of(model)
-    held_out = range(len(store)) if args.all_samples else split_indices(len(store), args.eval_fraction, args.seed)[1]
+    scored = range(len(store)) if args.all_samples else split_indices(len(store), args.eval_fraction, args.seed)[1]
     which = "" if args.all_samples else "held-out "
-    print(f"{len(held_out)} {which}samples of {len(store)} in {args.store}; target {target}")
+    print(f"{len(scored)} {which}samples of {len(store)} in {args.store}; target {target}")
     print(
         "head | T | per step: expected acceptance of the draft | chain AL of a K-step chain (1 + sum of products)"
         " [| T = 0: the greedy chain walk's AL]"
@@ -142,7 +142,7 @@ def main(argv=None):
         draft_ids = head.draft_to_target_ids(torch.arange(head.lm_head.weight.shape[0], device=device))
         totals = {temp: [[0.0, 0] for _ in range(args.steps)] for temp in args.temperature}
         walk, classes = [0, 0], {c: [0, 0] for c in TOKEN_CLASSES}
-        for k in held_out:
+        for k in scored:
             sample = store[k]
             per_temp, (tokens, rounds), first = acceptance(
                 head, draft_ids, target_logits, sample, args.temperature, args.steps
