@@ -49,8 +49,13 @@ def test_one_point_on_the_tiny_llama(quality, tmp_path, tiny_llama_dir, tiny_lla
     head = Eagle3Head.from_target(model, draft_vocab_size=500, target=str(tiny_llama_dir))
     head.save_pretrained(tmp_path / "head")
     shapes = {"chain K=2": TreeShape.chain(2), "tree 2,2,3": TreeShape(2, 2, 3)}
-    evaluator = quality.Evaluator(str(tiny_llama_dir), "cpu", ["mt_bench", "gsm8k"], 1, shapes, 6)
+    evaluator = quality.Evaluator(str(tiny_llama_dir), "cpu", ["mt_bench", "gsm8k"], 1, shapes, 6, 1, 6)
     summaries, sequences = evaluator(tmp_path / "head")
+    walk = evaluator.walk(tmp_path / "head", 2)  # over the first turns' greedy answers, made batched
+    (ids, plain), text = sequences["gsm8k"][0], evaluator.walk_texts["gsm8k"][0]
+    assert text["input_ids"].tolist() == ids + plain and text["loss_mask"].sum() == len(plain)
+    assert walk["gsm8k"]["rounds"] == summaries["chain K=2"]["gsm8k"]["verify_forwards"]  # one turn: the same text
+    assert set(walk) == {"mt_bench", "gsm8k"} and walk["gsm8k"]["acceptance_length"] >= 1.0
     assert set(summaries) == set(shapes)
     for per_bench in summaries.values():
         assert set(per_bench) == {"mt_bench", "gsm8k"}

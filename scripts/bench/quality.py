@@ -30,8 +30,14 @@ prints them. Once per run, on the first point's plain outputs, one target forwar
 the target's mean top-1 probability on its own greedy tokens: how predictable the text a head must
 guess is, to compare runs on other targets or prompts.
 
+Five prompts of 64 tokens cannot tell heads 0.03 AL apart. So each point also walks the chain (K = --chain)
+over the target's greedy answers to the first turns of the first --walk-prompts prompts of each bench (made
+once, batched, --walk-new-tokens long, with their hidden states): `ttt.chain_rounds` over the head's top-1
+agreement on that text runs the rounds greedy chain decoding runs there, without decoding
+(tests/test_runtime_generate.py checks it against the runtime), at ~20x the tokens in seconds.
+
 Outputs in --out: quality.json (settings, commands, data minutes, per point: minutes of data,
-training and evaluation, step, training tokens seen, AL and speedup per bench per drafting),
+training and evaluation, step, training tokens seen, AL and speedup per bench per drafting, the walk's AL),
 quality.png (AL and speedup against minutes of compute; written after every point), data/ and
 train/ (with train.log).
 
@@ -53,10 +59,13 @@ from pathlib import Path
 
 import torch
 
+from data_prep.distil import generate_and_capture
 from eagle_train.checkpoint import load_draft_head
+from eagle_train.hidden_states import TargetLogits
 from eagle_train.target import end_of_turn_ids, load_target
 from eagle_train.train_config import load_train_config
 from eagle_train.trainer import checkpoint_dirs
+from eagle_train.ttt import target_distribution, ttt_loss
 from inference.drafting import TreeShape
 from inference.evaluate import BENCHES, chat_ids, load_bench, summarise
 from inference.generate import Runtime
@@ -137,6 +146,14 @@ def parse_args(argv=None):
     p.add_argument("--num-prompts", type=int, default=20, help="prompts per bench (default 20)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per turn (default 128)")
     p.add_argument("--chain", type=int, default=3, metavar="K", help="chain drafting with K drafts (default 3)")
+    p.add_argument(
+        "--walk-prompts",
+        type=int,
+        default=20,
+        metavar="N",
+        help="first turns per bench whose greedy answers the chain walks at every point (default 20; 0: none)",
+    )
+    p.add_argument("--walk-new-tokens", type=int, default=128, help="their answers' length (default 128)")
     p.add_argument(
         "--tree",
         default="3,2,4",
@@ -234,12 +251,24 @@ def newest_checkpoint(train_dir: Path, after_step: int) -> tuple[Path, dict] | N
 class Evaluator:
     """The target, the bench prompts and the draftings, loaded once; `__call__` evaluates one head."""
 
-    def __init__(self, target: str, device, benches, num_prompts: int, shapes: dict, max_new_tokens: int):
+    def __init__(
+        self,
+        target: str,
+        device,
+        benches,
+        num_prompts: int,
+        shapes: dict,
+        max_new_tokens: int,
+        walk_prompts: int = 0,
+        walk_new_tokens: int = 128,
+    ):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model, self.tokenizer = load_target(target, device=self.device)
         self.eos = end_of_turn_ids(self.model, self.tokenizer)
         self.prompts = {bench: load_bench(bench, num_prompts) for bench in benches}
         self.shapes, self.max_new_tokens = shapes, max_new_tokens
+        self.walk_prompts = {bench: load_bench(bench, walk_prompts) for bench in benches} if walk_prompts else {}
+        self.walk_new_tokens, self.walk_texts = walk_new_tokens, None
 
     def __call__(self, head_dir) -> tuple[dict, dict]:
         """({drafting: {bench: summary}}, {bench: [(prompt ids, plain output ids) per turn]})."""
@@ -282,6 +311,36 @@ class Evaluator:
             for name, shape in self.shapes.items():
                 summaries[name][bench] = summarise(results[name], shape.depth)
         return summaries, sequences
+
+    @torch.no_grad()
+    def walk(self, head_dir, k: int) -> dict:
+        """Per bench, {acceptance_length, rounds}: greedy chain K = k over the walk texts, by the chain walk of the
+        head's TTT unroll (`ttt_loss`'s count_rounds and count_chain_tokens). The texts are the target's greedy
+        answers to the walk prompts' first turns, made at the first call with the head's aux layers."""
+        head = load_draft_head(head_dir, self.model).to(device=self.device, dtype=self.model.dtype).eval()
+        if self.walk_texts is None:
+            self.walk_texts = {
+                bench: generate_and_capture(
+                    self.model,
+                    [chat_ids(self.tokenizer, [{"role": "user", "content": p["turns"][0]}]) for p in prompts],
+                    self.walk_new_tokens,
+                    head.config.aux_layer_ids,
+                    self.eos,
+                    self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos),
+                )
+                for bench, prompts in self.walk_prompts.items()
+            }
+        target_logits, out = TargetLogits.of(self.model), {}
+        for bench, texts in self.walk_texts.items():
+            tokens = rounds = 0
+            for text in texts:
+                x, mask = text["input_ids"][None].to(self.device), text["loss_mask"][None].to(self.device)
+                probs, in_draft = target_distribution(text["final_hidden"][None].float(), target_logits, head.t2d, mask)
+                aux = text["aux_hidden"][None].to(self.model.dtype)
+                _, metrics = ttt_loss(head, aux, x, mask, probs, in_draft, ttt_length=k)
+                tokens, rounds = tokens + int(metrics["count_chain_tokens"]), rounds + int(metrics["count_rounds"])
+            out[bench] = {"acceptance_length": tokens / max(rounds, 1), "rounds": rounds}
+        return out
 
     @torch.inference_mode()
     def target_top1_probability(self, sequences: dict) -> dict:
@@ -399,6 +458,7 @@ def main(argv=None):
             "max_new_tokens": args.max_new_tokens,
             "drafting": {name: asdict(shape) for name, shape in shapes.items()},
             "temperature": 0.0,
+            "walk": {"prompts": args.walk_prompts, "max_new_tokens": args.walk_new_tokens, "chain": args.chain},
         },
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "points": [],
@@ -424,8 +484,18 @@ def main(argv=None):
         start = time.time()
         written = (checkpoint / "trainer_state.json").stat().st_mtime
         if evaluator is None:
-            evaluator = Evaluator(cfg.target, args.device, args.bench, args.num_prompts, shapes, args.max_new_tokens)
+            evaluator = Evaluator(
+                cfg.target,
+                args.device,
+                args.bench,
+                args.num_prompts,
+                shapes,
+                args.max_new_tokens,
+                args.walk_prompts,
+                args.walk_new_tokens,
+            )
         summaries, sequences = evaluator(checkpoint)
+        walk = evaluator.walk(checkpoint, args.chain) if args.walk_prompts else {}
         if "target_top1_probability" not in record:
             record["target_top1_probability"] = evaluator.target_top1_probability(sequences)
         point = {
@@ -448,6 +518,7 @@ def main(argv=None):
                 }
                 for name, per in summaries.items()
             },
+            "walk": walk,
         }
         record["points"].append(point)
         record["eval_minutes"] += point["eval_minutes"]
@@ -459,9 +530,11 @@ def main(argv=None):
             + f" ({min(speedups[name]):.2f}-{max(speedups[name]):.2f}x)"
             for name, per in summaries.items()
         )
+        walked = " ".join(f"{b} {w['acceptance_length']:.3f}" for b, w in walk.items())
+        walked = f"; chain K={args.chain} walk over {args.walk_prompts} prompts {walked}" if walk else ""
         print(
             f"[quality] step {state['step']}, {point['compute_minutes']:.2f} min compute, "
-            f"{state['tokens_consumed']} tokens: {als} [eval {point['eval_minutes']:.2f} min]"
+            f"{state['tokens_consumed']} tokens: {als}{walked} [eval {point['eval_minutes']:.2f} min]"
         )
 
     evaluated, next_point = 0, eval_every
