@@ -33,6 +33,14 @@ def print_points(record: dict) -> None:
             print(
                 f"  {p['compute_minutes']:6.2f} min  step {p['step']:5d}  {p['tokens_seen']:8d} tok  {name:12s} {cells}"
             )
+        if p.get("walk"):  # runs before the walk have none
+            walk = record["eval"]["walk"]
+            cells = "  ".join(
+                f"{bench} {w['acceptance_length']:.3f} ({w['rounds']} rounds)" for bench, w in p["walk"].items()
+            )
+            print(
+                f"{'':38s}chain K={walk['chain']} walk, {walk['prompts']} prompts x {walk['max_new_tokens']}: {cells}"
+            )
 
 
 def plot(records: list[dict], path: Path) -> None:
