@@ -326,7 +326,7 @@ class Evaluator:
                     self.walk_new_tokens,
                     head.config.aux_layer_ids,
                     self.eos,
-                    self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos),
+                    self.tokenizer.pad_token_id,  # load_target sets one
                 )
                 for bench, prompts in self.walk_prompts.items()
             }
