@@ -11,8 +11,6 @@ from inference.generate import Runtime
 from inference.llama import TargetModel
 
 V, VD = 16, 12
-
-
 # A tiny Llama with a 16-token vocabulary, confident (lm_head x 20), and a random head over 12 of those
 # tokens: random drafts are accepted often enough to exercise multi-token acceptance and tree compaction.
 PAIR = dict(
