@@ -13,6 +13,11 @@
 #   objectives (instead of stage1 + stage2): stage1's data, then EAGLE-3 once per training objective
 #           (scripts/bench/quality.py's RECIPES) side by side for the same steps, compared held out and on
 #           the three benches (call 2 of the list below, NUM_CONV sized to leave the training its time).
+#   curve (instead of stage1 + stage2): the time-to-quality curve on the GPU in one call: scripts/bench/quality.py
+#           makes the data (NUM_CONV first turns) and trains EAGLE-3 under CURVE_BUDGET minutes of compute (data +
+#           training), evaluating the newest checkpoint every CURVE_EVERY minutes (built-in runtime on CURVE_PROMPTS
+#           prompts per bench, the chain walk over 20); then the last head's walk at K = 3, 5, 7 and the head
+#           exported for the CPU engines (tarred and cut in 16 MB parts: the device tool returns files <= 16 MiB).
 #
 # Device calls (the working tree travels with each; /tmp/eg survives between calls while the
 # machine stays warm):
@@ -25,12 +30,15 @@
 # Knobs (environment): SCALE=tiny runs every command line at toy size on a CPU (a dry run);
 # STAGE_SECONDS (default 540) is the wall-clock budget of a stage: training stops in time for what
 # follows it (the newest checkpoint is then used); DISTIL_SECONDS (default 240) bounds the data step;
-# EVAL_PROMPTS, EVAL_TOKENS, NUM_CONV override sizes. The objectives stage: OBJECTIVES (default all four
-# recipes), OBJECTIVE_STEPS, OBJECTIVE_PROMPTS (per bench and head) and OBJECTIVE_EVAL_SECONDS (kept for the
-# evaluations); docs/performance.md has the sizes that fit one 10-minute call.
+# EVAL_PROMPTS, EVAL_TOKENS, NUM_CONV, DISTIL_BATCH override sizes. The objectives stage: OBJECTIVES (default all
+# four recipes), OBJECTIVE_STEPS, OBJECTIVE_PROMPTS (per bench and head) and OBJECTIVE_EVAL_SECONDS (kept for the
+# evaluations). The curve stage: CURVE_BUDGET and CURVE_EVERY (minutes), CURVE_STEPS and CURVE_LR (the schedule),
+# CURVE_PROMPTS, CURVE_RESERVE (seconds kept for the walk and export); CURVE_NAME and CURVE_DATA train a second
+# curve on an earlier one's data (charged its recorded minutes). docs/performance.md has the sizes that fit one
+# 10-minute call.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-STAGE=${1:?usage: gpu_recipe.sh kernels|stage1|stage2|all|objectives}
+STAGE=${1:?usage: gpu_recipe.sh kernels|stage1|stage2|all|objectives|curve}
 START=$(date +%s)
 SCALE=${SCALE:-full}
 EG=${EG:-/tmp/eg}
@@ -46,15 +54,19 @@ if [ "$SCALE" = tiny ]; then
               eval_fraction=0.1 mixed_precision=auto warmup_steps=1)
   EVAL_PROMPTS=${EVAL_PROMPTS:-2}; EVAL_TOKENS=${EVAL_TOKENS:-16}; TREE=3,2,4
   OBJECTIVE_STEPS=${OBJECTIVE_STEPS:-4}; OBJECTIVE_SAVE_EVERY=2; OBJECTIVE_PROMPTS=${OBJECTIVE_PROMPTS:-1}
+  CURVE_BUDGET=${CURVE_BUDGET:-2.5}; CURVE_EVERY=${CURVE_EVERY:-0.5}; CURVE_SAVE_EVERY=2; WALK_PROMPTS=2; CURVE_PROMPTS=1
+  CURVE_TRAIN=(max_length=256 tokens_per_batch=1024 max_steps=6 num_workers=0 warmup_steps=1 ttt_length=3)
   BENCH_ARGS=(--tree "$TREE" --hf-prompts 2 --train-tokens 512 --train-steps 2 --capture-tokens 1024
               --capture-token-budget 512 --loss-tokens 256 --repeat 2)
   STAGE_SECONDS=${STAGE_SECONDS:-3000}
 else
   RUNS=${RUNS:-$EG/runs}
-  NUM_CONV=${NUM_CONV:-6144}; MAX_LEN=1024; NEW_TOKENS=512; DISTIL_BATCH=256; WORKERS=$(nproc); AMP=bf16
+  NUM_CONV=${NUM_CONV:-6144}; MAX_LEN=1024; NEW_TOKENS=512; DISTIL_BATCH=${DISTIL_BATCH:-256}; WORKERS=$(nproc); AMP=bf16
   TRAIN_ARGS=()
   EVAL_PROMPTS=${EVAL_PROMPTS:-80}; EVAL_TOKENS=${EVAL_TOKENS:-128}; TREE=6,8,60
   OBJECTIVE_STEPS=${OBJECTIVE_STEPS:-240}; OBJECTIVE_SAVE_EVERY=40; OBJECTIVE_PROMPTS=${OBJECTIVE_PROMPTS:-10}
+  CURVE_BUDGET=${CURVE_BUDGET:-5.5}; CURVE_EVERY=${CURVE_EVERY:-1}; CURVE_SAVE_EVERY=60; WALK_PROMPTS=20; CURVE_PROMPTS=${CURVE_PROMPTS:-1}
+  CURVE_TRAIN=(max_steps=${CURVE_STEPS:-600} learning_rate=${CURVE_LR:-1e-3} warmup_steps=30)
   BENCH_ARGS=(--tree "$TREE")
   STAGE_SECONDS=${STAGE_SECONDS:-540}
 fi
@@ -138,7 +150,8 @@ stage_kernels() {
 }
 
 # the self-distilled store: unpack what part2 carried, dequantise the GGUF, distil NUM_CONV first turns
-distil_store() {
+# the carried GGUF and ShareGPT unpacked (once), the environment logged, the GGUF dequantised (once per target)
+carried_inputs() {
   if [ ! -f "$DATA" ] || [ ! -f "$TARGET" ]; then
     [ -d .carry/part2 ] || { say "no $DATA and no .carry/part2: carry .carry/part2 (scripts/device_pack.sh)"; exit 2; }
     [ -f "$EG/gguf.0" ] || { say "no $EG/gguf.0: the previous call must copy .carry/part1 to $EG"; exit 2; }
@@ -146,6 +159,10 @@ distil_store() {
   fi
   step env bash -c "nvidia-smi || true; $PY -c 'import torch, transformers, sys; print(sys.version); print(torch.__version__, transformers.__version__, torch.cuda.is_available())'; nproc; df -h /tmp | tail -1"
   step convert "$PY" -c "from eagle_train.target import resolve_target; print(resolve_target('$TARGET'))"
+}
+
+distil_store() {
+  carried_inputs
   if [ ! -f "$RUNS/prep/store/manifest.json" ]; then  # a rerun resumes at the first missing batch
     step distil timeout -k 20 "${DISTIL_SECONDS:-240}" "$PY" -m data_prep.cli run --config configs/gpu_smollm2.yaml \
       target="$TARGET" data="$DATA" out_dir="$RUNS/prep" prep.num_conversations="$NUM_CONV" \
@@ -294,6 +311,40 @@ PY
   return $rc
 }
 
+# The time-to-quality curve on this machine: data and training under one budget of compute minutes
+stage_curve() {
+  carried_inputs  # the dequantisation is the target's one-time conversion, outside the curve's minutes
+  local rc=0 q="$RUNS/${CURVE_NAME:-curve}"  # CURVE_DATA: an earlier curve's data dir, made by the same --prep
+  step curve timeout -k 10 $(( $(left) - ${CURVE_RESERVE:-50} )) "$PY" scripts/bench/quality.py --out "$q" \
+      --data "${CURVE_DATA:-$q/data}" \
+      --budget "$CURVE_BUDGET" --eval-every "$CURVE_EVERY" --save-every "$CURVE_SAVE_EVERY" \
+      --num-prompts "$CURVE_PROMPTS" --max-new-tokens "$EVAL_TOKENS" --chain 3 --tree "$TREE" \
+      --walk-prompts "$WALK_PROMPTS" --walk-new-tokens "$EVAL_TOKENS" \
+      --prep configs/gpu_smollm2.yaml target="$TARGET" data="$DATA" prep.num_conversations="$NUM_CONV" \
+        prep.max_length="$MAX_LEN" prep.distil.max_new_tokens="$NEW_TOKENS" prep.distil.batch_size="$DISTIL_BATCH" \
+      --train configs/eagle3_smollm2_gpu.yaml target="$TARGET" fused_loss=true "${CURVE_TRAIN[@]}" || rc=$?
+  cp "$q/quality.json" "$OUT/" 2>/dev/null || true
+  local head
+  head=$(head_of "$q/train") || return 1
+  step walk "$PY" - "$TARGET" "$head" "$WALK_PROMPTS" "$EVAL_TOKENS" "$q/walk.json" <<'PY' || rc=$?
+import json, sys
+sys.path.insert(0, "scripts/bench")
+from quality import Evaluator
+from inference.evaluate import BENCHES
+target, head, prompts, tokens, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+evaluator = Evaluator(target, None, BENCHES, 1, {}, tokens, prompts, tokens)
+walks = {k: evaluator.walk(head, k) for k in (3, 5, 7)}
+json.dump({"head": head, "walk": walks}, open(out, "w"), indent=1)
+for k, per in walks.items():
+    print(f"chain K={k} walk:", " ".join(f"{b} {w['acceptance_length']:.4f}" for b, w in per.items()))
+PY
+  step export "$PY" -m eagle_cli.export "$head" --format eagle3 --out "$RUNS/export/eagle3" --target "$TARGET" || rc=$?
+  tar -C "$q" -cf "$RUNS/curve_rest.tar" walk.json train/train.log train/metrics.jsonl 2>/dev/null || true
+  cp "$RUNS/curve_rest.tar" "$OUT/" || true
+  tar -C "$RUNS/export" -cf - eagle3 | split -b 16000000 -d - "$OUT/eagle3.tar."
+  return $rc
+}
+
 finish() {
   local rc=$?
   cp "$TIMES" "$OUT/timings.tsv" 2>/dev/null || true
@@ -308,6 +359,7 @@ case $STAGE in
   stage1) stage1 ;;
   stage2) stage2 ;;
   objectives) stage_objectives ;;
+  curve) stage_curve ;;
   all) stage1; START=$(date +%s); stage2 ;;
-  *) echo "unknown stage $STAGE: kernels, stage1, stage2, all or objectives" >&2; exit 2 ;;
+  *) echo "unknown stage $STAGE: kernels, stage1, stage2, all, objectives or curve" >&2; exit 2 ;;
 esac

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import load_script
 
 from eagle_train.eagle3 import Eagle3Head
@@ -56,6 +57,13 @@ def test_one_point_on_the_tiny_llama(quality, tmp_path, tiny_llama_dir, tiny_lla
     assert text["input_ids"].tolist() == ids + plain and text["loss_mask"].sum() == len(plain)
     assert walk["gsm8k"]["rounds"] == summaries["chain K=2"]["gsm8k"]["verify_forwards"]  # one turn: the same text
     assert set(walk) == {"mt_bench", "gsm8k"} and walk["gsm8k"]["acceptance_length"] >= 1.0
+    evaluator.model.to(torch.bfloat16)  # as on a GPU: the head runs in bf16, the target distribution in fp32
+    walk16 = evaluator.walk(tmp_path / "head", 2)
+    for bench, w in walk.items():  # the same answer tokens covered, in rounds of 1..K+1
+        tokens = w["acceptance_length"] * w["rounds"]
+        assert walk16[bench]["acceptance_length"] * walk16[bench]["rounds"] == pytest.approx(tokens)
+        assert tokens / 3 <= walk16[bench]["rounds"] <= tokens
+    evaluator.model.float()
     assert set(summaries) == set(shapes)
     for per_bench in summaries.values():
         assert set(per_bench) == {"mt_bench", "gsm8k"}

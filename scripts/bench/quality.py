@@ -330,14 +330,17 @@ class Evaluator:
                 )
                 for bench, prompts in self.walk_prompts.items()
             }
-        target_logits, out = TargetLogits.of(self.model), {}
+        # the target's distribution in fp32 and the head under the target's autocast, as the trainer has them
+        target_logits, out = TargetLogits.of(self.model, self.device, torch.float32), {}
+        autocast = torch.autocast(self.device.type, self.model.dtype, enabled=self.model.dtype != torch.float32)
         for bench, texts in self.walk_texts.items():
             tokens = rounds = 0
             for text in texts:
                 x, mask = text["input_ids"][None].to(self.device), text["loss_mask"][None].to(self.device)
                 probs, in_draft = target_distribution(text["final_hidden"][None].float(), target_logits, head.t2d, mask)
                 aux = text["aux_hidden"][None].to(self.model.dtype)
-                _, metrics = ttt_loss(head, aux, x, mask, probs, in_draft, ttt_length=k)
+                with autocast:
+                    _, metrics = ttt_loss(head, aux, x, mask, probs, in_draft, ttt_length=k)
                 tokens, rounds = tokens + int(metrics["count_chain_tokens"]), rounds + int(metrics["count_rounds"])
             out[bench] = {"acceptance_length": tokens / max(rounds, 1), "rounds": rounds}
         return out
