@@ -66,7 +66,7 @@ else
   EVAL_PROMPTS=${EVAL_PROMPTS:-80}; EVAL_TOKENS=${EVAL_TOKENS:-128}; TREE=6,8,60
   OBJECTIVE_STEPS=${OBJECTIVE_STEPS:-240}; OBJECTIVE_SAVE_EVERY=40; OBJECTIVE_PROMPTS=${OBJECTIVE_PROMPTS:-10}
   CURVE_BUDGET=${CURVE_BUDGET:-5.5}; CURVE_EVERY=${CURVE_EVERY:-1}; CURVE_SAVE_EVERY=60; WALK_PROMPTS=20; CURVE_PROMPTS=${CURVE_PROMPTS:-1}
-  CURVE_TRAIN=(max_steps=${CURVE_STEPS:-600} learning_rate=${CURVE_LR:-1e-3} warmup_steps=30)
+  CURVE_TRAIN=(max_steps=${CURVE_STEPS:-500} learning_rate=${CURVE_LR:-1e-3} warmup_steps=30)
   BENCH_ARGS=(--tree "$TREE")
   STAGE_SECONDS=${STAGE_SECONDS:-540}
 fi
@@ -149,7 +149,6 @@ stage_kernels() {
   return $rc
 }
 
-# the self-distilled store: unpack what part2 carried, dequantise the GGUF, distil NUM_CONV first turns
 # the carried GGUF and ShareGPT unpacked (once), the environment logged, the GGUF dequantised (once per target)
 carried_inputs() {
   if [ ! -f "$DATA" ] || [ ! -f "$TARGET" ]; then
@@ -161,6 +160,7 @@ carried_inputs() {
   step convert "$PY" -c "from eagle_train.target import resolve_target; print(resolve_target('$TARGET'))"
 }
 
+# the self-distilled store: the carried inputs, then NUM_CONV first turns distilled
 distil_store() {
   carried_inputs
   if [ ! -f "$RUNS/prep/store/manifest.json" ]; then  # a rerun resumes at the first missing batch
