@@ -1,11 +1,16 @@
-"""Two subsets of one store, equal in size, that differ in their prompts alone: does the prompt mix move a bench?
+"""Subsets of one store, equal in size and vocabulary map, that differ in what their answers teach: does it move a
+bench?
 
-`natural` holds the store's first N samples (ShareGPT's own mix); `domain` every sample whose prompt looks like code
-or a calculation (`CODE`, `MATH`: rough regexes over the chat-templated prompt), filled up to N with the others in
-store order. Each is a store of its own with the source's vocabulary map, so two heads trained on them at equal
-steps differ in what their answers are about, not in their vocabulary or size.
+- `natural`: the store's first N samples (ShareGPT's own mix);
+- `domain`: every sample whose prompt looks like code or a calculation (`CODE`, `MATH`: rough regexes over the
+  chat-templated prompt), filled up to N with the others in store order;
+- `copy`: the N samples whose answers most repeat words already in their text (the share of answer tokens that
+  `sampled_acceptance.py --by-token` counts as "repeats an earlier token"): what a head must do on GSM8K.
 
-    python scripts/bench/prompt_mix.py --store runs/q/wide1200/store --out runs/mix --num-samples 600
+Each is a store of its own with the source's vocabulary map, so heads trained on them at equal steps differ in their
+answers alone.
+
+    python scripts/bench/store_subsets.py --store runs/q/wide1200/store --out runs/mix --num-samples 600
     python scripts/train_eagle3.py --config configs/eagle3_smollm2.yaml data_path=runs/mix/domain/store ...
 """
 
@@ -35,14 +40,31 @@ MANIFEST_COUNTS = ("version", "complete", "num_samples", "num_tokens", "shard_na
 SHARD_SAMPLES = 128
 
 
+def is_word(text: str) -> bool:
+    text = text.strip()
+    return any(c.isalnum() for c in text) and not text.isdigit()
+
+
 def prompt_kind(prompt: str) -> str:
     return "code" if CODE.search(prompt) else "math" if MATH.search(prompt) else "other"
 
 
-def subsets(kinds: list[str], n: int) -> dict[str, list[int]]:
+def copy_share(input_ids: list[int], loss_mask: list[bool], words: set[int]) -> float:
+    """The share of a sample's answer tokens that are words (ids in `words`) already in the text before them."""
+    seen, copies, answers = set(), 0, 0
+    for token, answer in zip(input_ids, loss_mask):
+        if answer:
+            answers += 1
+            copies += token in words and token in seen
+        seen.add(token)
+    return copies / max(answers, 1)
+
+
+def subsets(kinds: list[str], copy_shares: list[float], n: int) -> dict[str, list[int]]:
     domain = [i for i, k in enumerate(kinds) if k != "other"][:n]
     domain += [i for i, k in enumerate(kinds) if k == "other"][: n - len(domain)]
-    return {"natural": list(range(min(n, len(kinds)))), "domain": sorted(domain)}
+    copy = sorted(range(len(kinds)), key=lambda i: -copy_shares[i])[:n]
+    return {"natural": list(range(min(n, len(kinds)))), "domain": sorted(domain), "copy": sorted(copy)}
 
 
 def main(argv=None):
@@ -56,13 +78,16 @@ def main(argv=None):
     # bf16 and fp32 stores are copied exactly; an fp8 one is read in fp32 and quantised again
     read_dtype = torch.bfloat16 if manifest["dtype"] == "bfloat16" else torch.float32
     store, tokenizer = ShardedSamples(src, dtype=read_dtype), load_tokenizer(manifest["tokenizer"])
-    kinds = []
+    # a word: a token whose text holds a letter or digit and is not a number (sampled_acceptance.token_class)
+    words = {i for i, t in enumerate(tokenizer.batch_decode([[i] for i in range(len(tokenizer))])) if is_word(t)}
+    kinds, copy_shares = [], []
     for i in range(len(store)):
         t = store.tokens(i)
         kinds.append(prompt_kind(tokenizer.decode(t["input_ids"][: int(t["loss_mask"].nonzero()[0])])))
-    print(f"{src}: {dict(Counter(kinds))}")
+        copy_shares.append(copy_share(t["input_ids"].tolist(), t["loss_mask"].tolist(), words))
+    print(f"{src}: {dict(Counter(kinds))}, answer words repeated: {sum(copy_shares) / len(copy_shares):.3f}")
     header = {k: v for k, v in manifest.items() if k not in MANIFEST_COUNTS}
-    for name, ids in subsets(kinds, args.num_samples).items():
+    for name, ids in subsets(kinds, copy_shares, args.num_samples).items():
         path = out / name / "store"
         path.mkdir(parents=True)
         with StoreWriter(path, dtype=manifest["dtype"]) as writer:
@@ -72,7 +97,10 @@ def main(argv=None):
         finalize_manifest(path, header)
         shutil.copy(src / VOCAB_MAP, path / VOCAB_MAP)
         (out / name / "source_samples.json").write_text(json.dumps(ids))
-        print(f"{name}: {len(ids)} samples {dict(Counter(kinds[i] for i in ids))} -> {path}")
+        shares = sum(copy_shares[i] for i in ids) / len(ids)
+        print(
+            f"{name}: {len(ids)} samples {dict(Counter(kinds[i] for i in ids))}, words repeated {shares:.3f} -> {path}"
+        )
 
 
 if __name__ == "__main__":

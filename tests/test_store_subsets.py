@@ -1,4 +1,5 @@
-"""scripts/bench/prompt_mix.py: two subsets chosen by prompt, each a store of the source's samples bit for bit."""
+"""scripts/bench/store_subsets.py: subsets chosen by prompt or by answer, each a store of the source's samples bit for
+bit."""
 
 import json
 import shutil
@@ -10,20 +11,23 @@ from eagle_train.store import ShardedSamples
 
 
 def test_prompt_kinds_and_subsets():
-    mix = load_script("bench/prompt_mix.py")
+    mix = load_script("bench/store_subsets.py")
     assert mix.prompt_kind("Fix this Python function:\n```def f(): pass```") == "code"
     assert mix.prompt_kind("A pen costs $3. How many pens can I buy with 12 dollars?") == "math"
     assert mix.prompt_kind("Write a haiku about rain.") == "other"
-    kinds = ["other", "code", "other", "math", "other"]
-    assert mix.subsets(kinds, 3) == {"natural": [0, 1, 2], "domain": [0, 1, 3]}
+    assert mix.is_word(" the") and not mix.is_word(" 42") and not mix.is_word(", ")
+    # answer tokens 7 (a word seen before), 7 again, 8 (new), 3 (seen, not a word): 2 of 4
+    assert mix.copy_share([7, 5, 3, 7, 7, 8, 3], [0, 0, 0, 1, 1, 1, 1], {5, 7, 8}) == 0.5
+    kinds, shares = ["other", "code", "other", "math", "other"], [0.1, 0.0, 0.5, 0.2, 0.3]
+    assert mix.subsets(kinds, shares, 3) == {"natural": [0, 1, 2], "domain": [0, 1, 3], "copy": [2, 3, 4]}
 
 
 def test_subset_stores_hold_the_source_samples(small_store, tmp_path):
-    mix = load_script("bench/prompt_mix.py")
+    mix = load_script("bench/store_subsets.py")
     src = with_train_vocab_map(shutil.copytree(small_store, tmp_path / "src"))
     mix.main(["--store", str(src), "--out", str(tmp_path / "mix"), "--num-samples", "2"])
     source = ShardedSamples(src, dtype=torch.bfloat16)
-    for name in ("natural", "domain"):
+    for name in ("natural", "domain", "copy"):
         subset = ShardedSamples(tmp_path / "mix" / name / "store", dtype=torch.bfloat16)
         ids = json.loads((tmp_path / "mix" / name / "source_samples.json").read_text())
         assert len(subset) == 2
