@@ -3,15 +3,22 @@ bit."""
 
 import json
 import shutil
+from pathlib import Path
 
+import pytest
 import torch
 from conftest import load_script, with_train_vocab_map
 
 from eagle_train.store import ShardedSamples
 
 
-def test_prompt_kinds_and_subsets():
-    mix = load_script("bench/store_subsets.py")
+@pytest.fixture
+def mix(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts" / "bench"))  # as when run
+    return load_script("bench/store_subsets.py")
+
+
+def test_prompt_kinds_and_subsets(mix):
     assert mix.prompt_kind("Fix this Python function:\n```def f(): pass```") == "code"
     assert mix.prompt_kind("A pen costs $3. How many pens can I buy with 12 dollars?") == "math"
     assert mix.prompt_kind("Write a haiku about rain.") == "other"
@@ -22,8 +29,7 @@ def test_prompt_kinds_and_subsets():
     assert mix.subsets(kinds, shares, 3) == {"natural": [0, 1, 2], "domain": [0, 1, 3], "copy": [2, 3, 4]}
 
 
-def test_subset_stores_hold_the_source_samples(small_store, tmp_path):
-    mix = load_script("bench/store_subsets.py")
+def test_subset_stores_hold_the_source_samples(mix, small_store, tmp_path):
     src = with_train_vocab_map(shutil.copytree(small_store, tmp_path / "src"))
     mix.main(["--store", str(src), "--out", str(tmp_path / "mix"), "--num-samples", "2"])
     source = ShardedSamples(src, dtype=torch.bfloat16)

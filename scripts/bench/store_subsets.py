@@ -22,6 +22,7 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+from sampled_acceptance import TOKEN_CLASSES, token_class  # beside this file: its --by-token rule
 
 from eagle_train.store import VOCAB_MAP, ShardedSamples, StoreWriter, finalize_manifest, read_manifest
 from eagle_train.target import load_tokenizer
@@ -41,8 +42,9 @@ SHARD_SAMPLES = 128
 
 
 def is_word(text: str) -> bool:
-    text = text.strip()
-    return any(c.isalnum() for c in text) and not text.isdigit()
+    """A token that, already in the text, `sampled_acceptance.py --by-token` counts as a repeat (not a number or
+    punctuation)."""
+    return token_class(text, in_draft=True, seen_earlier=True) == TOKEN_CLASSES[3]
 
 
 def prompt_kind(prompt: str) -> str:
@@ -70,7 +72,7 @@ def subsets(kinds: list[str], copy_shares: list[float], n: int) -> dict[str, lis
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--store", required=True, help="a finished hidden-state store")
-    p.add_argument("--out", required=True, help="new directory: <out>/natural/store and <out>/domain/store")
+    p.add_argument("--out", required=True, help="new directory: <out>/{natural,domain,copy}/store")
     p.add_argument("--num-samples", type=int, required=True, help="samples in each subset")
     args = p.parse_args(argv)
     src, out = Path(args.store), Path(args.out)
@@ -78,7 +80,6 @@ def main(argv=None):
     # bf16 and fp32 stores are copied exactly; an fp8 one is read in fp32 and quantised again
     read_dtype = torch.bfloat16 if manifest["dtype"] == "bfloat16" else torch.float32
     store, tokenizer = ShardedSamples(src, dtype=read_dtype), load_tokenizer(manifest["tokenizer"])
-    # a word: a token whose text holds a letter or digit and is not a number (sampled_acceptance.token_class)
     words = {i for i, t in enumerate(tokenizer.batch_decode([[i] for i in range(len(tokenizer))])) if is_word(t)}
     kinds, copy_shares = [], []
     for i in range(len(store)):
