@@ -43,3 +43,18 @@ def test_subset_stores_hold_the_source_samples(mix, small_store, tmp_path):
         assert (tmp_path / "mix" / name / "store" / "vocab_map.safetensors").read_bytes() == (
             src / "vocab_map.safetensors"
         ).read_bytes()
+
+
+def test_bad_arguments_are_refused_in_one_line(mix, small_store, small_tokenized, tmp_path, capsys):
+    for argv, says in (
+        (["--store", str(small_store), "--out", str(tmp_path / "a"), "--num-samples", "0"], "at least 1"),
+        (["--store", str(small_store), "--out", str(tmp_path), "--num-samples", "2"], "exists"),
+        (["--store", str(tmp_path / "none"), "--out", str(tmp_path / "b"), "--num-samples", "2"], "not a store"),
+        (["--store", str(small_tokenized), "--out", str(tmp_path / "c"), "--num-samples", "2"], "tokenized dataset"),
+    ):
+        with pytest.raises(SystemExit) as err:
+            mix.main(argv)
+        assert err.value.code == 2
+        message = capsys.readouterr().err.strip().splitlines()[-1]
+        assert says in message, message
+    assert not any((tmp_path / d).exists() for d in "abc")

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from sampled_acceptance import TOKEN_CLASSES, token_class  # beside this file: its --by-token rule
 
-from eagle_train.store import VOCAB_MAP, ShardedSamples, StoreWriter, finalize_manifest, read_manifest
+from eagle_train.store import HIDDEN_FORMAT, VOCAB_MAP, ShardedSamples, StoreWriter, finalize_manifest, read_manifest
 from eagle_train.target import load_tokenizer
 
 CODE = re.compile(
@@ -76,7 +76,16 @@ def main(argv=None):
     p.add_argument("--num-samples", type=int, required=True, help="samples in each subset")
     args = p.parse_args(argv)
     src, out = Path(args.store), Path(args.out)
-    manifest = read_manifest(src)
+    if args.num_samples < 1:
+        p.error(f"--num-samples must be at least 1, got {args.num_samples}")
+    if out.exists():
+        p.error(f"--out {out} exists: choose a new directory")
+    try:
+        manifest = read_manifest(src)
+    except (FileNotFoundError, ValueError) as e:
+        p.error(str(e))
+    if manifest["format"] != HIDDEN_FORMAT:
+        p.error(f"{src} is a tokenized dataset: subsets need a store of hidden states (`eagle-prep capture`)")
     # bf16 and fp32 stores are copied exactly; an fp8 one is read in fp32 and quantised again
     read_dtype = torch.bfloat16 if manifest["dtype"] == "bfloat16" else torch.float32
     store, tokenizer = ShardedSamples(src, dtype=read_dtype), load_tokenizer(manifest["tokenizer"])
