@@ -97,6 +97,23 @@ def backend_of(accelerator) -> Backend:
     return BACKENDS["fsdp" if kind == "FSDP" else "whole"]
 
 
+def cpu_multiplies_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """Whether this CPU has bf16 dot-product instructions (x86 AVX512-BF16 or AMX-BF16). There bf16 matmuls
+    outrun fp32 ones; without them bf16 has no native path, and a run stays fp32."""
+    try:
+        flags = cpuinfo.read_text().split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def precision(cfg: TrainConfig) -> str:
+    """The run's autocast: "bf16" or "no" (fp32), `mixed_precision: auto` resolved for this machine."""
+    if cfg.mixed_precision != "auto":
+        return cfg.mixed_precision
+    return "bf16" if torch.cuda.is_available() or cpu_multiplies_bf16() else "no"
+
+
 def make_accelerator(cfg: TrainConfig):
     """The Accelerator of `accelerate launch`'s config, with precision and clipping from the run config.
 
@@ -107,7 +124,7 @@ def make_accelerator(cfg: TrainConfig):
     from transformers.integrations import unset_hf_deepspeed_config
 
     cuda = torch.cuda.is_available()
-    mixed = cfg.mixed_precision if cfg.mixed_precision != "auto" else ("bf16" if cuda else "no")
+    mixed = precision(cfg)
     if launched_with("FSDP") and not cuda:
         raise ValueError(
             "this launch asks for FSDP, which accelerate runs on GPUs only: without one it would silently train "

@@ -77,7 +77,7 @@ class TrainConfig:
     # only; fused_loss never makes those logits, and P-EAGLE ignores the key.
     gradient_checkpointing: bool = False
     fused_loss: bool = False  # EAGLE-3 TTT loss through eagle_train.fused_ce (no [N, Vd] logits; Triton on CUDA)
-    mixed_precision: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU; or "no" / "bf16"
+    mixed_precision: str = "auto"  # auto: bf16 on CUDA and CPUs with bf16 instructions, else fp32; or "no" / "bf16"
     seed: int = 0
     # output
     output_dir: str = "runs/eagle3"

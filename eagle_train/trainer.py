@@ -48,7 +48,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm import tqdm
 
-from eagle_train.backend import Backend, backend_of, check_resumable, make_accelerator
+from eagle_train.backend import Backend, backend_of, check_resumable, make_accelerator, precision
 from eagle_train.batching import epoch_batches, pack_by_length
 from eagle_train.checkpoint import load_draft_head
 from eagle_train.files import write_json, write_safetensors, write_text
@@ -807,7 +807,8 @@ def train(cfg: TrainConfig, build_head, objective) -> dict:
     run.accelerator.print(
         f"{cfg.method} on {cfg.target} ({cfg.mode}): {len(run.train_ids)} train / "
         f"{len(run.eval_ids)} eval samples, {run.total_steps} steps of {run.per_step} micro-batches "
-        f"(<= {cfg.tokens_per_batch} tokens each), {world} process(es) on {run.accelerator.device}"
+        f"(<= {cfg.tokens_per_batch} tokens each), {world} process(es) on {run.accelerator.device}, "
+        f"{'bf16 autocast' if precision(cfg) == 'bf16' else 'fp32'}"
     )
     warn_idle_cores(run.accelerator, world)
     if state["step"] == 0:

@@ -21,6 +21,17 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
 # client's retries. Set before transformers and huggingface_hub are imported, which read it once.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+
+@pytest.fixture(autouse=True)
+def fresh_accelerator_state():
+    """Each test's training builds its own Accelerator: accelerate keeps one state per process and refuses a
+    second Accelerator of another precision (`mixed_precision: auto` is bf16 on CPUs with bf16 instructions)."""
+    yield
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state()
+
+
 # ------------------------------------------------------------------------------ the architecture matrix
 # tests/test_every_architecture.py records a figure per model_type and stage; the run ends with the table.
 
