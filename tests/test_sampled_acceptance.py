@@ -1,5 +1,6 @@
 """scripts/bench/sampled_acceptance.py's split of first drafts by the target token they had to match."""
 
+import pytest
 import torch
 from conftest import load_script
 
@@ -29,3 +30,9 @@ def test_each_first_draft_counts_once_in_the_first_class_its_token_falls_in():
         "repeats an earlier token": [1, 1],
         "other": [1, 2],
     }
+
+
+def test_a_missing_head_is_refused_in_one_line_before_the_target_loads(train_store, tmp_path, monkeypatch):
+    monkeypatch.setattr(sampled, "load_target", lambda *a, **k: pytest.fail("loaded the target"))
+    with pytest.raises(SystemExit, match=r"draft head .*checkpoint-535 does not exist: give a head directory"):
+        sampled.main(["--store", str(train_store), "--head", str(tmp_path / "checkpoint-535")])

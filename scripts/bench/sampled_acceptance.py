@@ -24,7 +24,7 @@ import argparse
 
 import torch
 
-from eagle_train.checkpoint import load_draft_head
+from eagle_train.checkpoint import load_draft_head, locate_head
 from eagle_train.hidden_states import TargetLogits
 from eagle_train.store import ShardedSamples, read_manifest
 from eagle_train.target import load_target
@@ -123,6 +123,13 @@ def main(argv=None):
     store = ShardedSamples(args.store)
     if not store.has_hidden:
         raise SystemExit(f"{args.store} holds tokens only: give a hidden-state store (eagle-prep run or capture)")
+    for path in args.head:  # before the target loads: a mistyped or rotated-away checkpoint, in one line
+        try:
+            locate_head(path)
+        except (FileNotFoundError, ValueError) as err:
+            raise SystemExit(
+                f"{err}: give a head directory (a run's final/, a checkpoint-<step>/ or an export)"
+            ) from None
     made_by = read_manifest(args.store)["target"]
     target = made_by.get("given") or made_by["name"]
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
