@@ -176,7 +176,7 @@ def distil_store(target, data, out, *, limit, split, device=None, engine="hf", v
         f"{stats['answer_tokens']} answer tokens ({stats['tokens']} with prompts) in {stats['seconds']:.1f}s "
         f"({stats['conversations'] / seconds:.2f} conversations/s, {stats['answer_tokens'] / seconds:.0f} answer tok/s"
         + (
-            f"; vLLM's engine started in {stats['engine_start_seconds']:.1f}s)"
+            f"; vLLM's engine, {stats['engine_dtype']}, started in {stats['engine_start_seconds']:.1f}s)"
             if "engine_start_seconds" in stats
             else ")"
         )

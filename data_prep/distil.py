@@ -273,7 +273,7 @@ def distil(
     Returns (the store's manifest, or None while shards of other runs are missing; {"conversations",
     "answers", "answer_tokens", "tokens", "seconds", "vocab_map"} of this run, "cut" (per reason, the
     conversations that lost turns to their chat template) and with vLLM "engine_start_seconds", included
-    in "seconds").
+    in "seconds", and "engine_dtype").
     The store is the one `eagle-prep capture` writes (same format, vocab map included), so offline
     training reads it as is. A rerun with the same settings resumes; other settings are refused.
 
@@ -339,7 +339,7 @@ def distil(
         from engines.vllm import HiddenStatesServer
 
         server = HiddenStatesServer(target_name, ids, {"max_num_seqs": batch_size, **(engine_options or {})})
-        stats["engine_start_seconds"] = server.init_seconds
+        stats["engine_start_seconds"], stats["engine_dtype"] = server.init_seconds, server.dtype
 
         def answer(prompts):
             return server.answer(prompts, max_new_tokens, eos_ids)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from eagle_train.bf16 import bf16_is_fast
 from eagle_train.train_config import TrainConfig, launched_with
 
 
@@ -97,21 +98,11 @@ def backend_of(accelerator) -> Backend:
     return BACKENDS["fsdp" if kind == "FSDP" else "whole"]
 
 
-def cpu_multiplies_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
-    """Whether this CPU has bf16 dot-product instructions (x86 AVX512-BF16 or AMX-BF16). There bf16 matmuls
-    outrun fp32 ones; without them bf16 has no native path, and a run stays fp32."""
-    try:
-        flags = cpuinfo.read_text().split()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 def precision(cfg: TrainConfig) -> str:
     """The run's autocast: "bf16" or "no" (fp32), `mixed_precision: auto` resolved for this machine."""
     if cfg.mixed_precision != "auto":
         return cfg.mixed_precision
-    return "bf16" if torch.cuda.is_available() or cpu_multiplies_bf16() else "no"
+    return "bf16" if bf16_is_fast() else "no"
 
 
 def make_accelerator(cfg: TrainConfig):

@@ -474,14 +474,16 @@ def generate_batch(
     max_new_tokens: int,
     aux_layer_ids=None,
     max_num_seqs: int = 128,
+    dtype: str | None = None,
 ) -> BatchRun:
     """Greedy answers to token-id `prompts`, all submitted at once (continuous batching); with `aux_layer_ids`
     also the hidden states of every token that ran, in this project's convention (`target_hidden_states`):
     aux = the inputs of those decoder layers, final = the last layer's output after the final norm. vLLM's
     `extract_hidden_states` method captures them from the forwards that generate the answer; a prefill-only
-    pass over given sequences is `max_new_tokens=1`."""
+    pass over given sequences is `max_new_tokens=1`. `dtype` ("float32", "bfloat16") overrides `data_engine_options`."""
+    options = {"max_num_seqs": max_num_seqs, **({"dtype": dtype} if dtype else {})}
     if aux_layer_ids is not None:
-        with HiddenStatesServer(target, aux_layer_ids, {"max_num_seqs": max_num_seqs}) as engine:
+        with HiddenStatesServer(target, aux_layer_ids, options) as engine:
             t = time.perf_counter()
             samples = engine.answer(prompts, max_new_tokens)
             seconds = time.perf_counter() - t
@@ -490,17 +492,21 @@ def generate_batch(
     reason = missing()
     if reason:
         raise VllmError(reason)
-    request = {"target": target, "prompts": prompts, "max_new_tokens": max_new_tokens, "max_num_seqs": max_num_seqs}
+    request = {"target": target, "prompts": prompts, "max_new_tokens": max_new_tokens, "engine_options": options}
     with tempfile.TemporaryDirectory() as tmp:
         result = run_child(BATCH_CHILD, request, Path(tmp))
     return BatchRun(result["version"], result["init_seconds"], result["generate_seconds"], result["output_ids"], None)
 
 
 def data_engine_options() -> dict:
-    """How an engine that makes data runs: fp32 on a CPU (exact against HF), bf16 on CUDA; eager on a CPU; no
-    prefix caching (a shared block's captured states are untested)."""
+    """How an engine that makes data runs: bf16 where the machine multiplies bf16 fast (CUDA, a CPU with bf16
+    instructions: the rule of training's `mixed_precision: auto`), elsewhere fp32 (exact against HF); `dtype`
+    in the engine options overrides it. Eager on a CPU; no prefix caching (a shared block's captured states are
+    untested)."""
+    from eagle_train.bf16 import bf16_is_fast
+
     return {
-        "dtype": "float32" if not _cuda() else "bfloat16",
+        "dtype": "bfloat16" if bf16_is_fast() else "float32",
         "enforce_eager": not _cuda(),
         "enable_prefix_caching": False,
         "seed": 0,
@@ -593,7 +599,7 @@ def batch_child(request: dict) -> dict:
     from eagle_train.target import resolve_target
 
     t0 = time.perf_counter()
-    llm = LLM(model=resolve_target(request["target"]), **data_engine_options(), max_num_seqs=request["max_num_seqs"])
+    llm = LLM(model=resolve_target(request["target"]), **{**data_engine_options(), **request["engine_options"]})
     init_seconds = time.perf_counter() - t0
     t = time.perf_counter()
     greedy = SamplingParams(temperature=0.0, max_tokens=request["max_new_tokens"])
@@ -628,6 +634,7 @@ class HiddenStatesServer:
         if reason:
             raise VllmError(reason)
         engine_options = dict(engine_options or {})
+        self.dtype = engine_options.get("dtype", data_engine_options()["dtype"])  # the child's, resolved alike
         cache_gib = engine_options.pop("cpu_kv_cache_gib", None)
         cache_gib = cache_gib or os.environ.get("VLLM_CPU_KVCACHE_SPACE", DISTIL_CPU_KV_CACHE_GIB)
         self.tmp = tempfile.TemporaryDirectory()

@@ -10,7 +10,7 @@ from accelerate.state import AcceleratorState
 from conftest import TRAIN_DRAFT_VOCAB, load_script
 from safetensors.torch import save_file
 
-from eagle_train import backend
+from eagle_train import backend, bf16
 from eagle_train.batching import epoch_batches
 from eagle_train.checkpoint import load_draft_head
 from eagle_train.eagle3_train import build_eagle3_head, eagle3_objective, noisy_features
@@ -133,26 +133,26 @@ def test_offline_and_online_training_give_the_same_step0_loss(train_store, train
 def test_bf16_autocast_on_the_cpu_trains_the_fp32_run_to_bf16_rounding(train_store, tmp_path):
     fp32 = run(config(train_store, tmp_path / "fp32", "max_steps=3"))
     AcceleratorState._reset_state()  # one Accelerator per precision per process
-    bf16 = run(config(train_store, tmp_path / "bf16", "max_steps=3", "mixed_precision=bf16"))
+    half = run(config(train_store, tmp_path / "bf16", "max_steps=3", "mixed_precision=bf16"))
     assert fp32["history"][0]["count_0"] > 10
-    for a, b in zip(fp32["history"], bf16["history"], strict=True):
+    for a, b in zip(fp32["history"], half["history"], strict=True):
         assert a["count_0"] == b["count_0"]
         # bf16 keeps 8 significant bits: each matmul's output is off by up to 2^-8 relative, a layer deep
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-2)
-    assert [m["loss"] for m in fp32["history"]] != [m["loss"] for m in bf16["history"]]  # autocast ran
+    assert [m["loss"] for m in fp32["history"]] != [m["loss"] for m in half["history"]]  # autocast ran
 
 
 def test_auto_precision_is_bf16_on_cuda_and_on_cpus_with_bf16_instructions(monkeypatch, tmp_path):
     with_bf16, without = tmp_path / "zen4", tmp_path / "zen2"
     with_bf16.write_text("flags\t\t: fpu sse2 avx2 avx512f avx512bw avx512_bf16 avx512_vnni\n")
     without.write_text("flags\t\t: fpu sse2 avx2 avx512f avx512bw\n")
-    assert backend.cpu_multiplies_bf16(with_bf16)
-    assert not backend.cpu_multiplies_bf16(without)
-    assert not backend.cpu_multiplies_bf16(tmp_path / "no-such-file")  # not Linux: fp32
+    assert bf16.cpu_multiplies_bf16(with_bf16)
+    assert not bf16.cpu_multiplies_bf16(without)
+    assert not bf16.cpu_multiplies_bf16(tmp_path / "no-such-file")  # not Linux: fp32
     auto, fp32 = load_train_config(None, []), load_train_config(None, ["mixed_precision=no"])
     for cuda, bf16_cpu, want in ((False, False, "no"), (False, True, "bf16"), (True, False, "bf16")):
         monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
-        monkeypatch.setattr(backend, "cpu_multiplies_bf16", lambda bf16_cpu=bf16_cpu: bf16_cpu)
+        monkeypatch.setattr(bf16, "cpu_multiplies_bf16", lambda bf16_cpu=bf16_cpu: bf16_cpu)
         assert backend.precision(auto) == want
         assert backend.precision(fp32) == "no"
 

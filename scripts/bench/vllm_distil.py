@@ -4,15 +4,16 @@
     python scripts/bench/vllm_distil.py --bench 128 --max-new-tokens 192 --kv-cache-gib 6
 
 --check N: vLLM answers N ShareGPT first turns (chat-templated, shortest first, as `eagle-prep distil` plans
-them) greedily in fp32 and captures the hidden states while generating; HF runs `target_hidden_states` on the
-same token ids (each position but the last, which vLLM never runs) and answers the same prompts with
-`generate_and_capture`. Prints, per aux layer and for the final hidden state, the largest absolute difference,
-that over the largest HF value, and the worst token's ||vLLM - HF|| / ||HF||; and which answers differ from HF
-greedy decoding and where.
+them) greedily (fp32 unless --dtype says otherwise) and captures the hidden states while generating; HF runs
+`target_hidden_states` on the same token ids (each position but the last, which vLLM never runs) and answers the
+same prompts with `generate_and_capture`. Prints, per aux layer and for the final hidden state, the largest
+absolute difference, that over the largest HF value, and the worst token's ||vLLM - HF|| / ||HF||; and which
+answers differ from HF greedy decoding and where.
 
 --bench N: on the same N prompts, one engine each: plain generation; generation with the hidden states
 captured while generating; a prefill-only pass with hidden states over plain generation's prompt + answer.
-Prints prompts/s, answer tokens/s and, for the prefill pass, tokens/s.
+Prints prompts/s, answer tokens/s and, for the prefill pass, tokens/s, in the data engine's dtype (bf16 where
+the machine multiplies it fast, else fp32) unless --dtype says otherwise.
 """
 
 import argparse
@@ -40,9 +41,9 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
 
 
-def check(target: str, prompts: list[list[int]], max_new_tokens: int) -> dict:
+def check(target: str, prompts: list[list[int]], max_new_tokens: int, dtype: str | None) -> dict:
     aux_ids = default_aux_layer_ids(load_target_config(target).num_hidden_layers)
-    run = generate_batch(target, prompts, max_new_tokens, aux_ids)
+    run = generate_batch(target, prompts, max_new_tokens, aux_ids, dtype=dtype or "float32")
     model, tokenizer = load_target(target, dtype=torch.float32)
     names = [f"aux layer {i}" for i in aux_ids] + ["final"]
     worst = {name: {"abs": 0.0, "rel": 0.0, "token_rel": 0.0} for name in names}
@@ -84,7 +85,7 @@ def check(target: str, prompts: list[list[int]], max_new_tokens: int) -> dict:
     }
 
 
-def bench(target: str, prompts: list[list[int]], max_new_tokens: int, max_num_seqs: int) -> dict:
+def bench(target: str, prompts: list[list[int]], max_new_tokens: int, max_num_seqs: int, dtype: str | None) -> dict:
     aux_ids = default_aux_layer_ids(load_target_config(target).num_hidden_layers)
 
     def rates(run, seconds, tokens=None) -> dict:
@@ -98,10 +99,10 @@ def bench(target: str, prompts: list[list[int]], max_new_tokens: int, max_num_se
         }
         return out if tokens is None else {**out, "tokens": tokens, "tokens_per_s": round(tokens / seconds, 1)}
 
-    plain = generate_batch(target, prompts, max_new_tokens, max_num_seqs=max_num_seqs)
-    captured = generate_batch(target, prompts, max_new_tokens, aux_ids, max_num_seqs=max_num_seqs)
+    plain = generate_batch(target, prompts, max_new_tokens, max_num_seqs=max_num_seqs, dtype=dtype)
+    captured = generate_batch(target, prompts, max_new_tokens, aux_ids, max_num_seqs=max_num_seqs, dtype=dtype)
     sequences = [p + o for p, o in zip(prompts, plain.output_ids)]
-    prefill = generate_batch(target, sequences, 1, aux_ids, max_num_seqs=max_num_seqs)
+    prefill = generate_batch(target, sequences, 1, aux_ids, max_num_seqs=max_num_seqs, dtype=dtype)
     return {
         "plain": rates(plain, plain.generate_seconds),
         "hidden_states_while_generating": rates(captured, captured.generate_seconds),
@@ -121,6 +122,7 @@ def main(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=192)
     p.add_argument("--max-length", type=int, default=640)
     p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="vLLM's (see above)")
     p.add_argument(
         "--kv-cache-gib",
         type=float,
@@ -134,11 +136,11 @@ def main(argv=None):
     report = {}
     if a.check:
         report["check"] = check(
-            a.target, first_turns(a.target, a.check, a.max_length, a.max_new_tokens), a.max_new_tokens
+            a.target, first_turns(a.target, a.check, a.max_length, a.max_new_tokens), a.max_new_tokens, a.dtype
         )
     if a.bench:
         prompts = first_turns(a.target, a.bench, a.max_length, a.max_new_tokens)
-        report["bench"] = bench(a.target, prompts, a.max_new_tokens, a.max_num_seqs)
+        report["bench"] = bench(a.target, prompts, a.max_new_tokens, a.max_num_seqs, a.dtype)
     print(json.dumps(report, indent=1))
 
 
