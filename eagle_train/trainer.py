@@ -64,7 +64,7 @@ from eagle_train.store import (
 )
 from eagle_train.target import load_target, load_target_config
 from eagle_train.train_config import TrainConfig, validate
-from eagle_train.ttt import simulated_acceptance_length, target_distribution
+from eagle_train.ttt import shift_left, simulated_acceptance_length, target_distribution
 from eagle_train.vocab_map import top_k_vocab_map
 
 # ------------------------------------------------------------------------------------ data order
@@ -148,10 +148,13 @@ class BatchSource:
     from the store (offline) or from running the target (online).
 
     Where the target's argmax is a draft token (`in_draft`) is kept per sample after its first batch:
-    later epochs run only the draft vocabulary's rows of the target's lm_head."""
+    later epochs run only the draft vocabulary's rows of the target's lm_head. A distilled store's answers
+    are the target's greedy tokens (`greedy_answers`), so there the next token says where the argmax is, and
+    the target's whole vocabulary never runs."""
 
-    def __init__(self, cfg: TrainConfig, target_model, t2d, aux_layer_ids, device):
+    def __init__(self, cfg: TrainConfig, target_model, t2d, aux_layer_ids, device, greedy_answers: bool = False):
         self.online = cfg.mode == "online"
+        self.greedy_answers = greedy_answers
         self.target = target_model if self.online else None  # offline keeps no reference to it
         self.aux_layer_ids = aux_layer_ids
         self.target_logits = TargetLogits.of(target_model, device, torch.float32)
@@ -170,7 +173,10 @@ class BatchSource:
             aux, final = padded["aux_hidden"].to(self.device), padded["final_hidden"].to(self.device)
         loss_mask = padded["loss_mask"].to(self.device)
         samples = padded["sample_ids"].tolist()
-        if all(i in self.in_draft for i in samples):
+        if self.greedy_answers:
+            in_draft = shift_left(loss_mask.bool(), 1, False) & self.t2d[shift_left(ids, 1)]
+            probs, in_draft = target_distribution(final, self.draft_logits, self.t2d, loss_mask, in_draft)
+        elif all(i in self.in_draft for i in samples):
             in_draft = torch.zeros(loss_mask.shape, dtype=torch.bool)
             for b, i in enumerate(samples):
                 in_draft[b, : len(self.in_draft[i])] = self.in_draft[i]
@@ -530,7 +536,8 @@ def build_model(cfg: TrainConfig, build_head, resume_from: Path | None, device) 
             )
         check_store_matches(manifest, target_model.config, aux_ids, target_fingerprint(target_model))
     head.float()
-    return head, BatchSource(cfg, target_model, head.t2d, aux_ids, device)
+    greedy_answers = not online and "distil" in manifest.get("plan", {})  # data_prep.distil: greedy, every turn
+    return head, BatchSource(cfg, target_model, head.t2d, aux_ids, device, greedy_answers)
 
 
 def set_up(cfg: TrainConfig, build_head, resume_from: Path | None) -> Run:

@@ -195,3 +195,27 @@ def test_turns_a_chat_template_refuses_are_left_out_and_counted():
     planned, cut = plan_conversations(tok, CONVERSATIONS, None, 512, 16, None, None, end_id)
     assert cut == {"chat template error: roles must alternate": 2}  # c1 loses its second turn, c2 ("Hi") is out
     assert [len(segments) for _, segments in planned] == [1] * (len(CONVERSATIONS) - 1)
+
+
+def test_the_trainer_reads_where_the_targets_argmax_is_off_a_distilled_stores_answers(smollm2, tmp_path):
+    """A distilled store's answer tokens are the target's argmax, so the trainer takes `in_draft` from them and
+    runs only the draft rows of the target's lm_head: the batch the whole-vocabulary pass gives, every turn."""
+    from eagle_train.eagle3_train import build_eagle3_head
+    from eagle_train.train_config import load_train_config
+    from eagle_train.trainer import build_model, micro_batch
+
+    data = tmp_path / "convs.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in CONVERSATIONS))
+    run_distil(smollm2, str(data), tmp_path / "s", turns=None, max_new_tokens=24, max_length=256)
+    overrides = [f"data_path={tmp_path / 's'}", f"output_dir={tmp_path / 'run'}", "draft_vocab_size=32"]
+    _, source = build_model(load_train_config(None, overrides), build_eagle3_head, None, "cpu")
+    store = ShardedSamples(tmp_path / "s")
+    padded = micro_batch([store[i] for i in range(len(store))], list(range(len(store))), 256, 0)
+    assert source.greedy_answers
+    fast = source(padded)
+    source.greedy_answers = False
+    full = source(padded)
+    answers = torch.roll(padded["loss_mask"], -1, dims=1)
+    assert full["in_draft"][answers].any() and not full["in_draft"][answers].all()  # 32 draft ids miss some
+    assert torch.equal(fast["in_draft"], full["in_draft"])
+    torch.testing.assert_close(fast["target_probs"], full["target_probs"], rtol=1e-5, atol=1e-7)
