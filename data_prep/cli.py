@@ -444,7 +444,9 @@ def engine_arguments(s, does: str, vllm_does: str) -> None:
     group.add_argument("--pipeline-parallel-size", type=int, help="GPUs one engine splits the layers over")
     group.add_argument("--gpu-memory-utilization", type=float, help="share of each GPU's memory vLLM takes")
     group.add_argument(
-        "--engine-dtype", help="the engine's dtype (default float32 on a CPU, exact against hf; bfloat16 on CUDA)"
+        "--engine-dtype",
+        help="the engine's dtype (default bfloat16 on CUDA and on CPUs with bf16 instructions, else float32, "
+        "exact against hf)",
     )
 
 
