@@ -292,11 +292,12 @@ def distil(
     if turns is not None and turns < 1:
         raise ValueError(f"turns={turns}: answer at least one turn (or all)")
     if engine == "vllm":
-        from engines.vllm import missing
+        from engines.vllm import data_dtype, missing
 
         reason = missing()
         if reason:
             raise ValueError(f"--engine vllm: {reason}")
+        engine_options = {**(engine_options or {}), "dtype": data_dtype(engine_options)}  # the plan records it
     config = model.config if model is not None else load_target_config(target_name)
     ids = tuple(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(config.num_hidden_layers)
     generation = model if model is not None else SimpleNamespace(generation_config=load_generation_config(target_name))
@@ -320,6 +321,7 @@ def distil(
         "plan": {
             "distil": "greedy answers, turn after turn, captured while generated",
             "engine": engine,
+            **({"engine_dtype": engine_options["dtype"]} if engine == "vllm" else {}),  # no resume mixes dtypes
             "turns": turns,
             "max_new_tokens": max_new_tokens,
             "batch_size": batch_size,

@@ -513,6 +513,11 @@ def data_engine_options() -> dict:
     }
 
 
+def data_dtype(engine_options: dict | None) -> str:
+    """The dtype a data engine with these options runs in."""
+    return (engine_options or {}).get("dtype") or data_engine_options()["dtype"]
+
+
 class HiddenStatesEngine:
     """One vLLM engine that answers greedily and keeps, for every token it runs (prompt and answer), the inputs
     of the aux layers and the last layer's output (id = num_hidden_layers, before the final norm; the engine's
@@ -634,7 +639,7 @@ class HiddenStatesServer:
         if reason:
             raise VllmError(reason)
         engine_options = dict(engine_options or {})
-        self.dtype = engine_options.get("dtype", data_engine_options()["dtype"])  # the child's, resolved alike
+        self.dtype = data_dtype(engine_options)  # the child's, resolved alike
         cache_gib = engine_options.pop("cpu_kv_cache_gib", None)
         cache_gib = cache_gib or os.environ.get("VLLM_CPU_KVCACHE_SPACE", DISTIL_CPU_KV_CACHE_GIB)
         self.tmp = tempfile.TemporaryDirectory()

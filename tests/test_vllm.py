@@ -377,6 +377,10 @@ def test_distil_with_vllm_makes_the_hf_store_resumes_and_trains_alike(smollm2, t
     _, stats = distil(None, tokenizer, str(conversations_jsonl), tmp_path / "vllm", **fp32, **common)
     assert stats["conversations"] == 2
     assert_same_as_hf(ShardedSamples(tmp_path / "vllm"))
+    assert ours.manifest["plan"]["engine_dtype"] == "float32"
+    other = {**fp32, "engine_options": {"dtype": "bfloat16"}}
+    with pytest.raises(ValueError, match="'engine_dtype': 'float32'"):  # a resume in another dtype, refused
+        distil(None, tokenizer, str(conversations_jsonl), tmp_path / "vllm", **other, **common)
 
     losses = {}
     for name in ("hf", "vllm"):
