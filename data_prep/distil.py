@@ -340,8 +340,8 @@ def distil(
     if engine == "vllm" and todo:
         from engines.vllm import HiddenStatesServer
 
-        server = HiddenStatesServer(target_name, ids, {"max_num_seqs": batch_size, **(engine_options or {})})
-        stats["engine_start_seconds"], stats["engine_dtype"] = server.init_seconds, server.dtype
+        server = HiddenStatesServer(target_name, ids, {"max_num_seqs": batch_size, **engine_options})
+        stats["engine_start_seconds"], stats["engine_dtype"] = server.init_seconds, engine_options["dtype"]
 
         def answer(prompts):
             return server.answer(prompts, max_new_tokens, eos_ids)

@@ -639,7 +639,6 @@ class HiddenStatesServer:
         if reason:
             raise VllmError(reason)
         engine_options = dict(engine_options or {})
-        self.dtype = data_dtype(engine_options)  # the child's, resolved alike
         cache_gib = engine_options.pop("cpu_kv_cache_gib", None)
         cache_gib = cache_gib or os.environ.get("VLLM_CPU_KVCACHE_SPACE", DISTIL_CPU_KV_CACHE_GIB)
         self.tmp = tempfile.TemporaryDirectory()
