@@ -16,6 +16,9 @@ run follow from the steps' top-1 agreement alone (`chain_rounds`): the loss can 
 the current head gets rejected at, the states its own drafting leads to (`rejection_weight`).
 """
 
+import functools
+import warnings
+
 import numpy as np
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -71,20 +74,42 @@ def shift_left(x, n: int, fill=0):
 
 def step_loss(head, h, target_probs, tv_weight: float = TV_WEIGHT):
     """Per row, (1 - tv_weight) x soft cross-entropy + tv_weight x total variation [N], and top-1 agreement
-    bool [N].
+    bool [N] (`loss_rows` of the head's logits). h [N, H] are the supervised positions only: the lm_head (the
+    head's largest matmul) and the [N, Vd] logits are then paid for supervised positions alone."""
+    logits = head.logits(h)
+    if logits.device.type == "cpu":
+        return compiled_loss_rows()(logits, target_probs, tv_weight)
+    return loss_rows(logits, target_probs, tv_weight)
+
+
+def loss_rows(logits, target_probs, tv_weight: float = TV_WEIGHT):
+    """Per row, (1 - tv_weight) x soft cross-entropy + tv_weight x total variation [N], and top-1 agreement
+    bool [N], of draft logits [N, Vd] against target probabilities [N, Vd].
 
     A draft sampled from q is accepted with probability 1 - TV(p, q), TV = 0.5 sum |p - q|: the total variation
-    is the acceptance objective itself, where cross-entropy only bounds it. h [N, H] are the supervised
-    positions only: the lm_head (the head's largest matmul) and the [N, Vd] logits are then paid for
-    supervised positions alone.
+    is the acceptance objective itself, where cross-entropy only bounds it.
     """
-    logits = head.logits(h)
     log_q = torch.log_softmax(logits.float(), dim=-1)
     loss = -(target_probs * log_q).sum(-1)
     if tv_weight:
         tv = 0.5 * (target_probs - log_q.exp()).abs().sum(-1)
         loss = (1 - tv_weight) * loss + tv_weight * tv
-    return loss, logits.argmax(-1) == target_probs.argmax(-1)
+    return loss, log_q.argmax(-1) == target_probs.argmax(-1)
+
+
+@functools.cache
+def compiled_loss_rows():
+    """`loss_rows` compiled for the CPU, where eagerly each of its passes over the [N, Vd] rows (log-softmax, exp,
+    |p - q|, their backwards, argmax) is one more trip through memory; compiled they fuse. Where torch.compile
+    does not work (no C++ compiler), `loss_rows` itself, with a warning."""
+    try:
+        torch.compile(torch.neg)(torch.ones(2))
+    except Exception as e:  # noqa: BLE001 - any compiler failure: the same loss, eagerly
+        warnings.warn(
+            f"torch.compile does not work here ({type(e).__name__}): the TTT loss runs uncompiled, slower", stacklevel=2
+        )
+        return loss_rows
+    return torch.compile(loss_rows, dynamic=True)
 
 
 def ttt_loss(

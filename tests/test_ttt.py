@@ -275,3 +275,46 @@ def test_total_variation_loss_and_its_gradient_match_the_direct_computation():
     grad_tv = 0.5 * q * (s - (s * q).sum(-1, keepdim=True))
     grad_ce = q - p  # of -sum p log softmax(z), rows of p summing to 1
     torch.testing.assert_close(logits.grad, (1 - w) * grad_ce + w * grad_tv)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_compiled_cpu_loss_is_the_eager_one(dtype):
+    """On a CPU, step_loss runs `loss_rows` compiled (its passes over the [N, Vd] rows fused); it gives the eager
+    loss, gradient and agreement. Bounds: the compiled sums over Vd terms run in another order, each off by at most
+    Vd x fp32's unit roundoff relative (8192 x 6e-8 = 5e-4); bf16 logits get bf16 gradients, one bf16 step apart
+    (2**-7 relative) where that order rounds them the other way."""
+    from eagle_train.ttt import compiled_loss_rows, loss_rows
+
+    compiled = compiled_loss_rows()
+    assert compiled is not loss_rows, "torch.compile does not work on this machine"
+    torch.manual_seed(0)
+    n, vd = 300, 8192
+    z = (2 * torch.randn(n, vd)).to(dtype)
+    z[torch.arange(n), torch.randint(vd, (n,))] += 8  # one clear argmax per row: no ties for argmax to break
+    p = torch.softmax(3 * torch.randn(n, vd), -1)
+    p[torch.arange(n // 2), z[: n // 2].float().argmax(-1)] += 1  # half the rows agree with the draft
+    p = p / p.sum(-1, keepdim=True)
+    got, want = z.clone().requires_grad_(), z.clone().requires_grad_()
+    loss, agree = compiled(got, p, 0.5)
+    ref, ref_agree = loss_rows(want, p, 0.5)
+    (loss * torch.linspace(0.5, 1.5, n)).sum().backward()
+    (ref * torch.linspace(0.5, 1.5, n)).sum().backward()
+    torch.testing.assert_close(loss, ref, rtol=5e-4, atol=0)
+    assert torch.equal(agree, ref_agree) and 0 < agree.sum() < n
+    rtol = 5e-4 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(got.grad.float(), want.grad.float(), rtol=rtol, atol=1e-7)
+
+
+def test_without_a_working_compiler_the_loss_runs_eagerly_and_says_so(monkeypatch):
+    from eagle_train import ttt
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("no C++ compiler")
+
+    ttt.compiled_loss_rows.cache_clear()
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    try:
+        with pytest.warns(UserWarning, match="torch.compile does not work here"):
+            assert ttt.compiled_loss_rows() is ttt.loss_rows
+    finally:
+        ttt.compiled_loss_rows.cache_clear()
