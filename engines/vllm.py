@@ -475,14 +475,19 @@ def generate_batch(
     aux_layer_ids=None,
     max_num_seqs: int = 128,
     dtype: str | None = None,
+    sampling: dict | None = None,
 ) -> BatchRun:
     """Greedy answers to token-id `prompts`, all submitted at once (continuous batching); with `aux_layer_ids`
     also the hidden states of every token that ran, in this project's convention (`target_hidden_states`):
     aux = the inputs of those decoder layers, final = the last layer's output after the final norm. vLLM's
     `extract_hidden_states` method captures them from the forwards that generate the answer; a prefill-only
-    pass over given sequences is `max_new_tokens=1`. `dtype` ("float32", "bfloat16") overrides `data_engine_options`."""
+    pass over given sequences is `max_new_tokens=1`. `dtype` ("float32", "bfloat16") overrides `data_engine_options`.
+    `sampling` (without hidden states): `vllm.SamplingParams` fields instead of greedy decoding, e.g.
+    {"temperature": 1.0, "top_p": 0.95, "stop_token_ids": [2]} (answers keep the stop id they end with)."""
     options = {"max_num_seqs": max_num_seqs, **({"dtype": dtype} if dtype else {})}
     if aux_layer_ids is not None:
+        if sampling:
+            raise ValueError("hidden states come with greedy answers only: leave out sampling")
         with HiddenStatesServer(target, aux_layer_ids, options) as engine:
             t = time.perf_counter()
             samples = engine.answer(prompts, max_new_tokens)
@@ -492,7 +497,13 @@ def generate_batch(
     reason = missing()
     if reason:
         raise VllmError(reason)
-    request = {"target": target, "prompts": prompts, "max_new_tokens": max_new_tokens, "engine_options": options}
+    request = {
+        "target": target,
+        "prompts": prompts,
+        "max_new_tokens": max_new_tokens,
+        "engine_options": options,
+        "sampling": sampling or {"temperature": 0.0},
+    }
     with tempfile.TemporaryDirectory() as tmp:
         result = run_child(BATCH_CHILD, request, Path(tmp))
     return BatchRun(result["version"], result["init_seconds"], result["generate_seconds"], result["output_ids"], None)
@@ -596,7 +607,7 @@ class HiddenStatesEngine:
 
 
 def batch_child(request: dict) -> dict:
-    """The child of `generate_batch` without hidden states: plain greedy answers."""
+    """The child of `generate_batch` without hidden states: plain answers, greedy unless the request samples."""
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -607,9 +618,9 @@ def batch_child(request: dict) -> dict:
     llm = LLM(model=resolve_target(request["target"]), **{**data_engine_options(), **request["engine_options"]})
     init_seconds = time.perf_counter() - t0
     t = time.perf_counter()
-    greedy = SamplingParams(temperature=0.0, max_tokens=request["max_new_tokens"])
+    params = SamplingParams(max_tokens=request["max_new_tokens"], **request["sampling"])
     prompts = [TokensPrompt(prompt_token_ids=p) for p in request["prompts"]]
-    output_ids = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    output_ids = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
     return {
         "version": vllm.__version__,
         "init_seconds": init_seconds,

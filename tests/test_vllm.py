@@ -209,6 +209,25 @@ def test_live_broken_exports_fail_naming_the_cause(trained, what):
 # ---- the architectures vLLM serves EAGLE-3 heads on -------------------------------------------------
 
 
+def test_hidden_states_come_with_greedy_answers_only():
+    with pytest.raises(ValueError, match="greedy answers only"):
+        vllm.generate_batch(SMOLLM2, [[1, 2]], 4, (2, 15, 27), sampling={"temperature": 1.0})
+
+
+@needs_vllm
+def test_sampled_answers_end_at_a_stop_id_or_the_length_and_a_seed_repeats_them():
+    """generate_batch with `sampling` (what scripts/bench/self_prompts.py draws user turns with): an answer ends with
+    its stop id or runs to max_new_tokens; at temperature 1 the answers differ, and the engine's seed repeats them."""
+    prompts = [[1, 4093, 198]] * 8  # "<|im_start|>user\n": SmolLM2 writes a user turn
+    sampling = {"temperature": 1.0, "stop_token_ids": [2]}
+    runs = [vllm.generate_batch(SMOLLM2, prompts, 32, sampling=sampling).output_ids for _ in range(2)]
+    assert runs[0] == runs[1]
+    assert len({tuple(ids) for ids in runs[0]}) > 1
+    for ids in runs[0]:
+        assert len(ids) == 32 or ids[-1] == 2
+        assert 2 not in ids[:-1]
+
+
 @needs_vllm
 def test_vllm_hidden_states_are_the_projects_and_its_answers_hf_greedy(smollm2):
     """generate_batch's hidden states, captured while vLLM generates, are `target_hidden_states` of the same ids

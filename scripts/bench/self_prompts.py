@@ -10,11 +10,11 @@ Kept: turns that ended (not cut at --max-tokens), mostly ASCII (the benches are 
 
 import argparse
 import json
-import os
 import sys
-import time
+from types import SimpleNamespace
 
-from eagle_train.target import SMOLLM2, load_tokenizer, resolve_target
+from eagle_train.target import SMOLLM2, end_of_turn_ids, load_generation_config, load_tokenizer
+from engines.vllm import generate_batch
 
 
 def user_turn_prefix(tokenizer) -> list[int]:
@@ -34,31 +34,23 @@ def main(argv=None):
     p.add_argument("--max-tokens", type=int, default=160, help="longest user turn")
     p.add_argument("--dtype", default="bfloat16")
     a = p.parse_args(argv)
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
     tokenizer = load_tokenizer(a.target)
-    prefix = TokensPrompt(prompt_token_ids=user_turn_prefix(tokenizer))
-    llm = LLM(model=resolve_target(a.target), dtype=a.dtype, enforce_eager=True, seed=0, max_model_len=640)
-    start = time.perf_counter()
-    params = SamplingParams(
-        temperature=a.temperature, top_p=a.top_p, max_tokens=a.max_tokens, stop_token_ids=[tokenizer.eos_token_id]
-    )
-    outputs = llm.generate([prefix] * a.num, params)
-    seconds = time.perf_counter() - start
+    stop = end_of_turn_ids(SimpleNamespace(generation_config=load_generation_config(a.target)), tokenizer)
+    sampling = {"temperature": a.temperature, "top_p": a.top_p, "stop_token_ids": sorted(stop)}
+    prefix = user_turn_prefix(tokenizer)
+    # 256 at once, vLLM's own default on a CPU: seeded sampling draws per batch, so this fixes the draw too
+    run = generate_batch(a.target, [prefix] * a.num, a.max_tokens, max_num_seqs=256, dtype=a.dtype, sampling=sampling)
     kept = {}
-    for output in outputs:
-        text = output.outputs[0].text.strip()
-        ended = output.outputs[0].finish_reason == "stop"
-        if ended and len(text) >= 10 and sum(c.isascii() for c in text) >= 0.9 * len(text):
-            kept.setdefault(text, None)
+    for ids in run.output_ids:
+        if ids and ids[-1] in stop:  # the turn ended, not cut at --max-tokens
+            text = tokenizer.decode(ids[:-1], skip_special_tokens=True).strip()
+            if len(text) >= 10 and sum(c.isascii() for c in text) >= 0.9 * len(text):
+                kept.setdefault(text, None)
     with open(a.out, "w") as f:
         for text in kept:
             turns = [{"role": "user", "content": text}, {"role": "assistant", "content": "-"}]
             f.write(json.dumps({"messages": turns}) + "\n")
-    print(f"{len(kept)} of {a.num} user turns kept in {a.out}, sampled in {seconds:.1f}s", file=sys.stderr)
+    print(f"{len(kept)} of {a.num} user turns kept in {a.out}, sampled in {run.generate_seconds:.1f}s", file=sys.stderr)
 
 
 if __name__ == "__main__":
