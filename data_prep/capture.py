@@ -23,6 +23,7 @@ import torch
 from tqdm import tqdm
 
 from eagle_train.batching import pack_by_length
+from eagle_train.bf16 import data_engine_dtype
 from eagle_train.files import write_json
 from eagle_train.hidden_states import default_aux_layer_ids, target_hidden_states
 from eagle_train.store import (
@@ -229,6 +230,7 @@ def capture(
     check_store_matches(source.manifest, config)  # same vocabulary as the tokenizer that made it
     out = Path(out)
     plan = plan_shards(source.lengths(), token_budget, shard_tokens)
+    engine_dtype = data_engine_dtype(engine_options) if engine == "vllm" else str(model.dtype).removeprefix("torch.")
     header = {
         "tokenizer": source.manifest["tokenizer"],
         "chat_template_fingerprint": source.manifest["chat_template_fingerprint"],
@@ -240,6 +242,8 @@ def capture(
             "num_shards": len(plan),
             "source_samples": len(source),
             "source_tokens": source.manifest["num_tokens"],
+            "engine": engine,
+            "engine_dtype": engine_dtype,  # no resume mixes dtypes
         },
     }
     fingerprint = target_fingerprint(model) if model is not None else files_fingerprint(target_name)

@@ -33,6 +33,7 @@ from data_prep.readers import SHAREGPT, ReadReport, read_conversations
 from data_prep.regenerate import regenerate, regenerate_batch
 from data_prep.vocab import count_answer_tokens, coverage_line, make_vocab_map
 from eagle_train.architectures import check_supported
+from eagle_train.bf16 import data_engine_dtype
 from eagle_train.store import STORE_DTYPES, read_manifest
 from eagle_train.target import SMOLLM2, load_target, load_target_config, load_tokenizer
 from eagle_train.train_config import parse_overrides
@@ -57,8 +58,8 @@ def check_trainable(target) -> None:
     check_supported(load_target_config(target), "training")
 
 
-def _open_target(target, device=None):
-    return load_target(target, device=device or ("cuda" if torch.cuda.is_available() else "cpu"))
+def _open_target(target, device=None, dtype=None):
+    return load_target(target, dtype, device=device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 def tokenize(target, data, out, **options) -> dict:
@@ -116,7 +117,7 @@ def regenerate_answers(target, data, out, *, limit, split, seed, device=None, **
     return counts
 
 
-VLLM_SETTINGS = {  # the options of distil and capture that configure vLLM: `vllm.LLM`'s names, but the KV cache
+ENGINE_SETTINGS = {  # the options of distil and capture that configure the engine: `vllm.LLM`'s names, but the KV cache
     "cpu_kv_cache_gib": "--cpu-kv-cache-gib",
     "tensor_parallel_size": "--tensor-parallel-size",
     "pipeline_parallel_size": "--pipeline-parallel-size",
@@ -150,23 +151,25 @@ def parse_shard(text: str) -> tuple[int, int]:
     return int(i), int(n)
 
 
-def engine_settings(engine: str, vllm_settings: dict | None) -> dict:
-    """The vLLM settings given on the command line; refused, in one line, for another engine."""
-    given = {k: v for k, v in (vllm_settings or {}).items() if v is not None}
-    if given and engine != "vllm":
-        raise ValueError(f"{', '.join(VLLM_SETTINGS[k] for k in given)}: vLLM's settings; add --engine vllm")
-    return given
+def settings_of(engine: str, given: dict | None) -> dict:
+    """The engine settings given on the command line, with the data engines' dtype (`data_engine_dtype`) unless
+    one is given; vLLM's own settings are refused, in one line, for hf."""
+    given = {k: v for k, v in (given or {}).items() if v is not None}
+    if set(given) - {"dtype"} and engine != "vllm":
+        vllms = [ENGINE_SETTINGS[k] for k in given if k != "dtype"]
+        raise ValueError(f"{', '.join(vllms)}: vLLM's settings; add --engine vllm")
+    return {**given, "dtype": data_engine_dtype(given)}
 
 
-def distil_store(target, data, out, *, limit, split, device=None, engine="hf", vllm_settings=None, **options):
+def distil_store(target, data, out, *, limit, split, device=None, engine="hf", engine_settings=None, **options):
     """`distil(**options)`: the target answers up to `limit` conversations of `data`, captured into the store `out`
-    (engine hf: loaded here; vllm: in vLLM, with `vllm_settings`)."""
+    (engine hf: loaded here; vllm: in vLLM), with `engine_settings` (`ENGINE_SETTINGS`' keys)."""
     check_trainable(target)
-    options["engine_options"] = engine_settings(engine, vllm_settings)
+    options["engine_options"] = settings_of(engine, engine_settings)
     if engine == "vllm":
         model, tokenizer = None, load_tokenizer(target)
     else:
-        model, tokenizer = _open_target(target, device)
+        model, tokenizer = _open_target(target, device, options["engine_options"]["dtype"])
     manifest, stats = distil(
         model, tokenizer, data, out, target_name=target, limit=limit, split=split, engine=engine, **options
     )
@@ -175,11 +178,8 @@ def distil_store(target, data, out, *, limit, split, device=None, engine="hf", v
         f"distilled {stats['conversations']} conversations this run ({stats['answers']} answers): "
         f"{stats['answer_tokens']} answer tokens ({stats['tokens']} with prompts) in {stats['seconds']:.1f}s "
         f"({stats['conversations'] / seconds:.2f} conversations/s, {stats['answer_tokens'] / seconds:.0f} answer tok/s"
-        + (
-            f"; vLLM's engine, {stats['engine_dtype']}, started in {stats['engine_start_seconds']:.1f}s)"
-            if "engine_start_seconds" in stats
-            else ")"
-        )
+        + f"; {engine} in {stats['engine_dtype']}"
+        + (f", started in {stats['engine_start_seconds']:.1f}s)" if "engine_start_seconds" in stats else ")")
     )
     for reason, count in stats["cut"].items():
         print(f"{count} conversations answered fewer turns than asked, or none: {reason}")
@@ -219,17 +219,17 @@ def rewrite_vocab_map(data, draft_vocab_size, fill_from=None, fill_conversations
     return vmap
 
 
-def capture_store(target, data, out, *, engine="hf", shard=(0, 1), vllm_settings=None, **options) -> dict | None:
+def capture_store(target, data, out, *, engine="hf", shard=(0, 1), engine_settings=None, **options) -> dict | None:
     """`capture(**options)` of this process's share of the shards (all of them in one process) and its summary:
     the processes of one `accelerate launch`, or independent runs (`shard` = (i, n), or a vLLM engine)."""
     check_trainable(target)
-    settings = engine_settings(engine, vllm_settings)
+    settings = settings_of(engine, engine_settings)
     if engine == "vllm" or shard != (0, 1):
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise ValueError("--shard and --engine vllm run one process each: launch them without accelerate")
         model, pad_id = None, 0
         if engine == "hf":
-            model, tokenizer = _open_target(target)
+            model, tokenizer = _open_target(target, dtype=settings["dtype"])
             pad_id = tokenizer.pad_token_id
         (rank, world), barrier, ends = shard, None, None
     else:
@@ -241,7 +241,7 @@ def capture_store(target, data, out, *, engine="hf", shard=(0, 1), vllm_settings
         world = dist.get_world_size() if backend != "none" else 1
         if acc.is_main_process:
             print(f"capture: {acc.num_processes} process(es), torch.distributed world size {world}, backend {backend}")
-        model, tokenizer = _open_target(target, acc.device)
+        model, tokenizer = _open_target(target, acc.device, settings["dtype"])
         pad_id, rank, world = tokenizer.pad_token_id, acc.process_index, acc.num_processes
         barrier, ends = acc.wait_for_everyone, acc.end_training
     manifest, stats = capture(
@@ -434,6 +434,12 @@ def engine_arguments(s, does: str, vllm_does: str) -> None:
         help="do only shards I, I+N, ... of the plan: N runs with the same settings (one per GPU group or "
         "node, on a shared directory) fill one store, and the last to end finishes it (default 0/1)",
     )
+    s.add_argument(
+        "--engine-dtype",
+        choices=["float32", "bfloat16", "float16"],
+        help="the engine's dtype (default bfloat16 on CUDA and on CPUs with bf16 instructions, else float32; "
+        "vllm in float32 is exact against hf in float32)",
+    )
     group = s.add_argument_group("vLLM's settings (--engine vllm)")
     group.add_argument(
         "--cpu-kv-cache-gib",
@@ -443,11 +449,6 @@ def engine_arguments(s, does: str, vllm_does: str) -> None:
     group.add_argument("--tensor-parallel-size", type=int, help="GPUs one engine splits each layer over")
     group.add_argument("--pipeline-parallel-size", type=int, help="GPUs one engine splits the layers over")
     group.add_argument("--gpu-memory-utilization", type=float, help="share of each GPU's memory vLLM takes")
-    group.add_argument(
-        "--engine-dtype",
-        help="the engine's dtype (default bfloat16 on CUDA and on CPUs with bf16 instructions, else float32, "
-        "exact against hf)",
-    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -628,7 +629,7 @@ def main(argv=None) -> None:
     options = vars(build_parser().parse_args(argv))
     command, fn = options.pop("command"), options.pop("fn")
     if fn in (distil_store, capture_store):
-        options["vllm_settings"] = {key: options.pop(flag[2:].replace("-", "_")) for key, flag in VLLM_SETTINGS.items()}
+        options["engine_settings"] = {k: options.pop(flag[2:].replace("-", "_")) for k, flag in ENGINE_SETTINGS.items()}
     try:
         fn(**options)
     except (ValueError, OSError, EngineError) as e:  # bad input, unwritable output, an engine that failed: one line

@@ -34,6 +34,7 @@ from data_prep.capture import finish_store, pending_shards, start_store
 from data_prep.chat import MAX_LENGTH, with_system_prompt
 from data_prep.readers import read_conversations
 from data_prep.vocab import make_vocab_map
+from eagle_train.bf16 import data_engine_dtype
 from eagle_train.hidden_states import TargetLogits, cache_argument, default_aux_layer_ids, layer_inputs
 from eagle_train.store import (
     StoreWriter,
@@ -271,17 +272,17 @@ def distil(
     store the answers' hidden states in `out`.
 
     Returns (the store's manifest, or None while shards of other runs are missing; {"conversations",
-    "answers", "answer_tokens", "tokens", "seconds", "vocab_map"} of this run, "cut" (per reason, the
-    conversations that lost turns to their chat template) and with vLLM "engine_start_seconds", included
-    in "seconds", and "engine_dtype").
+    "answers", "answer_tokens", "tokens", "seconds", "vocab_map", "engine_dtype"} of this run, "cut" (per
+    reason, the conversations that lost turns to their chat template) and with vLLM "engine_start_seconds",
+    included in "seconds").
     The store is the one `eagle-prep capture` writes (same format, vocab map included), so offline
     training reads it as is. A rerun with the same settings resumes; other settings are refused.
 
-    `engine`: "hf" answers here with `model`, in batches of `batch_size` that wait for their longest
-    answer; "vllm" has one vLLM engine (`engines.vllm.HiddenStatesServer`, `engine_options` passed to
+    `engine`: "hf" answers here with `model`, in its dtype, in batches of `batch_size` that wait for their
+    longest answer; "vllm" has one vLLM engine (`engines.vllm.HiddenStatesServer`, `engine_options` passed to
     it; `model` unused, may be None) answer each turn of a shard's `batch_size` conversations with
-    continuous batching, capturing while it generates. One store is made by one engine: the plan records
-    which. `shard=(i, n)`: this run answers shards i, i + n, ... of the plan; n runs with the same settings
+    continuous batching, capturing while it generates. One store is made by one engine in one dtype: the plan
+    records which. `shard=(i, n)`: this run answers shards i, i + n, ... of the plan; n runs with the same settings
     fill one store, and the run that finds every shard written finishes it.
     """
     if engine not in ENGINES:
@@ -292,12 +293,13 @@ def distil(
     if turns is not None and turns < 1:
         raise ValueError(f"turns={turns}: answer at least one turn (or all)")
     if engine == "vllm":
-        from engines.vllm import data_dtype, missing
+        from engines.vllm import missing
 
         reason = missing()
         if reason:
             raise ValueError(f"--engine vllm: {reason}")
-        engine_options = {**(engine_options or {}), "dtype": data_dtype(engine_options)}  # the plan records it
+        engine_options = {**(engine_options or {}), "dtype": data_engine_dtype(engine_options)}
+    engine_dtype = engine_options["dtype"] if engine == "vllm" else str(model.dtype).removeprefix("torch.")
     config = model.config if model is not None else load_target_config(target_name)
     ids = tuple(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(config.num_hidden_layers)
     generation = model if model is not None else SimpleNamespace(generation_config=load_generation_config(target_name))
@@ -321,7 +323,7 @@ def distil(
         "plan": {
             "distil": "greedy answers, turn after turn, captured while generated",
             "engine": engine,
-            **({"engine_dtype": engine_options["dtype"]} if engine == "vllm" else {}),  # no resume mixes dtypes
+            "engine_dtype": engine_dtype,  # no resume mixes dtypes
             "turns": turns,
             "max_new_tokens": max_new_tokens,
             "batch_size": batch_size,
@@ -335,13 +337,14 @@ def distil(
     header = start_store(out, header, config, fingerprint, target_name, ids, dtype, world_size=runs)
     todo = pending_shards(out, {k: [i for i, _ in batches[k]] for k in range(index, len(batches), runs)})
     stats = {"conversations": 0, "answers": 0, "answer_tokens": 0, "tokens": 0, "seconds": 0.0, "cut": dict(cut)}
+    stats["engine_dtype"] = engine_dtype
     start = time.perf_counter()
     bar = tqdm(total=sum(len(batches[k]) for k in todo), unit="conv", desc=f"distil ({engine})", disable=not progress)
     if engine == "vllm" and todo:
         from engines.vllm import HiddenStatesServer
 
         server = HiddenStatesServer(target_name, ids, {"max_num_seqs": batch_size, **engine_options})
-        stats["engine_start_seconds"], stats["engine_dtype"] = server.init_seconds, engine_options["dtype"]
+        stats["engine_start_seconds"] = server.init_seconds
 
         def answer(prompts):
             return server.answer(prompts, max_new_tokens, eos_ids)

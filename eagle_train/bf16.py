@@ -1,4 +1,4 @@
-"""Where bf16 pays: the one rule that training's `mixed_precision: auto` and the data engine's dtype share."""
+"""Where bf16 pays: the one rule that training's `mixed_precision: auto` and the data engines' dtype share."""
 
 from pathlib import Path
 
@@ -18,3 +18,9 @@ def cpu_multiplies_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
 def bf16_is_fast() -> bool:
     """Whether this machine multiplies bf16 faster than fp32: CUDA, or a CPU with bf16 instructions."""
     return torch.cuda.is_available() or cpu_multiplies_bf16()
+
+
+def data_engine_dtype(engine_options: dict | None = None) -> str:
+    """The dtype an engine that makes data (hf or vllm) runs in: `engine_options["dtype"]` when given, else bf16
+    where the machine multiplies it fast, elsewhere fp32."""
+    return (engine_options or {}).get("dtype") or ("bfloat16" if bf16_is_fast() else "float32")

@@ -510,23 +510,17 @@ def generate_batch(
 
 
 def data_engine_options() -> dict:
-    """How an engine that makes data runs: bf16 where the machine multiplies bf16 fast (CUDA, a CPU with bf16
-    instructions: the rule of training's `mixed_precision: auto`), elsewhere fp32 (exact against HF); `dtype`
-    in the engine options overrides it. Eager on a CPU; no prefix caching (a shared block's captured states are
-    untested)."""
-    from eagle_train.bf16 import bf16_is_fast
+    """How vLLM runs when it makes data: in the data engines' dtype (`eagle_train.bf16.data_engine_dtype`: bf16
+    where the machine multiplies it fast, elsewhere fp32, exact against HF in fp32); `dtype` in the engine options
+    overrides it. Eager on a CPU; no prefix caching (a shared block's captured states are untested)."""
+    from eagle_train.bf16 import data_engine_dtype
 
     return {
-        "dtype": "bfloat16" if bf16_is_fast() else "float32",
+        "dtype": data_engine_dtype(),
         "enforce_eager": not _cuda(),
         "enable_prefix_caching": False,
         "seed": 0,
     }
-
-
-def data_dtype(engine_options: dict | None) -> str:
-    """The dtype a data engine with these options runs in."""
-    return (engine_options or {}).get("dtype") or data_engine_options()["dtype"]
 
 
 class HiddenStatesEngine:

@@ -201,6 +201,8 @@ def test_two_processes_under_accelerate_make_one_store(smollm2, small_tokenized,
         "160",
         "--shard-tokens",
         "100",
+        "--engine-dtype",
+        "float32",  # the store it is compared with is fp32's
         "--no-progress",
     ]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
@@ -260,7 +262,7 @@ def test_independent_runs_with_shards_make_one_store(small_tokenized, small_stor
 
     out = tmp_path / "shared"
     common = ["capture", "--data", str(small_tokenized), "--out", str(out), "--token-budget", "160"]
-    common += ["--shard-tokens", "100", "--no-progress"]
+    common += ["--shard-tokens", "100", "--engine-dtype", "float32", "--no-progress"]
     main([*common, "--shard", "1/2"])
     assert "shard 1/2 of" in capsys.readouterr().out
     assert not json.loads((out / "manifest.json").read_text())["complete"]

@@ -178,6 +178,31 @@ def test_prep_run_with_distil_writes_a_store_the_trainer_reads(conversations_fil
     assert not (tmp_path / "run" / "tokenized").exists()
 
 
+def test_the_cli_answers_in_the_data_engines_dtype_and_a_resume_keeps_it(
+    conversations_file, tmp_path, monkeypatch, capsys
+):
+    """`eagle-prep distil` loads the target in bf16 where the machine multiplies it fast, `--engine-dtype` says
+    otherwise, the plan records which, and a resume in another dtype is refused."""
+    from data_prep.cli import main
+    from eagle_train import bf16
+
+    monkeypatch.setattr(bf16, "bf16_is_fast", lambda: True)
+    args = ["distil", "--data", conversations_file, "--limit", "2", "--max-length", "96", "--max-new-tokens", "4"]
+    args += ["--batch-size", "2", "--dtype", "float32", "--no-progress"]
+    main([*args, "--out", str(tmp_path / "auto")])
+    assert "; hf in bfloat16)" in capsys.readouterr().out
+    main([*args, "--out", str(tmp_path / "fp32"), "--engine-dtype", "float32"])
+    auto, fp32 = ShardedSamples(tmp_path / "auto"), ShardedSamples(tmp_path / "fp32")
+    assert auto.manifest["plan"]["engine_dtype"] == "bfloat16" and fp32.manifest["plan"]["engine_dtype"] == "float32"
+    prompt = int(auto[0]["loss_mask"].int().argmax())  # the answers may part at a near-tie; the prompts are one
+    assert prompt > 10 and torch.equal(auto[0]["input_ids"][:prompt], fp32[0]["input_ids"][:prompt])
+    x, y = (store[0]["final_hidden"][:prompt] for store in (auto, fp32))
+    error = ((x - y).norm(dim=-1) / y.norm(dim=-1)).mean()
+    assert 1e-3 < error < 0.1  # bf16's rounding (2**-8 an operation) through 30 layers; fp32's two runs: < 1e-5
+    with pytest.raises(SystemExit, match="'engine_dtype': 'bfloat16'"):
+        main([*args, "--out", str(tmp_path / "auto"), "--engine-dtype", "float32"])
+
+
 def test_turns_a_chat_template_refuses_are_left_out_and_counted():
     """A template that raises on a later turn (Mistral's "roles must alternate") costs that conversation its later
     turns, counted per reason, not the run; one that raises on the first prompt leaves the conversation out."""
