@@ -11,6 +11,7 @@ import torch
 from conftest import load_script
 
 from eagle_train.eagle3 import Eagle3Head
+from eagle_train.hidden_states import target_hidden_states
 from inference.drafting import TreeShape
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench" / "quality.py"
@@ -53,8 +54,15 @@ def test_one_point_on_the_tiny_llama(quality, tmp_path, tiny_llama_dir, tiny_lla
     evaluator = quality.Evaluator(str(tiny_llama_dir), "cpu", ["mt_bench", "gsm8k"], 1, shapes, 6, 1, 6)
     summaries, sequences = evaluator(tmp_path / "head")
     walk = evaluator.walk(tmp_path / "head", 2)  # over the first turns' greedy answers, made batched
-    (ids, plain), text = sequences["gsm8k"][0], evaluator.walk_texts["gsm8k"][0]
+    (ids, plain), text = sequences["gsm8k"][0], evaluator.walk_texts[tuple(head.config.aux_layer_ids)]["gsm8k"][0]
     assert text["input_ids"].tolist() == ids + plain and text["loss_mask"].sum() == len(plain)
+    other = Eagle3Head.from_target(model, draft_vocab_size=500, target=str(tiny_llama_dir), aux_layer_ids=(0, 1, 2))
+    assert tuple(other.config.aux_layer_ids) != tuple(head.config.aux_layer_ids)
+    other.save_pretrained(tmp_path / "other")
+    evaluator.walk(tmp_path / "other", 2)  # a head reading other layers is walked over those layers' states
+    again = evaluator.walk_texts[(0, 1, 2)]["gsm8k"][0]
+    aux, _ = target_hidden_states(model, again["input_ids"][None], aux_layer_ids=(0, 1, 2))
+    torch.testing.assert_close(again["aux_hidden"], aux[0], atol=2e-4, rtol=1e-4)
     assert walk["gsm8k"]["rounds"] == summaries["chain K=2"]["gsm8k"]["verify_forwards"]  # one turn: the same text
     assert set(walk) == {"mt_bench", "gsm8k"} and walk["gsm8k"]["acceptance_length"] >= 1.0
     evaluator.model.to(torch.bfloat16)  # as on a GPU: the head runs in bf16, the target distribution in fp32

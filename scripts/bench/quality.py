@@ -268,7 +268,7 @@ class Evaluator:
         self.prompts = {bench: load_bench(bench, num_prompts) for bench in benches}
         self.shapes, self.max_new_tokens = shapes, max_new_tokens
         self.walk_prompts = {bench: load_bench(bench, walk_prompts) for bench in benches} if walk_prompts else {}
-        self.walk_new_tokens, self.walk_texts = walk_new_tokens, None
+        self.walk_new_tokens, self.walk_texts = walk_new_tokens, {}  # per aux layer set
 
     def __call__(self, head_dir) -> tuple[dict, dict]:
         """({drafting: {bench: summary}}, {bench: [(prompt ids, plain output ids) per turn]})."""
@@ -316,15 +316,16 @@ class Evaluator:
     def walk(self, head_dir, k: int) -> dict:
         """Per bench, {acceptance_length, rounds}: greedy chain K = k over the walk texts, by the chain walk of the
         head's TTT unroll (`ttt_loss`'s count_rounds and count_chain_tokens). The texts are the target's greedy
-        answers to the walk prompts' first turns, made at the first call with the head's aux layers."""
+        answers to the walk prompts' first turns with the states of the head's aux layers, made once per layer set."""
         head = load_draft_head(head_dir, self.model).to(device=self.device, dtype=self.model.dtype).eval()
-        if self.walk_texts is None:
-            self.walk_texts = {
+        aux = tuple(head.config.aux_layer_ids)
+        if aux not in self.walk_texts:
+            self.walk_texts[aux] = {
                 bench: generate_and_capture(
                     self.model,
                     [chat_ids(self.tokenizer, [{"role": "user", "content": p["turns"][0]}]) for p in prompts],
                     self.walk_new_tokens,
-                    head.config.aux_layer_ids,
+                    aux,
                     self.eos,
                     self.tokenizer.pad_token_id,  # load_target sets one
                 )
@@ -333,7 +334,7 @@ class Evaluator:
         # the target's distribution in fp32 and the head under the target's autocast, as the trainer has them
         target_logits, out = TargetLogits.of(self.model, self.device, torch.float32), {}
         autocast = torch.autocast(self.device.type, self.model.dtype, enabled=self.model.dtype != torch.float32)
-        for bench, texts in self.walk_texts.items():
+        for bench, texts in self.walk_texts[aux].items():
             tokens = rounds = 0
             for text in texts:
                 x, mask = text["input_ids"][None].to(self.device), text["loss_mask"][None].to(self.device)
