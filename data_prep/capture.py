@@ -190,6 +190,12 @@ def finish_store(out: Path, header: dict, num_shards: int) -> dict:
     return finalize_manifest(out, {k: v for k, v in header.items() if k != "complete"})
 
 
+def engine_dtype(engine: str, model, engine_options: dict | None) -> str:
+    """The dtype a data engine runs in, which a store's plan records: hf runs the loaded `model` in its own, vllm
+    in its options' or the data engines' rule (`data_engine_dtype`)."""
+    return data_engine_dtype(engine_options) if engine == "vllm" else str(model.dtype).removeprefix("torch.")
+
+
 def capture(
     model,
     data: str | Path,
@@ -230,7 +236,7 @@ def capture(
     check_store_matches(source.manifest, config)  # same vocabulary as the tokenizer that made it
     out = Path(out)
     plan = plan_shards(source.lengths(), token_budget, shard_tokens)
-    engine_dtype = data_engine_dtype(engine_options) if engine == "vllm" else str(model.dtype).removeprefix("torch.")
+    dtype_run = engine_dtype(engine, model, engine_options)
     header = {
         "tokenizer": source.manifest["tokenizer"],
         "chat_template_fingerprint": source.manifest["chat_template_fingerprint"],
@@ -243,7 +249,7 @@ def capture(
             "source_samples": len(source),
             "source_tokens": source.manifest["num_tokens"],
             "engine": engine,
-            "engine_dtype": engine_dtype,  # no resume mixes dtypes
+            "engine_dtype": dtype_run,  # no resume mixes dtypes
         },
     }
     fingerprint = target_fingerprint(model) if model is not None else files_fingerprint(target_name)

@@ -30,11 +30,10 @@ import transformers
 from tqdm import tqdm
 from transformers import DynamicCache, StaticCache
 
-from data_prep.capture import finish_store, pending_shards, start_store
+from data_prep.capture import engine_dtype, finish_store, pending_shards, start_store
 from data_prep.chat import MAX_LENGTH, with_system_prompt
 from data_prep.readers import read_conversations
 from data_prep.vocab import make_vocab_map
-from eagle_train.bf16 import data_engine_dtype
 from eagle_train.hidden_states import TargetLogits, cache_argument, default_aux_layer_ids, layer_inputs
 from eagle_train.store import (
     StoreWriter,
@@ -292,14 +291,14 @@ def distil(
         raise ValueError(f"shard {index}/{runs}: the index must be 0 .. {runs - 1}")
     if turns is not None and turns < 1:
         raise ValueError(f"turns={turns}: answer at least one turn (or all)")
+    dtype_run = engine_dtype(engine, model, engine_options)
     if engine == "vllm":
         from engines.vllm import missing
 
         reason = missing()
         if reason:
             raise ValueError(f"--engine vllm: {reason}")
-        engine_options = {**(engine_options or {}), "dtype": data_engine_dtype(engine_options)}
-    engine_dtype = engine_options["dtype"] if engine == "vllm" else str(model.dtype).removeprefix("torch.")
+        engine_options = {**(engine_options or {}), "dtype": dtype_run}  # the dtype the plan records
     config = model.config if model is not None else load_target_config(target_name)
     ids = tuple(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(config.num_hidden_layers)
     generation = model if model is not None else SimpleNamespace(generation_config=load_generation_config(target_name))
@@ -323,7 +322,7 @@ def distil(
         "plan": {
             "distil": "greedy answers, turn after turn, captured while generated",
             "engine": engine,
-            "engine_dtype": engine_dtype,  # no resume mixes dtypes
+            "engine_dtype": dtype_run,  # no resume mixes dtypes
             "turns": turns,
             "max_new_tokens": max_new_tokens,
             "batch_size": batch_size,
@@ -337,7 +336,7 @@ def distil(
     header = start_store(out, header, config, fingerprint, target_name, ids, dtype, world_size=runs)
     todo = pending_shards(out, {k: [i for i, _ in batches[k]] for k in range(index, len(batches), runs)})
     stats = {"conversations": 0, "answers": 0, "answer_tokens": 0, "tokens": 0, "seconds": 0.0, "cut": dict(cut)}
-    stats["engine_dtype"] = engine_dtype
+    stats["engine_dtype"] = dtype_run
     start = time.perf_counter()
     bar = tqdm(total=sum(len(batches[k]) for k in todo), unit="conv", desc=f"distil ({engine})", disable=not progress)
     if engine == "vllm" and todo:
