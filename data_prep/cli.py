@@ -97,13 +97,13 @@ def print_mask(target, data, index, template, color, split, max_length, system_p
     )
 
 
-def regenerate_answers(target, data, out, *, limit, split, seed, device=None, **options) -> dict:
-    """`regenerate(**options)` of up to `limit` conversations of `data` by the target, into the JSONL
-    `out`, and its counts."""
+def regenerate_answers(target, data, out, *, limit, split, seed, device=None, engine_dtype=None, **options) -> dict:
+    """`regenerate(**options)` of up to `limit` conversations of `data` by the target, loaded in the data engines'
+    dtype (`data_engine_dtype`), into the JSONL `out`, and its counts."""
     check_trainable(target)
     if seed is not None:
         torch.manual_seed(seed)
-    model, tokenizer = _open_target(target, device)
+    model, tokenizer = _open_target(target, device, data_engine_dtype({"dtype": engine_dtype}))
     report = ReadReport()
     convs = read_conversations(data, limit=limit, report=report, split=split)
     start = time.perf_counter()
@@ -112,7 +112,8 @@ def regenerate_answers(target, data, out, *, limit, split, seed, device=None, **
     print(report.summary())
     print(
         f"regenerated {counts['written']} conversations ({counts['skipped_done']} already done, "
-        f"{counts['empty']} with no room to generate) in {time.perf_counter() - start:.1f}s -> {out}"
+        f"{counts['empty']} with no room to generate) in {time.perf_counter() - start:.1f}s, "
+        f"{str(model.dtype).removeprefix('torch.')} -> {out}"
     )
     return counts
 
@@ -418,6 +419,15 @@ def fill_vocab_map(data: Path, c: dict) -> None:
         )
 
 
+def engine_dtype_argument(s, note: str = "") -> None:
+    """--engine-dtype, of every command that runs the target to make data."""
+    s.add_argument(
+        "--engine-dtype",
+        choices=["float32", "bfloat16", "float16"],
+        help=f"the target's dtype (default bfloat16 on CUDA and on CPUs with bf16 instructions, else float32{note})",
+    )
+
+
 def engine_arguments(s, does: str, vllm_does: str) -> None:
     """--engine, --shard and vLLM's settings, of the commands a serving engine can run (distil, capture)."""
     s.add_argument(
@@ -434,12 +444,7 @@ def engine_arguments(s, does: str, vllm_does: str) -> None:
         help="do only shards I, I+N, ... of the plan: N runs with the same settings (one per GPU group or "
         "node, on a shared directory) fill one store, and the last to end finishes it (default 0/1)",
     )
-    s.add_argument(
-        "--engine-dtype",
-        choices=["float32", "bfloat16", "float16"],
-        help="the engine's dtype (default bfloat16 on CUDA and on CPUs with bf16 instructions, else float32; "
-        "vllm in float32 is exact against hf in float32)",
-    )
+    engine_dtype_argument(s, "; vllm in float32 is exact against hf in float32")
     group = s.add_argument_group("vLLM's settings (--engine vllm)")
     group.add_argument(
         "--cpu-kv-cache-gib",
@@ -526,6 +531,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--seed", type=int, default=SEED)
     s.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    engine_dtype_argument(s)
 
     s = add(
         "vocab",

@@ -335,6 +335,25 @@ def test_regenerate_replaces_assistant_turns_with_greedy_target_output(tiny_llam
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["c1", "c0", "c2"]
 
 
+def test_the_cli_regenerates_in_the_data_engines_dtype(tiny_llama_dir, tmp_path, monkeypatch, capsys):
+    """`eagle-prep regenerate` loads the target in bf16 where the machine multiplies it fast, as distil and capture
+    do, and in the dtype `--engine-dtype` names."""
+    from eagle_train import bf16
+
+    data = tmp_path / "convs.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in CONVERSATIONS[:2]))
+    args = ["regenerate", "--target", str(tiny_llama_dir), "--data", str(data), "--max-new-tokens", "4"]
+    for fast, flag, dtype in [
+        (True, [], "bfloat16"),
+        (False, [], "float32"),
+        (True, ["--engine-dtype", "float32"], "float32"),
+    ]:
+        monkeypatch.setattr(bf16, "bf16_is_fast", lambda fast=fast: fast)
+        cli.main([*args, "--out", str(tmp_path / f"{dtype}-{len(flag)}.jsonl"), *flag])
+        assert f"s, {dtype} -> " in capsys.readouterr().out
+    assert len((tmp_path / "bfloat16-0.jsonl").read_text().splitlines()) == 2
+
+
 def test_regenerate_max_turns_keeps_the_first_turns_only(tiny_llama, tmp_path):
     model, tok = tiny_llama
     out = tmp_path / "regen.jsonl"
