@@ -124,3 +124,25 @@ def test_every_recipe_is_a_valid_objective_and_later_overrides_win(quality):
     assert load_train_config(args.train[0], args.train[1:]).tv_weight == 0.1
     with pytest.raises(SystemExit):
         parse("--recipe", "nope")
+
+
+def test_the_comparison_table_has_a_row_per_point_with_its_figures():
+    compare = load_script("bench/quality_compare.py")
+
+    def result(al):
+        return {"acceptance_length": al, "speedup": al - 0.5, "acceptance_per_position": [al - 1, (al - 1) / 2]}
+
+    def point(step, al, walk):
+        results = {name: {b: result(al + k) for k, b in enumerate(("mt_bench", "gsm8k"))} for name in ("c", "t")}
+        return {"step": step, "compute_minutes": step / 10, "results": results, "walk": walk}
+
+    ev = {"benches": ["mt_bench", "gsm8k"], "drafting": {"c": {}, "t": {}}}
+    walk = {"mt_bench": {"acceptance_length": 1.25}, "gsm8k": {"acceptance_length": 1.5}}
+    records = [
+        {"name": "a", "recipe": "tv", "eval": ev, "points": [point(10, 1.5, None), point(20, 1.75, walk)]},
+        {"name": "b", "eval": ev, "points": [point(30, 1.25, walk)]},
+    ]
+    lines = compare.table(records).splitlines()
+    assert len(lines) == 2 + 3 and lines[0].count("|") == lines[2].count("|") == 10
+    assert lines[2] == "| a | tv | 10 | 1.00 | 1.500 / 2.500 | 1.500 / 2.500 | 1.00x / 2.00x | 0.500 0.250 | - |"
+    assert lines[3].endswith("| 0.750 0.375 | 1.2500 / 1.5000 |") and lines[4].startswith("| b | - | 30 | 3.00 |")

@@ -4,7 +4,9 @@
 
 Each argument is a `scripts/bench/quality.py --out` directory. Prints every point of every run (compute minutes,
 training tokens, AL and speedup per bench and drafting) and draws, per drafting the runs share, each run's AL per
-bench against minutes (the dashed line: that run's data ready).
+bench against minutes (the dashed line: that run's data ready). --table prints the points as one Markdown table
+instead: per point, each drafting's AL per bench, the first's speedup and acceptance per position on the first
+bench, and the greedy chain walk.
 """
 
 import argparse
@@ -43,6 +45,26 @@ def print_points(record: dict) -> None:
             )
 
 
+def table(records: list[dict]) -> str:
+    """The points of the runs as one Markdown table, a row per point (benches and draftings: the first run's)."""
+    benches, names = records[0]["eval"]["benches"], list(records[0]["eval"]["drafting"])
+    first = names[0]
+    head = ["run", "recipe", "step", "compute min", *(f"{n} AL" for n in names), f"{first} speedup"]
+    head += [f"{first} acceptance per position ({benches[0]})", "chain walk"]
+    rows = [head, ["---"] * len(head)]
+    for record in records:
+        for p in record["points"]:
+            res = p["results"]
+            cells = [record["name"], record.get("recipe", "-"), str(p["step"]), f"{p['compute_minutes']:.2f}"]
+            cells += [" / ".join(f"{res[n][b]['acceptance_length']:.3f}" for b in benches) for n in names]
+            cells.append(" / ".join(f"{res[first][b]['speedup']:.2f}x" for b in benches))
+            cells.append(" ".join(f"{a:.3f}" for a in res[first][benches[0]]["acceptance_per_position"]))
+            walk = p.get("walk")  # runs before the walk have none
+            cells.append(" / ".join(f"{walk[b]['acceptance_length']:.4f}" for b in benches) if walk else "-")
+            rows.append(cells)
+    return "\n".join("| " + " | ".join(r) + " |" for r in rows)
+
+
 def plot(records: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -75,10 +97,14 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", help="scripts/bench/quality.py output directories")
     p.add_argument("--out", default=None, help="PNG to draw (needs matplotlib); omit to print only")
+    p.add_argument("--table", action="store_true", help="print the points as one Markdown table")
     args = p.parse_args(argv)
     records = [load(r) for r in args.runs]
-    for record in records:
-        print_points(record)
+    if args.table:
+        print(table(records))
+    else:
+        for record in records:
+            print_points(record)
     if args.out:
         plot(records, Path(args.out))
 
