@@ -356,6 +356,7 @@ class EngineRun:
     version: str
     init_seconds: float
     conversations: list[list[Turn]]
+    dtype: str = ""  # what vLLM ran the target in
 
     @property
     def answers(self) -> list[list[str]]:
@@ -387,9 +388,12 @@ def decode(
     spec: dict | None = None,
     answers: list[list[str]] | None = None,
     timeout: float | None = None,
+    dtype: str | None = None,
 ) -> EngineRun:
     """Decode every turn of every conversation greedily in vLLM (`spec`: a `speculative()` config, or
-    None for plain decoding); turn i + 1 follows `answers` when given, else this run's own answer."""
+    None for plain decoding); turn i + 1 follows `answers` when given, else this run's own answer.
+    `dtype` ("float32", "bfloat16"): the target's; default fp32 on a CPU, where the live checks compare
+    against HF in fp32, and bf16 on CUDA."""
     reason = missing()
     if reason:
         raise VllmError(reason)
@@ -399,12 +403,12 @@ def decode(
         "answers": answers,
         "max_new_tokens": max_new_tokens,
         "speculative_config": spec,
+        "dtype": dtype,
     }
     with tempfile.TemporaryDirectory() as tmp:
         result = run_child(CHILD, request, Path(tmp), timeout)
-    return EngineRun(
-        result["version"], result["init_seconds"], [[Turn(**t) for t in conv] for conv in result["conversations"]]
-    )
+    conversations = [[Turn(**t) for t in conv] for conv in result["conversations"]]
+    return EngineRun(result["version"], result["init_seconds"], conversations, result["dtype"])
 
 
 def rounds(turn: Turn) -> list[int]:
@@ -859,7 +863,7 @@ def child(request: dict) -> dict:
     t0 = time.perf_counter()
     llm = LLM(
         model=target,
-        dtype="float32" if not _cuda() else "bfloat16",
+        dtype=request.get("dtype") or ("float32" if not _cuda() else "bfloat16"),
         enforce_eager=not _cuda(),
         disable_log_stats=False,
         speculative_config=request["speculative_config"],
@@ -891,7 +895,8 @@ def child(request: dict) -> dict:
             given = request["answers"]
             messages.append({"role": "assistant", "content": given[c][i] if given else answer})
         conversations.append(done)
-    return {"version": vllm.__version__, "init_seconds": init_seconds, "conversations": conversations}
+    dtype = str(llm.llm_engine.model_config.dtype).removeprefix("torch.")
+    return {"version": vllm.__version__, "init_seconds": init_seconds, "conversations": conversations, "dtype": dtype}
 
 
 def _cuda() -> bool:

@@ -4,11 +4,13 @@
     python scripts/bench/decode.py --target smollm2-135m --draft runs/eagle3/final --chain 1 --tree 3,2,4 --vllm
     python scripts/bench/decode.py --random-llama 16,2048 --device cuda     # no model files needed
 
-Every method decodes the same prompts greedily; the table gives tokens/s, AL and whether the
-tokens equal plain decoding's. On CUDA the runtime runs with CUDA graphs on and off. --tree adds
-a tree row beside the chain's. --vllm adds vLLM plain, vLLM with the head (chain K) and vLLM's
-n-gram drafting (`engines.vllm`; timed per generate call after a warm-up, as the runtime
-is). Without --draft a random head is used (AL about 1: it measures the drafting overhead).
+Every method decodes the same prompts greedily; the table gives tokens/s and the speedup, AL and
+whether the tokens equal plain decoding's, the runtime's for it and HF, vLLM's for vLLM's rows. On
+CUDA the runtime runs with CUDA graphs on and off. --tree adds a tree row beside the chain's. --vllm
+adds vLLM plain, vLLM with the head (chain K) and vLLM's n-gram drafting (`engines.vllm`; timed per
+generate call after a warm-up, as the runtime is). --dtype sets the target's and head's dtype in
+both (default bf16 on CUDA, fp32 on a CPU; in bf16 the verify forward's rounding can turn a near-tie).
+Without --draft a random head is used (AL about 1: it measures the drafting overhead).
 """
 
 import argparse
@@ -72,12 +74,12 @@ def vllm_rows(args, questions):
             spec = vllm.speculative(vllm.method_of(head_dir), head_dir, args.chain)
             configs.insert(1, (f"head chain K={args.chain}", spec))
         for name, spec in configs:
-            run = vllm.decode(args.target, conversations, args.max_new_tokens, spec)
+            run = vllm.decode(args.target, conversations, args.max_new_tokens, spec, dtype=args.dtype)
             turns = [c[0] for c in run.conversations]
             tps = sum(len(t.output_ids) for t in turns) / sum(t.seconds for t in turns)
             forwards = sum(len(vllm.rounds(t)) for t in turns)
             al = (forwards + sum(t.accepted for t in turns)) / forwards if spec else None
-            rows.append((f"vLLM {run.version} {name}", tps, al, [t.output_ids for t in turns]))
+            rows.append((f"vLLM {run.version} {run.dtype} {name}", tps, al, [t.output_ids for t in turns]))
     return rows
 
 
@@ -92,7 +94,7 @@ def main():
     p.add_argument("--chain", type=int, default=5)
     p.add_argument("--tree", default=None, metavar="DEPTH,TOPK,TOTAL")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default=None)
+    p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: bfloat16 on CUDA, float32 on a CPU)")
     p.add_argument("--no-hf", action="store_true", help="skip HF generate")
     p.add_argument("--vllm", action="store_true", help="add vLLM's rows (needs vLLM: scripts/install_vllm.sh)")
     args = p.parse_args()
@@ -123,7 +125,7 @@ def main():
     shapes = [TreeShape.chain(args.chain)] + ([TreeShape.parse(args.tree)] if args.tree else [])
     eos_ids = [eos] if eos is not None else []
 
-    rows, reference = [], None
+    rows = []
     if not args.no_hf:
         hf_generate(model, prompts[0], 8, eos)  # warm-up
         outs, secs = zip(*(hf_generate(model, q, args.max_new_tokens, eos) for q in prompts))
@@ -145,16 +147,19 @@ def main():
                     sum(sum(r.emitted) for r in results) / sum(r.forwards for r in results) if name != "plain" else None
                 )
                 rows.append((f"runtime {name} ({tag})", tps, al, outs))
-                reference = reference or outs
     if args.vllm:
         rows += vllm_rows(args, questions)
     print(
         f"{args.random_llama and f'random Llama {args.random_llama}' or args.target}, {len(prompts)} prompts x "
         f"{args.max_new_tokens} new tokens, {device.type} {str(dtype).replace('torch.', '')}"
     )
-    plain_tps = next(tps for name, tps, _, _ in rows if name.startswith("runtime plain"))
+    plain = {}  # each engine's plain decoding (the first, on CUDA with graphs): what its rows are compared with
+    for row in rows:
+        if row[0].startswith("runtime plain") or (row[0].startswith("vLLM") and row[0].endswith(" plain")):
+            plain.setdefault(row[0].split()[0], row)
     print(f"{'method':34s} {'tokens/s':>9s} {'vs plain':>9s} {'AL':>6s}  same tokens as plain")
     for name, tps, al, outs in rows:
+        _, plain_tps, _, reference = plain["vLLM" if name.startswith("vLLM") else "runtime"]
         same = sum(o == r for o, r in zip(outs, reference))
         al_text = f"{al:6.2f}" if al is not None else "     -"
         print(f"{name:34s} {tps:9.1f} {tps / plain_tps:8.2f}x {al_text}  {same}/{len(outs)}")
