@@ -356,7 +356,7 @@ class EngineRun:
     version: str
     init_seconds: float
     conversations: list[list[Turn]]
-    dtype: str = ""  # what vLLM ran the target in
+    dtype: str  # what vLLM ran the target in
 
     @property
     def answers(self) -> list[list[str]]:
