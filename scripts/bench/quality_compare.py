@@ -45,9 +45,14 @@ def print_points(record: dict) -> None:
             )
 
 
+def shared_draftings(records: list[dict]) -> list[str]:
+    """The draftings (chain K=3, a tree...) every run evaluated, in the first run's order."""
+    return [n for n in records[0]["eval"]["drafting"] if all(n in r["eval"]["drafting"] for r in records)]
+
+
 def table(records: list[dict]) -> str:
-    """The points of the runs as one Markdown table, a row per point (benches and draftings: the first run's)."""
-    benches, names = records[0]["eval"]["benches"], list(records[0]["eval"]["drafting"])
+    """The runs' points as one Markdown table, a row per point (the first run's benches, the draftings all share)."""
+    benches, names = records[0]["eval"]["benches"], shared_draftings(records)
     first = names[0]
     head = ["run", "recipe", "step", "compute min", *(f"{n} AL" for n in names), f"{first} speedup"]
     head += [f"{first} acceptance per position ({benches[0]})", "chain walk"]
@@ -71,7 +76,7 @@ def plot(records: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [n for n in records[0]["eval"]["drafting"] if all(n in r["eval"]["drafting"] for r in records)]
+    names = shared_draftings(records)
     benches = records[0]["eval"]["benches"]
     styles = ("o-", "s--", "^:")
     fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 4.5), squeeze=False, sharey=True)
