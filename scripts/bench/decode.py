@@ -147,19 +147,17 @@ def main():
                     sum(sum(r.emitted) for r in results) / sum(r.forwards for r in results) if name != "plain" else None
                 )
                 rows.append((f"runtime {name} ({tag})", tps, al, outs))
+    runtime_plain = next(row for row in rows if row[0].startswith("runtime plain"))  # on CUDA: with graphs
+    compared = [(row, runtime_plain) for row in rows]  # each row and the plain decoding it is compared with
     if args.vllm:
-        rows += vllm_rows(args, questions)
+        engine_rows = vllm_rows(args, questions)
+        compared += [(row, engine_rows[0]) for row in engine_rows]  # vLLM's own plain decoding comes first
     print(
         f"{args.random_llama and f'random Llama {args.random_llama}' or args.target}, {len(prompts)} prompts x "
         f"{args.max_new_tokens} new tokens, {device.type} {str(dtype).replace('torch.', '')}"
     )
-    plain = {}  # each engine's plain decoding (the first, on CUDA with graphs): what its rows are compared with
-    for row in rows:
-        if row[0].startswith("runtime plain") or (row[0].startswith("vLLM") and row[0].endswith(" plain")):
-            plain.setdefault(row[0].split()[0], row)
     print(f"{'method':34s} {'tokens/s':>9s} {'vs plain':>9s} {'AL':>6s}  same tokens as plain")
-    for name, tps, al, outs in rows:
-        _, plain_tps, _, reference = plain["vLLM" if name.startswith("vLLM") else "runtime"]
+    for (name, tps, al, outs), (_, plain_tps, _, reference) in compared:
         same = sum(o == r for o, r in zip(outs, reference))
         al_text = f"{al:6.2f}" if al is not None else "     -"
         print(f"{name:34s} {tps:9.1f} {tps / plain_tps:8.2f}x {al_text}  {same}/{len(outs)}")
