@@ -21,9 +21,9 @@
 #
 # Device calls (the working tree travels with each; /tmp/eg survives between calls while the
 # machine stays warm):
-#   1. carry .carry/part1:  mkdir -p /tmp/eg && cp .carry/part1/* /tmp/eg/ && bash scripts/gpu_recipe.sh kernels
-#   2. carry .carry/part2:  bash scripts/gpu_recipe.sh stage1
-#   3.                      bash scripts/gpu_recipe.sh stage2
+#   1. carry .carry/part1:  mkdir -p /tmp/eg && cp .carry/part1/* /tmp/eg/ && bash scripts/dev/gpu_recipe.sh kernels
+#   2. carry .carry/part2:  bash scripts/dev/gpu_recipe.sh stage1
+#   3.                      bash scripts/dev/gpu_recipe.sh stage2
 # Everything is written under $RUNS (default /tmp/eg/runs); summaries, logs and metrics are copied
 # to $OUT (at most 8 files come back). A stage is resumable: finished steps are skipped on rerun.
 #
@@ -37,7 +37,7 @@
 # curve on an earlier one's data (charged its recorded minutes). docs/performance.md has the sizes that fit one
 # 10-minute call.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 STAGE=${1:?usage: gpu_recipe.sh kernels|stage1|stage2|all|objectives|curve}
 START=$(date +%s)
 SCALE=${SCALE:-full}
@@ -152,9 +152,9 @@ stage_kernels() {
 # the carried GGUF and ShareGPT unpacked (once), the environment logged, the GGUF dequantised (once per target)
 carried_inputs() {
   if [ ! -f "$DATA" ] || [ ! -f "$TARGET" ]; then
-    [ -d .carry/part2 ] || { say "no $DATA and no .carry/part2: carry .carry/part2 (scripts/device_pack.sh)"; exit 2; }
+    [ -d .carry/part2 ] || { say "no $DATA and no .carry/part2: carry .carry/part2 (scripts/dev/device_pack.sh)"; exit 2; }
     [ -f "$EG/gguf.0" ] || { say "no $EG/gguf.0: the previous call must copy .carry/part1 to $EG"; exit 2; }
-    step unpack bash scripts/device_unpack.sh
+    step unpack bash scripts/dev/device_unpack.sh
   fi
   step env bash -c "nvidia-smi || true; $PY -c 'import torch, transformers, sys; print(sys.version); print(torch.__version__, transformers.__version__, torch.cuda.is_available())'; nproc; df -h /tmp | tail -1"
   step convert "$PY" -c "from eagle_train.target import resolve_target; print(resolve_target('$TARGET'))"
@@ -164,7 +164,7 @@ carried_inputs() {
 distil_store() {
   carried_inputs
   if [ ! -f "$RUNS/prep/store/manifest.json" ]; then  # a rerun resumes at the first missing batch
-    step distil timeout -k 20 "${DISTIL_SECONDS:-240}" "$PY" -m data_prep.cli run --config configs/gpu_smollm2.yaml \
+    step distil timeout -k 20 "${DISTIL_SECONDS:-240}" "$PY" -m data_prep.cli run --config scripts/dev/gpu_smollm2.yaml \
       target="$TARGET" data="$DATA" out_dir="$RUNS/prep" prep.num_conversations="$NUM_CONV" \
       prep.max_length="$MAX_LEN" prep.distil.max_new_tokens="$NEW_TOKENS" prep.distil.batch_size="$DISTIL_BATCH" \
       || { say "distil did not finish in ${DISTIL_SECONDS:-240}s: rerun stage1 (it resumes) or lower NUM_CONV"; return 1; }
@@ -175,16 +175,16 @@ distil_store() {
 stage1() {
   distil_store
   if [ ! -f "$RUNS/bench_data/tokenized/manifest.json" ]; then  # scripts/bench/gpu.py's capture and training sections
-    step tokenize "$PY" -m data_prep.cli run --config configs/gpu_smollm2.yaml target="$TARGET" data="$DATA" \
+    step tokenize "$PY" -m data_prep.cli run --config scripts/dev/gpu_smollm2.yaml target="$TARGET" data="$DATA" \
       out_dir="$RUNS/bench_data" prep.num_conversations=2000 prep.max_length="$MAX_LEN" prep.workers="$WORKERS" \
       prep.distil.enabled=false prep.capture.enabled=false
   fi
   local rc_e3=0 rc_pe=0 fused
   fused=$(fused_loss_choice 2>/dev/null || true); [ "$fused" = true ] || fused=false
   say "EAGLE-3 fused_loss=$fused (FUSED_LOSS=${FUSED_LOSS:-auto}; see bench_kernels.json)"
-  train eagle3 scripts/train_eagle3.py configs/eagle3_smollm2_gpu.yaml 25 fused_loss="$fused" &
+  train eagle3 scripts/train_eagle3.py scripts/dev/eagle3_smollm2_gpu.yaml 25 fused_loss="$fused" &
   local pid_e3=$!
-  train peagle scripts/train_peagle.py configs/peagle_smollm2_gpu.yaml 25 &
+  train peagle scripts/train_peagle.py scripts/dev/peagle_smollm2_gpu.yaml 25 &
   wait "$pid_e3" || rc_e3=$?
   wait $! || rc_pe=$?
   say "training: eagle3 rc=$rc_e3, peagle rc=$rc_pe (stage2 retrains a missing P-EAGLE head first)"
@@ -199,7 +199,7 @@ stage2() {
   local e3 pe rc=0
   e3=$(head_of "$RUNS/eagle3") || { say "no EAGLE-3 head: run stage1 first"; exit 2; }
   if ! head_of "$RUNS/peagle" > /dev/null 2>&1; then  # stage1's P-EAGLE run failed: half the stage for it
-    train peagle scripts/train_peagle.py configs/peagle_smollm2_gpu.yaml $(( STAGE_SECONDS / 2 )) || rc=$?
+    train peagle scripts/train_peagle.py scripts/dev/peagle_smollm2_gpu.yaml $(( STAGE_SECONDS / 2 )) || rc=$?
   fi
   pe=$(head_of "$RUNS/peagle") || pe=""
   step export_eagle3 "$PY" -m eagle_cli.export "$e3" --format eagle3 --out "$RUNS/export/eagle3" --target "$TARGET" || rc=$?
@@ -268,7 +268,7 @@ PY
 )
   export OMP_NUM_THREADS=4  # four trainers share the machine's cores
   while read -r o args; do
-    train "eagle3_$o" scripts/train_eagle3.py configs/eagle3_smollm2_gpu.yaml "${OBJECTIVE_EVAL_SECONDS:-200}" \
+    train "eagle3_$o" scripts/train_eagle3.py scripts/dev/eagle3_smollm2_gpu.yaml "${OBJECTIVE_EVAL_SECONDS:-200}" \
       $args fused_loss=true max_steps="$OBJECTIVE_STEPS" save_every="$OBJECTIVE_SAVE_EVERY" keep_checkpoints=20 \
       eval_fraction=0.05 < /dev/null &
     pids+=($!)
@@ -320,9 +320,9 @@ stage_curve() {
       --budget "$CURVE_BUDGET" --eval-every "$CURVE_EVERY" --save-every "$CURVE_SAVE_EVERY" \
       --num-prompts "$CURVE_PROMPTS" --max-new-tokens "$EVAL_TOKENS" --chain 3 --tree "$TREE" \
       --walk-prompts "$WALK_PROMPTS" --walk-new-tokens "$EVAL_TOKENS" \
-      --prep configs/gpu_smollm2.yaml target="$TARGET" data="$DATA" prep.num_conversations="$NUM_CONV" \
+      --prep scripts/dev/gpu_smollm2.yaml target="$TARGET" data="$DATA" prep.num_conversations="$NUM_CONV" \
         prep.max_length="$MAX_LEN" prep.distil.max_new_tokens="$NEW_TOKENS" prep.distil.batch_size="$DISTIL_BATCH" \
-      --train configs/eagle3_smollm2_gpu.yaml target="$TARGET" fused_loss=true "${CURVE_TRAIN[@]}" || rc=$?
+      --train scripts/dev/eagle3_smollm2_gpu.yaml target="$TARGET" fused_loss=true "${CURVE_TRAIN[@]}" || rc=$?
   cp "$q/quality.json" "$OUT/" 2>/dev/null || true
   local head
   head=$(head_of "$q/train") || return 1

