@@ -223,7 +223,7 @@ def capture(
     one they are independent runs (`--shard i/n`) and the one that finds every shard written finishes it.
 
     `engine`: "hf" runs `model` here, batch by batch within `token_budget`; "vllm" has a vLLM engine prefill each
-    shard's samples together (`engines.vllm.HiddenStatesServer`, `engine_options` passed to it; `model` unused,
+    shard's samples together (`engines.vllm_data.HiddenStatesServer`, `engine_options` passed to it; `model` unused,
     may be None).
     """
     if dtype not in STORE_DTYPES:
@@ -268,7 +268,7 @@ def capture(
     )
     start = time.perf_counter()
     if engine == "vllm" and todo:
-        from engines.vllm import HiddenStatesServer
+        from engines.vllm_data import HiddenStatesServer
 
         server = HiddenStatesServer(target_name, ids, engine_options)
 

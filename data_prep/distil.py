@@ -45,7 +45,7 @@ from eagle_train.store import (
 from eagle_train.target import end_of_turn_ids, files_fingerprint, load_generation_config, load_target_config
 from eagle_train.vocab_map import DRAFT_VOCAB_SIZE
 
-ENGINES = ("hf", "vllm")  # who answers and captures: transformers here, or vLLM (engines/vllm.py)
+ENGINES = ("hf", "vllm")  # who answers and captures: transformers here, or vLLM (engines/vllm_data.py)
 ANSWER = "\x00answer\x00"  # stands for an answer the target writes, when a chat template renders a conversation
 
 
@@ -278,7 +278,7 @@ def distil(
     training reads it as is. A rerun with the same settings resumes; other settings are refused.
 
     `engine`: "hf" answers here with `model`, in its dtype, in batches of `batch_size` that wait for their
-    longest answer; "vllm" has one vLLM engine (`engines.vllm.HiddenStatesServer`, `engine_options` passed to
+    longest answer; "vllm" has one vLLM engine (`engines.vllm_data.HiddenStatesServer`, `engine_options` passed to
     it; `model` unused, may be None) answer each turn of a shard's `batch_size` conversations with
     continuous batching, capturing while it generates. One store is made by one engine in one dtype: the plan
     records which. `shard=(i, n)`: this run answers shards i, i + n, ... of the plan; n runs with the same settings
@@ -340,7 +340,7 @@ def distil(
     start = time.perf_counter()
     bar = tqdm(total=sum(len(batches[k]) for k in todo), unit="conv", desc=f"distil ({engine})", disable=not progress)
     if engine == "vllm" and todo:
-        from engines.vllm import HiddenStatesServer
+        from engines.vllm_data import HiddenStatesServer
 
         server = HiddenStatesServer(target_name, ids, {"max_num_seqs": batch_size, **engine_options})
         stats["engine_start_seconds"] = server.init_seconds

@@ -11,7 +11,7 @@ them) and `token_ids` to a temporary file, and rename it into place, so that a f
 
 vLLM imports a connector class by module path (`kv_connector_module_path`) in its worker process, and the
 class must subclass vLLM's own at import time, so it lives in a module of its own that imports vLLM at the
-top: engines/vllm.py, which must import without vLLM, names it by path.
+top: engines/vllm_data.py, which must import without vLLM, names it by path.
 """
 
 import os

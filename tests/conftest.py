@@ -258,7 +258,7 @@ def tiny_pair(seed=0, *, draft_vocab_size, lm_head_scale=1.0, init_std=0.3, draf
 
 
 # ------------------------------------------------------------------------------ targets and data
-# (issue 2: target loading, data preparation, hidden-state store)
+# (target loading, data preparation, hidden-state store)
 
 # Short conversations of different lengths, so batched captures really pad.
 CONVERSATIONS = [

@@ -27,7 +27,7 @@ from eagle_train import bf16
 from eagle_train.export import export_head
 from eagle_train.export.draft_files import DraftFiles
 from eagle_train.target import SMOLLM2
-from engines import ENGINES, vllm
+from engines import ENGINES, vllm, vllm_data
 
 needs_vllm = pytest.mark.skipif(bool(vllm.missing()), reason="vLLM is not installed: scripts/install_vllm.sh")
 QUESTIONS = ["What is the capital of France? Answer in one sentence.", "Write a haiku about the sea."]
@@ -39,7 +39,7 @@ QUESTIONS = ["What is the capital of France? Answer in one sentence.", "Write a 
 def test_the_data_engine_runs_bf16_where_the_machine_multiplies_it_fast(monkeypatch):
     for fast, want in ((True, "bfloat16"), (False, "float32")):
         monkeypatch.setattr(bf16, "bf16_is_fast", lambda fast=fast: fast)
-        assert vllm.data_engine_options()["dtype"] == want
+        assert vllm_data.data_engine_options()["dtype"] == want
 
 
 def test_rounds_are_rebuilt_from_the_per_position_counters():
@@ -211,7 +211,7 @@ def test_live_broken_exports_fail_naming_the_cause(trained, what):
 
 def test_hidden_states_come_with_greedy_answers_only():
     with pytest.raises(ValueError, match="greedy answers only"):
-        vllm.generate_batch(SMOLLM2, [[1, 2]], 4, (2, 15, 27), sampling={"temperature": 1.0})
+        vllm_data.generate_batch(SMOLLM2, [[1, 2]], 4, (2, 15, 27), sampling={"temperature": 1.0})
 
 
 @needs_vllm
@@ -220,7 +220,7 @@ def test_sampled_answers_end_at_a_stop_id_or_the_length_and_a_seed_repeats_them(
     its stop id or runs to max_new_tokens; at temperature 1 the answers differ, and the engine's seed repeats them."""
     prompts = [[1, 4093, 198]] * 8  # "<|im_start|>user\n": SmolLM2 writes a user turn
     sampling = {"temperature": 1.0, "stop_token_ids": [2]}
-    runs = [vllm.generate_batch(SMOLLM2, prompts, 32, sampling=sampling).output_ids for _ in range(2)]
+    runs = [vllm_data.generate_batch(SMOLLM2, prompts, 32, sampling=sampling).output_ids for _ in range(2)]
     assert runs[0] == runs[1]
     assert len({tuple(ids) for ids in runs[0]}) > 1
     for ids in runs[0]:
@@ -240,7 +240,7 @@ def test_vllm_hidden_states_are_the_projects_and_its_answers_hf_greedy(smollm2):
     model, tokenizer = smollm2
     aux_ids = default_aux_layer_ids(model.config.num_hidden_layers)
     prompts = [chat_ids(tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
-    run = vllm.generate_batch(SMOLLM2, prompts, 24, aux_ids, dtype="float32")
+    run = vllm_data.generate_batch(SMOLLM2, prompts, 24, aux_ids, dtype="float32")
     hf = generate_and_capture(model, prompts, 24, aux_ids, end_of_turn_ids(model, tokenizer), tokenizer.pad_token_id)
     for prompt, answer, sample, theirs in zip(prompts, run.output_ids, run.samples, hf):
         assert sample["input_ids"].tolist() == prompt + answer == theirs["input_ids"].tolist()
@@ -261,7 +261,7 @@ def test_bf16_data_engine_states_are_the_fp32_ones_to_bf16_rounding(smollm2):
     model, tokenizer = smollm2
     aux_ids = default_aux_layer_ids(model.config.num_hidden_layers)
     prompts = [chat_ids(tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
-    run = vllm.generate_batch(SMOLLM2, prompts, 24, aux_ids)
+    run = vllm_data.generate_batch(SMOLLM2, prompts, 24, aux_ids)
     for sample in run.samples:
         aux, final = target_hidden_states(model, sample["input_ids"][None, :-1], aux_layer_ids=aux_ids)
         wants = [*aux[0].split(model.config.hidden_size, dim=-1), final[0]]
@@ -330,7 +330,7 @@ def test_vllm_hidden_states_are_the_projects_on_other_architectures(tmp_path, mo
     model, tokenizer = load_target(str(target))
     aux_ids = default_aux_layer_ids(model.config.num_hidden_layers)
     prompts = [chat_ids(tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
-    run = vllm.generate_batch(str(target), prompts, 12, aux_ids, dtype="float32")
+    run = vllm_data.generate_batch(str(target), prompts, 12, aux_ids, dtype="float32")
     for prompt, answer, sample in zip(prompts, run.output_ids, run.samples):
         with torch.no_grad():
             greedy = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0)

@@ -14,7 +14,7 @@ import sys
 from types import SimpleNamespace
 
 from eagle_train.target import SMOLLM2, end_of_turn_ids, load_generation_config, load_tokenizer
-from engines.vllm import generate_batch
+from engines.vllm_data import generate_batch
 
 
 def user_turn_prefix(tokenizer) -> list[int]:

@@ -1,4 +1,4 @@
-"""vLLM as the distillation engine (issue 31): exactness of its hidden states and its throughput on first turns.
+"""vLLM as the distillation engine: exactness of its hidden states and its throughput on first turns.
 
     python scripts/bench/vllm_distil.py --check 8                 # vLLM's hidden states and answers against HF's
     python scripts/bench/vllm_distil.py --bench 128 --max-new-tokens 192 --kv-cache-gib 6
@@ -26,7 +26,7 @@ from data_prep.distil import generate_and_capture, plan_conversations
 from data_prep.readers import read_conversations
 from eagle_train.hidden_states import default_aux_layer_ids, target_hidden_states
 from eagle_train.target import SMOLLM2, end_of_turn_ids, load_target, load_target_config, load_tokenizer
-from engines.vllm import generate_batch
+from engines.vllm_data import generate_batch
 
 
 def first_turns(target: str, n: int, max_length: int, max_new_tokens: int) -> list[list[int]]:
@@ -127,7 +127,7 @@ def main(argv=None):
         "--kv-cache-gib",
         type=float,
         default=None,
-        help="vLLM's CPU KV cache (VLLM_CPU_KVCACHE_SPACE; engines/vllm.py gives 2): too small for the batch, "
+        help="vLLM's CPU KV cache (VLLM_CPU_KVCACHE_SPACE; default 2, with hidden states 6): too small for the batch, "
         "vLLM preempts and recomputes, and the hidden-state cache shares it",
     )
     a = p.parse_args(argv)
