@@ -14,7 +14,6 @@ from eagle_train.target import load_target_config
 from engines import DIRECTORY_ENGINES, ENGINES, check_directory
 
 LIVE_ENGINES = tuple(name for name, e in ENGINES.items() if e.decodes_live)
-THREADED_ENGINES = tuple(name for name, e in ENGINES.items() if e.check_takes_threads)
 
 EPILOG = """examples:
   eagle-export runs/eagle3/checkpoint-2000 --format eagle3 --out smollm2-eagle3 --target smollm2-135m
@@ -118,13 +117,14 @@ def parse_args(argv=None):
         p.error("--import needs --out CHECKPOINT")
     if args.checkpoint and args.engine and (args.format == "gguf" or args.engine not in (*DIRECTORY_ENGINES, "all")):
         p.error(f"an export is checked for --engine {'|'.join((*DIRECTORY_ENGINES, 'all'))} (not with --format gguf)")
-    engine = ENGINES.get(args.engine)
-    if engine is not None and engine.check_needs_target and not (args.check and args.target):
-        p.error(engine.check_needs_target)
+    refusal = ENGINES[args.engine].check_refusal(args.target, args.threads) if args.engine in ENGINES else ""
+    if refusal:
+        p.error(refusal)
     if args.source and not (args.engine in LIVE_ENGINES and args.target):
         p.error(f"--source is for the live checks: --check PATH --engine {'|'.join(LIVE_ENGINES)} --target TARGET")
-    if args.threads and args.engine not in THREADED_ENGINES:
-        p.error(f"--threads is for --check PATH --engine {'|'.join(THREADED_ENGINES)}")
+    if args.threads is not None and args.engine not in LIVE_ENGINES:  # those that take them, given a target
+        takers = [name for name in LIVE_ENGINES if not ENGINES[name].check_refusal("TARGET", args.threads)]
+        p.error(f"--threads is for --check PATH --engine {'|'.join(takers)}")
     return args
 
 

@@ -105,14 +105,15 @@ class Engine:
     # ---- running it: how it is found, how a head gets into it, how it decodes live
     live_title = ""  # how the live check names it
     decodes_live = False  # eagle-eval and the live check can run it here
-    check_needs_target = ""  # set: eagle-export --check with this engine needs --target, and says so
-    check_takes_threads = False  # eagle-export --check --threads sets its CPU threads
-    rules_stand = False  # not installed: pass on the rule findings alone (never where a build is a command away)
     side_by_side = False  # its eagle-eval records have the built-in runtime's shape (--engine all lines them up)
 
     def missing(self) -> str:
         """ "" when it can run here, else why not and how to get it."""
         return f"{self.title} does not run here: eagle-export --check checks its loader by rule only"
+
+    def check_refusal(self, target: str | None, threads: int | None) -> str:
+        """Why eagle-export --check cannot check for it with this --target and --threads ("" when it can)."""
+        return ""
 
     def prepare(self, artifact, target: str, source, tmp):
         """(the file it loads, the head it should hold or None): a head is exported into `tmp` first."""
@@ -131,9 +132,19 @@ class Engine:
         decoding's); raises EngineError when the engine fails with the file."""
         raise NotImplementedError(self.missing())
 
-    def check_live(self, artifact, target: str, source=None, threads: int | None = None, **sizes) -> live.LiveReport:
-        """The rule findings, then its live comparison with the built-in runtime (engines/live.py)."""
-        return live.check(self, artifact, target, source, threads, **sizes)
+    def check_live(
+        self,
+        artifact,
+        target: str,
+        source=None,
+        threads: int | None = None,
+        prompts: int = live.PROMPTS,
+        new_tokens: int = live.NEW_TOKENS,
+        k: int = live.K,
+    ) -> live.LiveReport:
+        """The rule findings, then its live comparison with the built-in runtime (engines/live.py); where the
+        engine is missing, the report is SKIPPED (exit 3), never a pass."""
+        return live.check(self, artifact, target, source, threads, prompts, new_tokens, k)
 
     def evaluate(self, args, builtin: dict | None = None) -> dict:
         """eagle-eval's bench through this engine: plain, head and n-gram drafting."""

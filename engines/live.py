@@ -69,7 +69,7 @@ class LiveReport:
     engine_run: Pooled | None = None  # ... in the engine
     builtin_run: Pooled | None = None  # ... and in the built-in runtime
     skipped: str = ""  # why it did not run or cannot conclude
-    rules_stand: bool = False  # the engine is not installed and its rule check (findings) is the verdict
+    rules_stand: bool = False  # the engine is not installed and its rule check (findings) is the verdict (exit 0)
 
     @property
     def status(self) -> str:
@@ -154,7 +154,6 @@ def check(
         )
         report.skipped = engine.missing()
         if report.skipped:
-            report.rules_stand = engine.rules_stand
             return report
         model, tokenizer = load_target(target, device="cuda" if torch.cuda.is_available() else "cpu")
         if source_head is None:

@@ -552,8 +552,6 @@ class LlamaCpp(Engine):
     title = "llama.cpp"
     live_title = "llama.cpp (--spec-type draft-eagle3)"
     decodes_live = True
-    check_needs_target = "--engine llamacpp checks --check PATH against --target TARGET.gguf (or an alias shipping one)"
-    check_takes_threads = True
 
     def missing(self) -> str:
         try:
@@ -561,6 +559,13 @@ class LlamaCpp(Engine):
         except LlamaCppError as e:
             return str(e)
         return "" if found else f"no llama.cpp build: run `{BUILD_HINT}` (a few minutes, once), then check again"
+
+    def check_refusal(self, target: str | None, threads: int | None) -> str:
+        """It reads the target's GGUF (the head's tokenizer, the live run), so every check needs --target;
+        --threads sets llama.cpp's CPU threads."""
+        if target:
+            return ""
+        return "--engine llamacpp checks --check PATH against --target TARGET.gguf (or an alias shipping one)"
 
     def prepare(self, artifact: Path, target: str, source, tmp: Path):
         if source and locate_head(artifact).kind != GGUF:

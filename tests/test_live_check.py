@@ -237,6 +237,8 @@ def test_without_a_build_the_check_says_how_to_get_one_and_never_passes(tiny, tm
         (["--check", "dir", "--engine", "vllm", "--source", "head"], "--source is for the live checks"),
         (["--check", "dir", "--engine", "sglang", "--source", "head", "--target", "t"], "--source is for the live"),
         (["--check", "dir", "--threads", "1"], "--threads is for --check PATH --engine llamacpp"),
+        (["--check", "dir", "--engine", "sglang", "--threads", "1"], "--threads is for --check PATH --engine llamacpp"),
+        (["--check", "dir", "--engine", "vllm", "--target", "t", "--threads", "1"], "vLLM binds its own threads"),
     ],
 )
 def test_cli_refuses_options_the_check_does_not_take(argv, message, capsys):
