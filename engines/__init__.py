@@ -105,7 +105,6 @@ class Engine:
     # ---- running it: how it is found, how a head gets into it, how it decodes live
     live_title = ""  # how the live check names it
     decodes_live = False  # eagle-eval and the live check can run it here
-    side_by_side = False  # its eagle-eval records have the built-in runtime's shape (--engine all lines them up)
 
     def missing(self) -> str:
         """ "" when it can run here, else why not and how to get it."""
@@ -146,8 +145,10 @@ class Engine:
         engine is missing, the report is SKIPPED (exit 3), never a pass."""
         return live.check(self, artifact, target, source, threads, prompts, new_tokens, k)
 
-    def evaluate(self, args, builtin: dict | None = None) -> dict:
-        """eagle-eval's bench through this engine: plain, head and n-gram drafting."""
+    def evaluate(self, options, answers: list[list[str]] | None = None) -> dict:
+        """eagle-eval's bench through this engine (`inference.evaluate.EvalOptions`): plain, head and n-gram
+        drafting through `inference.evaluate.run_bench`; later turns follow `answers` when given, else its
+        plain answers. The record has a "title" (its table's) and `summarise_drafters`' "summary"."""
         raise NotImplementedError(self.missing())
 
 

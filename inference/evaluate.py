@@ -1,19 +1,22 @@
-"""Evaluation on the bench prompt sets: acceptance length, per-position acceptance, speed.
+"""Evaluation on the bench prompt sets, for every engine: the one multi-turn loop (`run_bench`), its one
+record per turn, its summary and its tables.
 
-Each prompt runs on the same runtime and the same prompt tokens: speculative decoding with the head,
-prompt lookup (the free n-gram baseline the head has to beat, same K), then plain decoding (the
-speedup's reference). Multi-turn prompts (MT-Bench) ask turn 2 after the model's own (speculative)
-answer to turn 1. AL follows docs/design.md section 3: tokens emitted by
-verification forwards / verification forwards, pooled over every turn of every prompt, prefill
-and its token left out, so it can be recounted from the JSON as
-sum(len(output_ids) - 1) / sum(forwards).
+An engine supplies only "decode these prompts" (`TurnEngine.decode`, giving `TurnResult`s): plainly (the
+speedup's reference) and with each of its drafters ("spec": the head; "ngram": prompt lookup, the free
+baseline the head has to beat, same K). Multi-turn prompts (MT-Bench) ask turn 2 after plain decoding's
+answer to turn 1, so every drafter decodes the same prompt tokens. AL follows docs/design.md section 3:
+tokens emitted by the counted forwards / those forwards, pooled over every turn of every prompt; the
+built-in runtime and vLLM leave the prefill and its token out, so their AL can be recounted from the JSON
+as sum(len(output_ids) - 1) / sum(forwards).
 """
 
 import json
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from inference.divergence import TIE_STEPS, first_divergence, is_tie
+from inference.divergence import TIE_STEPS, is_tie
 
 BENCHES = ("mt_bench", "humaneval", "gsm8k")
 
@@ -61,91 +64,172 @@ def chat_text(tokenizer, messages: list[dict]) -> str:
     return tokenizer.decode(chat_ids(tokenizer, messages), clean_up_tokenization_spaces=False)
 
 
-def speculative_record(result) -> dict:
-    """What a speculative decode leaves in the JSON: enough to recount AL and acceptance."""
-    return {
-        "output_ids": result.output_ids,
-        "forwards": result.forwards,
-        "emitted": result.emitted,
-        "accepted": result.accepted,
-        "seconds": result.seconds,
-    }
+@dataclass
+class EvalOptions:
+    """What eagle-eval asks of an engine (each engine refuses, in one line, what it cannot do)."""
+
+    target: str
+    draft: str  # a training checkpoint, head directory, export (llama.cpp: also a .gguf); "ngram": no head
+    bench: str = "mt_bench"
+    num_prompts: int | None = None
+    max_new_tokens: int = 256
+    chain: int | None = None  # K; the drafting when neither tree nor parallel is given (default 5)
+    tree: str | None = None  # "depth,topk,total"
+    parallel: int | None = None  # K of a P-EAGLE head
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    ngram: bool = True  # also decode with prompt lookup at the head's K
+    seed: int = 0
+    device: str | None = None
+    dtype: str | None = None
+    cuda_graphs: bool = True
+    threads: int | None = None  # llama.cpp's CPU threads
+
+    @property
+    def depth(self) -> int:
+        """K of a chain or parallel drafting (5 unless given)."""
+        return next(k for k in (self.parallel, self.chain, 5) if k is not None)
+
+    @property
+    def greedy(self) -> bool:
+        return (self.temperature, self.top_p, self.top_k) == (0.0, 1.0, 0)
 
 
-def turn_record(prompt_tokens: int, spec: dict, plain: dict, answer: str, ngram: dict | None = None) -> dict:
-    """One turn as `summarise` reads it, whichever engine decoded it: the head's ("spec") and prompt
-    lookup's ("ngram", when run) speculative records beside plain decoding's."""
-    turn = {
-        "prompt_tokens": prompt_tokens,
-        "spec": spec,
-        "plain": plain,
-        "identical": spec["output_ids"] == plain["output_ids"],
-        "answer": answer,
-    }
-    if ngram is not None:
-        turn["ngram"] = {**ngram, "identical": ngram["output_ids"] == plain["output_ids"]}
-    return turn
+@dataclass
+class TurnResult:
+    """One turn decoded by one drafter (or plainly), in the counts every engine gives. AL pools
+    `emitted` over `forwards`; which forwards an engine counts its module says (the built-in runtime
+    and vLLM leave the prefill out, llama.cpp counts the round that carries the prompt's last token)."""
+
+    answer: str  # the new text, special tokens left out (a later turn may follow it)
+    output_ids: list[int] | None  # the new token ids; None where the engine gives text only
+    tokens: int  # new tokens
+    forwards: int  # counted target forwards (plain decoding: its decode steps)
+    emitted: int  # tokens those forwards emitted
+    seconds: float  # the timed span ...
+    timed_tokens: int  # ... and the tokens made inside it (tokens/s)
+    accepted: list[int] | None = None  # drafts accepted per counted forward; None: only `accepted_total` is known
+    accepted_total: int = 0
+    per_forward: list[int] | None = None  # tokens each counted forward emitted, when known
+    extra: dict = field(default_factory=dict)  # what else the engine measured (kept in the JSON)
+
+    def record(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v is not None and k != "extra"} | self.extra
 
 
-def run_prompt(runtime, tokenizer, prompt: dict, max_new_tokens: int, ngram: int | None = None) -> dict:
-    """Every turn of one prompt: speculative decoding ("spec"), prompt lookup with up to `ngram`
-    drafts ("ngram"; None: skipped), then plain decoding. A runtime without a head speculates by
-    prompt lookup itself ("spec"), which then needs `ngram`. The next turn follows spec's answer."""
-    messages, turns, head = [], [], runtime.drafter is not None
-    for text in prompt["turns"]:
-        messages.append({"role": "user", "content": text})
-        ids = chat_ids(tokenizer, messages)
-        spec = runtime.generate(ids, max_new_tokens) if head else runtime.generate_lookup(ids, max_new_tokens, ngram)
-        lookup = runtime.generate_lookup(ids, max_new_tokens, ngram) if head and ngram else None
-        plain = runtime.generate_plain(ids, max_new_tokens)
-        answer = tokenizer.decode(spec.output_ids, skip_special_tokens=True)
-        messages.append({"role": "assistant", "content": answer})
-        plain_record = {"output_ids": plain.output_ids, "forwards": plain.forwards, "seconds": plain.seconds}
-        records = [speculative_record(r) for r in (spec, lookup) if r is not None]
-        if runtime.sampler.greedy:  # where greedy decodes part from plain, and whether a rounding tie explains it
-            for r in records:
-                r["divergence"] = first_divergence(runtime, ids, plain.output_ids, r["output_ids"], max_new_tokens)
-        turns.append(turn_record(len(ids), records[0], plain_record, answer, records[1] if lookup else None))
-    return {"question_id": prompt["question_id"], "category": prompt["category"], "turns": turns}
+class TurnEngine:
+    """What an engine supplies to the bench loop: decode a list of prompts (token ids) plainly or with
+    one of its `drafters`. `session` holds a decoder open for many calls (an engine that starts a process
+    per drafter keeps it up); the defaults compare token ids and record no divergence."""
+
+    drafters: tuple[str, ...] = ("spec",)
+    finds_divergence = False  # `divergence` says where a greedy decode parts from plain decoding
+
+    def decode(self, drafter: str, prompts: list[list[int]], max_new_tokens: int) -> list[TurnResult]:
+        raise NotImplementedError
+
+    @contextmanager
+    def session(self, drafter: str):
+        yield lambda prompts, max_new_tokens: self.decode(drafter, prompts, max_new_tokens)
+
+    def same(self, plain: TurnResult, other: TurnResult) -> bool:
+        """Whether `other` decoded plain decoding's text."""
+        return other.output_ids == plain.output_ids
+
+    def divergence(self, prompt_ids, plain: TurnResult, other: TurnResult, max_new_tokens: int) -> dict | None:
+        """Where `other` parts from plain decoding and whether a near tie explains it (`inference.divergence`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not rerun the target")
+
+
+def run_bench(
+    engine: TurnEngine, tokenizer, prompts: list[dict], max_new_tokens: int, answers=None, progress: str = ""
+) -> list[dict]:
+    """Every turn of every prompt, plainly and with each of the engine's drafters, one record per turn.
+    Plain decoding goes first, turn by turn: a later turn follows its answer (or `answers[p][t]`, another
+    run's, so two engines see the same prompts), so every drafter decodes the same prompt tokens. Then each
+    drafter decodes all those prompts in one session."""
+    from tqdm import tqdm
+
+    ids, plain = [], []  # per turn, in prompt order
+    with engine.session("plain") as decode:
+        for p, prompt in enumerate(tqdm(prompts, desc=progress or "plain", unit="prompt", disable=not progress)):
+            messages = []
+            for t, text in enumerate(prompt["turns"]):
+                messages.append({"role": "user", "content": text})
+                ids.append(chat_ids(tokenizer, messages))
+                plain += decode([ids[-1]], max_new_tokens)
+                answer = answers[p][t] if answers else plain[-1].answer
+                messages.append({"role": "assistant", "content": answer})
+    drafted = {}
+    for name in engine.drafters:
+        with engine.session(name) as decode:
+            drafted[name] = decode(ids, max_new_tokens)
+    turns = []
+    for i, (prompt_ids, base) in enumerate(zip(ids, plain)):
+        turn = {"prompt_tokens": len(prompt_ids), "answer": base.answer, "plain": base.record()}
+        for name, runs in drafted.items():
+            turn[name] = {**runs[i].record(), "identical": engine.same(base, runs[i])}
+            if engine.finds_divergence:
+                turn[name]["divergence"] = engine.divergence(prompt_ids, base, runs[i], max_new_tokens)
+        turns.append(turn)
+    results, at = [], 0
+    for prompt in prompts:
+        n = len(prompt["turns"])
+        results.append(
+            {"question_id": prompt["question_id"], "category": prompt["category"], "turns": turns[at : at + n]}
+        )
+        at += n
+    return results
 
 
 def summarise(results: list[dict], depth: int, drafter: str = "spec") -> dict:
-    """Pooled figures over every turn of every prompt, of the head ("spec") or of prompt lookup
-    ("ngram")."""
+    """Pooled figures over every turn of every prompt, of one drafter ("spec": the head; "ngram":
+    prompt lookup). Per-position acceptance and the histogram need the engine's per-forward counts."""
     turns = [t for r in results for t in r["turns"]]
     runs = [t[drafter] for t in turns]
     forwards = sum(r["forwards"] for r in runs)
-    emitted = sum(sum(r["emitted"]) for r in runs)
-    accepted = [a for r in runs for a in r["accepted"]]
-    reached = [sum(a >= i for a in accepted) for i in range(depth + 1)]  # reached[i]: rounds with >= i accepted
-    spec_tokens = sum(len(r["output_ids"]) for r in runs)
-    plain_tokens = sum(len(t["plain"]["output_ids"]) for t in turns)
+    emitted = sum(r["emitted"] for r in runs)
+    spec_tokens = sum(r["tokens"] for r in runs)
+    plain_tokens = sum(t["plain"]["tokens"] for t in turns)
     spec_s = sum(r["seconds"] for r in runs)
     plain_s = sum(t["plain"]["seconds"] for t in turns)
-    per_forward = [e for r in runs for e in r["emitted"]]
-    histogram = {str(k): per_forward.count(k) for k in range(1, max(per_forward, default=0) + 1)}
-    spec_tps = spec_tokens / spec_s if spec_s else 0.0
-    plain_tps = plain_tokens / plain_s if plain_s else 0.0
-    return {
+    spec_tps = sum(r["timed_tokens"] for r in runs) / spec_s if spec_s else 0.0
+    plain_tps = sum(t["plain"]["timed_tokens"] for t in turns) / plain_s if plain_s else 0.0
+    summary = {
         "acceptance_length": emitted / forwards if forwards else 0.0,
         "verify_forwards": forwards,
         "tokens_from_verify_forwards": emitted,
-        # share of verification forwards whose draft position i (1-based) was accepted ...
-        "acceptance_per_position": [reached[i] / len(accepted) if accepted else 0.0 for i in range(1, depth + 1)],
-        # ... and the same given that position i-1 was
-        "acceptance_per_position_conditional": [
-            reached[i] / reached[i - 1] if reached[i - 1] else 0.0 for i in range(1, depth + 1)
-        ],
-        "tokens_per_forward_histogram": histogram,
+        "accepted_drafts": sum(r["accepted_total"] for r in runs),
+        "acceptance_per_position": None,
+        "acceptance_per_position_conditional": None,
+        "tokens_per_forward_histogram": None,
         "spec_tokens_per_s": spec_tps,
         "plain_tokens_per_s": plain_tps,
         "speedup": spec_tps / plain_tps if plain_tps else 0.0,
         "turns": len(turns),
-        "turns_identical_to_plain": sum(r["output_ids"] == t["plain"]["output_ids"] for r, t in zip(runs, turns)),
+        "turns_identical_to_plain": sum(r["identical"] for r in runs),
         **divergence_counts(runs),
         "new_tokens_spec": spec_tokens,
         "new_tokens_plain": plain_tokens,
     }
+    if all("accepted" in r for r in runs):
+        accepted = [a for r in runs for a in r["accepted"]]
+        reached = [sum(a >= i for a in accepted) for i in range(depth + 1)]  # reached[i]: rounds with >= i accepted
+        # share of verification forwards whose draft position i (1-based) was accepted ...
+        summary["acceptance_per_position"] = [
+            reached[i] / len(accepted) if accepted else 0.0 for i in range(1, depth + 1)
+        ]
+        # ... and the same given that position i-1 was
+        summary["acceptance_per_position_conditional"] = [
+            reached[i] / reached[i - 1] if reached[i - 1] else 0.0 for i in range(1, depth + 1)
+        ]
+    if all("per_forward" in r for r in runs):
+        per_forward = [e for r in runs for e in r["per_forward"]]
+        summary["tokens_per_forward_histogram"] = {
+            str(k): per_forward.count(k) for k in range(1, max(per_forward, default=0) + 1)
+        }
+    return summary
 
 
 def divergence_counts(runs: list[dict]) -> dict:
@@ -173,14 +257,19 @@ def identical_note(summary: dict) -> str:
     return ""
 
 
+def shares(values: list[float] | None) -> str:
+    """Per-position shares for the tables; "-" where the engine counts only totals."""
+    return "-" if values is None else " ".join(f"{a:.2f}" for a in values)
+
+
 def format_table(summary: dict, title: str) -> str:
     s = summary
     lines = [
         title,
         f"  acceptance length (AL)      {s['acceptance_length']:.3f}   "
         f"({s['tokens_from_verify_forwards']} tokens / {s['verify_forwards']} verification forwards)",
-        "  acceptance per position     " + " ".join(f"{a:.2f}" for a in s["acceptance_per_position"]),
-        "  ... conditional             " + " ".join(f"{a:.2f}" for a in s["acceptance_per_position_conditional"]),
+        "  acceptance per position     " + shares(s["acceptance_per_position"]),
+        "  ... conditional             " + shares(s["acceptance_per_position_conditional"]),
         f"  tokens/s speculative        {s['spec_tokens_per_s']:.1f}",
         f"  tokens/s plain              {s['plain_tokens_per_s']:.1f}",
         f"  speedup                     {s['speedup']:.2f}x",
@@ -236,7 +325,7 @@ def format_engines(summaries: dict[str, dict], title: str) -> str:
         for label, row in (("head", s), ("n-gram (free)", s.get("ngram"))):
             if row is None:
                 continue
-            positions = " ".join(f"{a:.2f}" for a in row["acceptance_per_position"])
+            positions = shares(row["acceptance_per_position"])
             lines.append(
                 f"  {engine:<9}{label:<15}{row['acceptance_length']:>7.3f}  {positions:<25}"
                 f"{row['plain_tokens_per_s']:>12.1f}{row['spec_tokens_per_s']:>11.1f}{row['speedup']:>8.2f}x"
@@ -246,7 +335,10 @@ def format_engines(summaries: dict[str, dict], title: str) -> str:
 
 
 def plot_engines(summaries: dict[str, dict], path, title: str) -> bool:
-    """Acceptance per draft position of the head in each engine, side by side (one engine: `plot`)."""
+    """Acceptance per draft position of the head in each engine that counts it, side by side (one: `plot`)."""
+    summaries = {engine: s for engine, s in summaries.items() if s["tokens_per_forward_histogram"] is not None}
+    if not summaries:
+        return False  # the engines count totals only: the table has it all
     if len(summaries) == 1:
         return plot(next(iter(summaries.values())), path, title)
     try:

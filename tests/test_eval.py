@@ -107,7 +107,7 @@ def test_eval_smollm2_random_head(smollm2, tmp_path):
     assert al == pytest.approx(recount_al(saved), abs=1e-12)
     assert 1.0 <= al < 1.3  # a random head is (almost) never right
     turn = saved["prompts"][0]["turns"][0]
-    assert turn["identical"] and turn["spec"]["forwards"] == len(turn["spec"]["output_ids"]) - 1 - sum(
+    assert turn["spec"]["identical"] and turn["spec"]["forwards"] == len(turn["spec"]["output_ids"]) - 1 - sum(
         turn["spec"]["accepted"]
     )
 

@@ -1,0 +1,145 @@
+"""The built-in runtime as an evaluation engine: its "decode one turn" for the bench loop
+(`inference.evaluate.run_bench`) and `evaluate`, eagle-eval's run with it.
+
+Each turn is decoded plainly (the speedup's reference), with the head ("spec", or prompt lookup alone
+for `draft="ngram"`) and with prompt lookup at the head's K ("ngram", the free baseline the head has to
+beat), all on one `Runtime`, so the three share the target's weights, caches and CUDA graphs.
+"""
+
+import time
+
+import torch
+
+from inference.divergence import first_divergence
+from inference.evaluate import EvalOptions, TurnEngine, TurnResult, load_bench, run_bench, summarise_drafters
+
+
+def turn_result(result, tokenizer) -> TurnResult:
+    """A `GenerationResult`: the prefill and its token are not counted, each later forward is."""
+    return TurnResult(
+        answer=tokenizer.decode(result.output_ids, skip_special_tokens=True),
+        output_ids=result.output_ids,
+        tokens=len(result.output_ids),
+        forwards=result.forwards,
+        emitted=sum(result.emitted),
+        seconds=result.seconds,
+        timed_tokens=len(result.output_ids),
+        accepted=result.accepted,
+        accepted_total=sum(result.accepted),
+        per_forward=result.emitted,
+    )
+
+
+class RuntimeEngine(TurnEngine):
+    """`runtime` decoding turns: "spec" drafts with its head (without one: prompt lookup with up to
+    `ngram` drafts), "ngram" with prompt lookup beside a head (`ngram` None: not run)."""
+
+    def __init__(self, runtime, tokenizer, ngram: int | None = None):
+        self.runtime, self.tokenizer, self.ngram = runtime, tokenizer, ngram
+        has_head = runtime.drafter is not None
+        if not has_head and not ngram:
+            raise ValueError("a runtime without a head drafts by prompt lookup: give its K (ngram)")
+        self.drafters = ("spec", "ngram") if has_head and ngram else ("spec",)
+        self.finds_divergence = runtime.sampler.greedy
+
+    def decode(self, drafter: str, prompts: list[list[int]], max_new_tokens: int) -> list[TurnResult]:
+        rt = self.runtime
+        if drafter == "plain":
+            generate = rt.generate_plain
+        elif drafter == "spec" and rt.drafter is not None:
+            generate = rt.generate
+        else:
+            generate = lambda ids, n: rt.generate_lookup(ids, n, self.ngram)  # noqa: E731
+        return [turn_result(generate(ids, max_new_tokens), self.tokenizer) for ids in prompts]
+
+    def divergence(self, prompt_ids, plain: TurnResult, other: TurnResult, max_new_tokens: int) -> dict | None:
+        return first_divergence(self.runtime, prompt_ids, plain.output_ids, other.output_ids, max_new_tokens)
+
+
+def precheck_head(draft, target_cfg) -> None:
+    """The config-only check of a training checkpoint / head dir (exports are checked once loaded)."""
+    from eagle_train.checkpoint import locate_head
+    from eagle_train.draft_config import DraftConfig
+
+    found = locate_head(draft)
+    if found.ours:
+        DraftConfig.from_dict(found.config).check_fits(target_cfg)
+
+
+def evaluate(options: EvalOptions) -> dict:
+    """The bench through the built-in runtime: the record eagle-eval writes (its "title" is the table's)."""
+    from eagle_train.checkpoint import load_draft_head
+    from eagle_train.target import end_of_turn_ids, load_target, load_target_config
+    from inference.drafting import TreeShape
+    from inference.generate import Runtime
+    from inference.sampling import Sampler
+
+    o = options
+    # everything a user can get wrong is checked before the target's weights are loaded
+    if o.threads is not None:
+        raise ValueError("--threads is for --engine llamacpp (the built-in runtime uses torch's threads)")
+    lookup_only = o.draft == "ngram"
+    if lookup_only and (o.tree or o.parallel or not o.ngram):
+        raise ValueError("--draft ngram evaluates prompt lookup alone, which drafts a chain: give --chain K only")
+    shape = TreeShape.parse(o.tree) if o.tree else TreeShape.chain(o.depth)  # K=0 is an error, not the default
+    sampler = Sampler(o.temperature, o.top_k, o.top_p)
+    if o.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {o.max_new_tokens}")
+    prompts = load_bench(o.bench, o.num_prompts)
+    device = torch.device(o.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda but CUDA is not available")
+    if not lookup_only:
+        precheck_head(o.draft, load_target_config(o.target))
+
+    model, tokenizer = load_target(o.target, dtype=o.dtype, device=device)
+    head = None if lookup_only else load_draft_head(o.draft, model)
+    if head is not None:
+        head.config.check_fits(model.config)
+        if o.parallel and head.config.method != "peagle":
+            raise ValueError(
+                f"--parallel drafts with a P-EAGLE head; {o.draft} holds a {head.config.method} head "
+                "(use --chain K or --tree)"
+            )
+        head.to(device=device, dtype=model.dtype).eval()
+    parallel = head is not None and head.config.method == "peagle"
+    ngram = shape.depth if o.ngram else None  # prompt lookup's K: the chain's, the tree's depth
+    eos = end_of_turn_ids(model, tokenizer)
+    runtime = Runtime(model, head, shape, sampler, eos_token_ids=eos, cuda_graphs=o.cuda_graphs, seed=o.seed)
+    engine = RuntimeEngine(runtime, tokenizer, ngram)
+
+    if device.type == "cuda":  # kernel selection and graph capture stay out of the timings
+        warmup = {"question_id": "warmup", "category": "", "turns": prompts[0]["turns"][:1]}
+        run_bench(engine, tokenizer, [warmup], min(8, o.max_new_tokens))
+    t0 = time.time()
+    results = run_bench(engine, tokenizer, prompts, o.max_new_tokens, progress=f"eagle-eval {o.bench}")
+    summary = summarise_drafters(results, shape.depth, ngram if head is not None else None)
+    drafting = f"tree {shape.depth},{shape.topk},{shape.total}" if o.tree else f"chain K={shape.depth}"
+    if parallel:
+        drafting = f"parallel (P-EAGLE) K={shape.depth}"
+    if lookup_only:
+        drafting = f"prompt lookup (no head) K={shape.depth}"
+    dtype = str(model.dtype).replace("torch.", "")
+    return {
+        "engine": "builtin",
+        "title": f"{o.bench}: {len(prompts)} prompts, {drafting}, temperature {o.temperature}, {device.type} {dtype}",
+        "target": o.target,
+        "draft": str(o.draft),
+        "bench": o.bench,
+        "drafting": {
+            "depth": shape.depth,
+            "topk": shape.topk,
+            "total": shape.total,
+            "chain": not o.tree,
+            "parallel": parallel,
+            "ngram": ngram,  # K of prompt lookup ("spec" with --draft ngram, else the "ngram" row); None: skipped
+        },
+        "sampling": {"temperature": o.temperature, "top_p": o.top_p, "top_k": o.top_k, "seed": o.seed},
+        "device": str(device),
+        "dtype": dtype,
+        "cuda_graphs": runtime.use_graphs,
+        "max_new_tokens": o.max_new_tokens,
+        "wall_seconds": time.time() - t0,
+        "summary": summary,
+        "prompts": results,
+    }
