@@ -6,7 +6,7 @@ import torch
 from eagle_train.checkpoint import load_draft_head
 from eagle_train.eagle3 import Eagle3Head
 from eagle_train.train_config import TrainConfig
-from eagle_train.ttt import REJECTION_WEIGHT, TTT_DECAY, TTT_LENGTH, TV_WEIGHT, ttt_loss
+from eagle_train.ttt import ttt_loss
 from eagle_train.warm_start import warm_start_from_target
 
 
@@ -29,17 +29,18 @@ def build_eagle3_head(cfg: TrainConfig, target_model, vocab_map: dict | None) ->
     return head
 
 
-def eagle3_objective(
-    ttt_length: int = TTT_LENGTH,
-    decay: float = TTT_DECAY,
-    checkpoint_logits: bool = False,
-    fused_loss: bool = False,
-    tv_weight: float = TV_WEIGHT,
-    rejection_weight: float = REJECTION_WEIGHT,
-    feature_noise: float = 0.0,
-):
-    """The trainer's objective for EAGLE-3: one TTT unroll and one backward per micro-batch
+def eagle3_objective(cfg: TrainConfig):
+    """The trainer's objective for EAGLE-3, from the run's config: one TTT unroll and one backward per micro-batch
     (training batches with `feature_noise`, see `noisy_features`; evaluation, under no_grad, without)."""
+    feature_noise = cfg.feature_noise
+    loss_options = {
+        "ttt_length": cfg.ttt_length,
+        "decay": cfg.ttt_decay,
+        "checkpoint_logits": cfg.gradient_checkpointing,
+        "fused_loss": cfg.fused_loss,
+        "tv_weight": cfg.tv_weight,
+        "rejection_weight": cfg.rejection_weight,
+    }
 
     def objective(model, batch, backward):
         aux = batch["aux_hidden"]
@@ -52,12 +53,7 @@ def eagle3_objective(
             batch["loss_mask"],
             batch["target_probs"],
             batch["in_draft"],
-            ttt_length=ttt_length,
-            decay=decay,
-            checkpoint_logits=checkpoint_logits,
-            fused_loss=fused_loss,
-            tv_weight=tv_weight,
-            rejection_weight=rejection_weight,
+            **loss_options,
         )
         backward(loss)
         return metrics

@@ -63,11 +63,9 @@ def validate_peagle(cfg, target_config) -> None:
     """The P-EAGLE keys of a TrainConfig, checked before any compute."""
     vocab = text_config(target_config).vocab_size
     if cfg.rejection_weight:
-        raise ValueError(
-            "rejection_weight weighs EAGLE-3's chain walk (scripts/train_eagle3.py): set it to 0 for P-EAGLE"
-        )
+        raise ValueError("rejection_weight weighs EAGLE-3's chain walk (method eagle3): set it to 0 for P-EAGLE")
     if cfg.feature_noise:
-        raise ValueError("feature_noise augments EAGLE-3's training (scripts/train_eagle3.py): set it to 0 for P-EAGLE")
+        raise ValueError("feature_noise augments EAGLE-3's training (method eagle3): set it to 0 for P-EAGLE")
     if cfg.num_depths < 2:
         raise ValueError(f"num_depths (K, drafts per forward) must be >= 2, got {cfg.num_depths}")
     if cfg.num_segments is not None and cfg.num_segments < 1:
@@ -89,6 +87,11 @@ def validate_peagle(cfg, target_config) -> None:
 def segments_for(cfg) -> int:
     """The configured segment count, or the default for max_length and K."""
     return cfg.num_segments or pb.default_num_segments(cfg.max_length, cfg.num_depths)
+
+
+def peagle_objective(cfg) -> "PEagleObjective":
+    """The trainer's objective for P-EAGLE, from the run's config."""
+    return PEagleObjective(cfg.num_depths, segments_for(cfg), cfg.tv_weight)
 
 
 def batch_lengths(batch) -> torch.Tensor:

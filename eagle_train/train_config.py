@@ -19,11 +19,10 @@ import yaml
 
 from eagle_train.architectures import check_supported
 from eagle_train.peagle import NUM_DEPTHS
-from eagle_train.store import HIDDEN_FORMAT, check_store_matches, read_manifest, read_vocab_map
+from eagle_train.store import HIDDEN_FORMAT, MANIFEST, check_store_matches, read_manifest, read_vocab_map
 from eagle_train.ttt import REJECTION_WEIGHT, TTT_DECAY, TTT_LENGTH, TV_WEIGHT
 from eagle_train.vocab_map import check_draft_vocab_size
 
-METHODS = ("eagle3", "peagle")
 EVERY_OFF = {
     "save_every": "only at the end",
     "eval_every": "before and after training only",
@@ -39,9 +38,10 @@ class TrainConfig:
     target: str = "smollm2-135m"  # alias, local HF dir, .gguf or hub id (must be the store's target)
     data_path: str = ""  # hidden-state store (offline) or tokenized dataset (online; a store works too)
     mode: str = "offline"  # offline: hidden states from the store; online: run the target per batch
-    method: str = "eagle3"
-    aux_layer_ids: list[int] | None = None  # None: hidden_states.default_aux_layer_ids (2, N//2, N-3 from 7 layers)
-    draft_vocab_size: int | None = None  # None: the data's vocab map; else its most frequent ids (by its counts)
+    method: str = "eagle3"  # a row of eagle_train.methods.METHODS: eagle3 or peagle
+    # None: offline, the store's layers; online, hidden_states.default_aux_layer_ids (2, N//2, N-3 from 7 layers)
+    aux_layer_ids: list[int] | None = None
+    draft_vocab_size: int | None = None  # None: the data's vocab map's; else its most frequent ids (by its counts)
     init_from: str = ""  # an eagle-train head/checkpoint dir or an engine-layout EAGLE-3 dir
     warm_start: bool = False  # a new EAGLE-3 head's norm and lm_head start as the target's (eagle_train.warm_start)
     # the objective
@@ -57,8 +57,8 @@ class TrainConfig:
     draft_num_layers: int | None = None  # N: None -> 2 below target hidden 2048, else 4
     mask_token_id: int | None = None  # None: a spare special token the data never uses
     num_segments: int | None = None  # sequence partitioning; None -> peagle_batch.default_num_segments
-    # batching (per process): padded tokens per micro-batch; longer samples are truncated
-    max_length: int = 2048
+    # batching (per process): padded tokens per micro-batch; samples longer than max_length are truncated
+    max_length: int | None = None  # None: the data's (the max_length it was prepared with)
     tokens_per_batch: int = 8192
     gradient_accumulation_steps: int = 1
     eval_fraction: float = 0.02  # held-out share of the samples
@@ -176,7 +176,36 @@ def load_train_config(
             raise ValueError(f"{path} must hold a mapping of config keys, not {type(in_file).__name__}")
         values.update(in_file)
     values.update(parse_overrides(list(overrides)))
-    return make_config(values)
+    return from_data(make_config(values))
+
+
+def from_data(cfg: TrainConfig) -> TrainConfig:
+    """`cfg` with the keys it leaves to the data (None) taken from the data at `data_path`: `max_length` (the
+    one the data was prepared with), `draft_vocab_size` (its vocab map's, unless `init_from` brings one) and,
+    offline, `aux_layer_ids` (the store's layers). A value the data contradicts is refused: offline, aux layers
+    the store does not hold. A shorter `max_length` is no contradiction: it truncates the longer samples, as
+    asked. Without data at `data_path`, `cfg` as it is (`validate` names the missing path)."""
+    if not cfg.data_path or not (Path(cfg.data_path) / MANIFEST).is_file():
+        return cfg
+    manifest = read_manifest(cfg.data_path)
+    values = {}
+    if cfg.max_length is None:
+        if "max_length" not in manifest:
+            raise ValueError(f"{cfg.data_path} does not record the max_length it was prepared with: set max_length")
+        values["max_length"] = manifest["max_length"]
+    if cfg.draft_vocab_size is None and not cfg.init_from:  # a head to start from brings its own vocab map
+        values["draft_vocab_size"] = len(read_vocab_map(cfg.data_path)["d2t"])
+    if cfg.mode == "offline" and manifest["format"] == HIDDEN_FORMAT:
+        held = list(manifest["aux_layer_ids"])
+        if cfg.aux_layer_ids is None:
+            values["aux_layer_ids"] = held
+        elif list(cfg.aux_layer_ids) != held:
+            raise ValueError(
+                f"aux_layer_ids={cfg.aux_layer_ids} but the store at {cfg.data_path} holds aux layers {held}: "
+                "leave aux_layer_ids unset to train on the store's, train with mode=online, or capture a store "
+                f"with --aux-layers {','.join(map(str, cfg.aux_layer_ids))}"
+            )
+    return dataclasses.replace(cfg, **values)
 
 
 @contextlib.contextmanager
@@ -188,29 +217,6 @@ def one_line_refusals():
         yield
     except (ValueError, OSError) as e:
         sys.exit(f"error: {e}")
-
-
-def config_from_command_line(description: str, method: str, argv=None) -> TrainConfig:
-    """`--config FILE key=value ...` of a training script, for heads of `method`; exits with the
-    error on a bad file, key or method."""
-    import argparse
-
-    parser = argparse.ArgumentParser(
-        description=description,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="config keys: " + ", ".join(field_names()),
-    )
-    parser.add_argument("--config", help=f"YAML run config (e.g. configs/{method}_smollm2.yaml)")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
-    args = parser.parse_args(argv)
-    with one_line_refusals():
-        cfg = load_train_config(args.config, args.overrides, defaults={"method": method})
-    if cfg.method != method:
-        sys.exit(
-            f"error: method={cfg.method}: this script trains {method} heads "
-            f"(scripts/train_{cfg.method}.py trains {cfg.method} heads)"
-        )
-    return cfg
 
 
 def launched_with(backend: str) -> bool:
@@ -230,7 +236,17 @@ def validate(cfg: TrainConfig, target_config) -> None:
         if not ok:
             raise ValueError(message)
 
-    need(cfg.method in METHODS, f"method {cfg.method!r} is not one of {METHODS}")
+    if not cfg.data_path:
+        raise ValueError(
+            "data_path is not set: point it at a store from `eagle-prep capture` (offline) "
+            "or a tokenized dataset from `eagle-prep tokenize` (online)"
+        )
+    if not Path(cfg.data_path).exists():
+        raise FileNotFoundError(
+            f"data_path {cfg.data_path} does not exist: run `eagle-prep run --config ...` first or fix the path"
+        )
+    from_data(cfg)  # its refusals, for a config made without load_train_config
+    need(cfg.max_length is not None, "max_length is unset: load_train_config takes the data's, or set it")
     need(cfg.mode in MODES, f"mode {cfg.mode!r} is not one of {MODES}")
     need(cfg.report_to in REPORT_TO, f"report_to {cfg.report_to!r} is not one of {REPORT_TO}")
     need(
@@ -293,15 +309,6 @@ def validate(cfg: TrainConfig, target_config) -> None:
         f"output_dir {cfg.output_dir} cannot be written: {writable} is not a directory this user may write; "
         "choose another output_dir",
     )
-    if not cfg.data_path:
-        raise ValueError(
-            "data_path is not set: point it at a store from `eagle-prep capture` (offline) "
-            "or a tokenized dataset from `eagle-prep tokenize` (online)"
-        )
-    if not Path(cfg.data_path).exists():
-        raise FileNotFoundError(
-            f"data_path {cfg.data_path} does not exist: run `eagle-prep run --config ...` first or fix the path"
-        )
     manifest = read_manifest(cfg.data_path)
     if cfg.mode == "offline" and manifest["format"] != HIDDEN_FORMAT:
         raise ValueError(

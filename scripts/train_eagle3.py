@@ -1,33 +1,13 @@
-"""Train an EAGLE-3 draft head.
+"""Train an EAGLE-3 draft head: `eagle-train` with method eagle3 (`python scripts/train_eagle3.py --help`).
 
-    accelerate launch scripts/train_eagle3.py --config configs/eagle3_smollm2.yaml [key=value ...]
-
-Every key of eagle_train.train_config.TrainConfig can be set in the YAML file or overridden on the
-command line (`learning_rate=3e-4 ttt_length=5 mode=online resume=auto`). Offline mode reads a
-hidden-state store (`eagle-prep run`/`capture`); online mode reads a tokenized dataset and runs
-the target per batch. Checkpoints go to <output_dir>/checkpoint-<step>, the last head to
-<output_dir>/final.
+accelerate launch scripts/train_eagle3.py --config eagle3_smollm2 [key=value ...]
 """
 
-from eagle_train.eagle3_train import build_eagle3_head, eagle3_objective
-from eagle_train.train_config import config_from_command_line, one_line_refusals
-from eagle_train.trainer import train
+import functools
 
+from eagle_train.train import main
 
-def main(argv=None):
-    cfg = config_from_command_line(__doc__, "eagle3", argv)
-    objective = eagle3_objective(
-        cfg.ttt_length,
-        cfg.ttt_decay,
-        cfg.gradient_checkpointing,
-        cfg.fused_loss,
-        cfg.tv_weight,
-        cfg.rejection_weight,
-        cfg.feature_noise,
-    )
-    with one_line_refusals():  # train() checks the config before any compute
-        train(cfg, build_eagle3_head, objective)
-
+main = functools.partial(main, method="eagle3")
 
 if __name__ == "__main__":
     main()

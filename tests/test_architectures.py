@@ -98,13 +98,15 @@ def test_eagle_prep_refuses_a_target_training_cannot_take_before_loading_it(
 
 def test_training_refuses_a_target_it_cannot_take_before_loading_it(gpt2_dir, tmp_path, monkeypatch):
     from eagle_train import trainer
-    from eagle_train.eagle3_train import build_eagle3_head, eagle3_objective
+    from eagle_train.eagle3_train import build_eagle3_head
+    from eagle_train.methods import objective_for
     from eagle_train.train_config import load_train_config
 
     monkeypatch.setattr(trainer, "build_model", lambda *a: pytest.fail("the target loaded"))
     overrides = [f"target={gpt2_dir}", f"data_path={tmp_path / 'store'}", f"output_dir={tmp_path / 'run'}"]
+    cfg = load_train_config(None, overrides)
     with pytest.raises(ValueError, match="does not take target model_type 'gpt2'"):
-        trainer.train(load_train_config(None, overrides), build_eagle3_head, eagle3_objective(3, 0.8, False))
+        trainer.train(cfg, build_eagle3_head, objective_for(cfg))
     for script in ("train_eagle3.py", "train_peagle.py"):  # the scripts say it in one line
         module = load_script(script)
         with pytest.raises(SystemExit, match=r"^error: training a draft head does not take .*'gpt2'") as err:

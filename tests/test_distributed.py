@@ -20,8 +20,7 @@ from conftest import free_port
 from safetensors.torch import load_file
 
 from eagle_train.checkpoint import load_draft_head
-from eagle_train.eagle3_train import build_eagle3_head, eagle3_objective
-from eagle_train.peagle_train import PEagleObjective, build_peagle_head, segments_for
+from eagle_train.methods import method_of, objective_for
 from eagle_train.train_config import load_train_config
 from eagle_train.trainer import train
 
@@ -66,9 +65,7 @@ def overrides(data_path, out, *extra) -> list[str]:
 def one_process(data_path, out, *extra) -> dict:
     """The run in this process, 2 micro-batches accumulated per step."""
     cfg = load_train_config(None, overrides(data_path, out, "gradient_accumulation_steps=2", *extra))
-    if cfg.method == "peagle":
-        return train(cfg, build_peagle_head, PEagleObjective(cfg.num_depths, segments_for(cfg)))
-    return train(cfg, build_eagle3_head, eagle3_objective(cfg.ttt_length, cfg.ttt_decay))
+    return train(cfg, method_of(cfg).build_head, objective_for(cfg))
 
 
 def launch_command(backend: str, args: list[str], script="train_eagle3.py", machines=None, processes=2) -> list[str]:

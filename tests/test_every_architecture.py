@@ -197,7 +197,8 @@ def test_data_train_export_and_evaluate_lossless(target, conversations_jsonl, tm
     from data_prep.cli import main as prep
     from eagle_cli.evaluate import main as evaluate
     from eagle_cli.export import main as export
-    from eagle_train.eagle3_train import build_eagle3_head, eagle3_objective
+    from eagle_train.eagle3_train import build_eagle3_head
+    from eagle_train.methods import objective_for
     from eagle_train.target import SMOLLM2, load_tokenizer
     from eagle_train.train_config import load_train_config
     from eagle_train.trainer import train
@@ -215,7 +216,7 @@ def test_data_train_export_and_evaluate_lossless(target, conversations_jsonl, tm
     overrides = [f"target={directory}", f"data_path={store}", f"output_dir={run}", "max_steps=3", "ttt_length=2"]
     overrides += ["tokens_per_batch=128", "max_length=96", "warmup_steps=1", "eval_fraction=0", "report_to=none"]
     cfg = load_train_config(None, overrides)
-    result = train(cfg, build_eagle3_head, eagle3_objective(cfg.ttt_length, cfg.ttt_decay, False))
+    result = train(cfg, build_eagle3_head, objective_for(cfg))
     assert all(torch.isfinite(torch.tensor(m["loss"])) for m in result["history"])
     served, source = eagle3_targets()
     vllm_serves = type(model).__name__ in served

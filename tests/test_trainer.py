@@ -14,7 +14,8 @@ from eagle_train import backend, bf16
 from eagle_train.batching import epoch_batches
 from eagle_train.checkpoint import load_draft_head
 from eagle_train.eagle3_train import build_eagle3_head, eagle3_objective, noisy_features
-from eagle_train.train_config import load_train_config
+from eagle_train.methods import objective_for
+from eagle_train.train_config import TrainConfig, load_train_config
 from eagle_train.trainer import train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,18 +40,18 @@ def config(data_path, out, *overrides):
 
 
 def run(cfg, **kwargs):
-    objective = eagle3_objective(cfg.ttt_length, cfg.ttt_decay, cfg.gradient_checkpointing)
-    return train(cfg, build_eagle3_head, objective, **kwargs)
+    return train(cfg, build_eagle3_head, objective_for(cfg), **kwargs)
 
 
 def losses(result):
     return [m["loss"] for m in result["history"]]
 
 
-def test_overrides_are_typed_and_unknown_keys_name_the_valid_ones():
+def test_overrides_are_typed_and_unknown_keys_name_the_valid_ones(tmp_path):
     cfg = load_train_config(
         REPO / "configs" / "eagle3_smollm2.yaml",
         [
+            f"data_path={tmp_path / 'no-data-yet'}",  # nothing to take the unset keys from
             "learning_rate=2e-4",
             "ttt_length=5",
             "aux_layer_ids=[2,15,27]",
@@ -72,11 +73,15 @@ def test_overrides_are_typed_and_unknown_keys_name_the_valid_ones():
 
 
 def test_a_training_script_implies_its_method_and_refuses_another():
-    from eagle_train.train_config import config_from_command_line
+    from eagle_train.train import config_from_command_line
 
-    assert config_from_command_line("", "peagle", ["learning_rate=1e-3"]).method == "peagle"
-    with pytest.raises(SystemExit, match="method=eagle3: this script trains peagle heads"):
-        config_from_command_line("", "peagle", ["--config", str(REPO / "configs" / "eagle3_smollm2.yaml")])
+    assert config_from_command_line(["learning_rate=1e-3"], method="peagle").method == "peagle"
+    assert config_from_command_line(["--config", "peagle_smollm2"]).method == "peagle"
+    with pytest.raises(SystemExit, match=r"^error: method=eagle3: this script trains peagle heads") as err:
+        config_from_command_line(["--config", str(REPO / "configs" / "eagle3_smollm2.yaml")], method="peagle")
+    with pytest.raises(SystemExit, match=r"^error: method 'medusa' is not one of eagle3, peagle$"):
+        config_from_command_line(["method=medusa"])
+    assert "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize(
@@ -87,7 +92,7 @@ def test_a_training_script_implies_its_method_and_refuses_another():
         (["tv_weight=1.5"], ValueError, r"tv_weight must be in \[0, 1\]"),
         (["data_path=/nonexistent/store"], FileNotFoundError, "data_path /nonexistent/store does not exist"),
         (["eval_fraction=1.5"], ValueError, "eval_fraction must be in"),
-        (["aux_layer_ids=[3,15,27]"], ValueError, "store holds aux layers"),
+        (["aux_layer_ids=[3,15,27]"], ValueError, r"aux_layer_ids=\[3, 15, 27\] but the store at .* holds aux layers"),
         (["resume=/nonexistent/ckpt"], FileNotFoundError, "resume checkpoint"),
         (["mode=streaming"], ValueError, "mode 'streaming' is not one of"),
         ([f"output_dir={__file__}/run"], ValueError, r"output_dir .* cannot be written: .*test_trainer.py is not a"),
@@ -195,7 +200,7 @@ def test_feature_noise_scales_with_each_layer_and_reaches_training_batches_only(
         seen.append(features)
         return features.sum(), {}
 
-    objective = eagle3_objective(feature_noise=0.1)
+    objective = eagle3_objective(TrainConfig(feature_noise=0.1))
     for grad in (True, False):
         with torch.set_grad_enabled(grad):
             objective(model, {**batch, "generator": torch.Generator().manual_seed(7)}, lambda loss: None)

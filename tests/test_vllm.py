@@ -364,7 +364,8 @@ def test_distil_with_vllm_makes_the_hf_store_resumes_and_trains_alike(smollm2, t
     from test_distil import ARITHMETIC
 
     from data_prep.distil import distil
-    from eagle_train.eagle3_train import build_eagle3_head, eagle3_objective
+    from eagle_train.eagle3_train import build_eagle3_head
+    from eagle_train.methods import objective_for
     from eagle_train.store import ShardedSamples, shard_name
     from eagle_train.train_config import load_train_config
     from eagle_train.trainer import train
@@ -409,7 +410,7 @@ def test_distil_with_vllm_makes_the_hf_store_resumes_and_trains_alike(smollm2, t
             [f"data_path={tmp_path / name}", f"output_dir={tmp_path / f'run-{name}'}", "ttt_length=2", "max_steps=2"]
             + ["tokens_per_batch=256", "max_length=128", "eval_fraction=0", "report_to=none", "log_every=0"],
         )
-        result = train(cfg, build_eagle3_head, eagle3_objective(cfg.ttt_length, cfg.ttt_decay, False))
+        result = train(cfg, build_eagle3_head, objective_for(cfg))
         losses[name] = torch.tensor([m["loss"] for m in result["history"]])
     torch.testing.assert_close(losses["vllm"], losses["hf"], rtol=1e-4, atol=0)
 

@@ -453,7 +453,8 @@ def bench_capture(args, device, model, tokenizer) -> dict:
 def bench_train(args, device, model, tokenizer) -> dict:
     from torch.utils.flop_counter import FlopCounterMode
 
-    from eagle_train.eagle3_train import build_eagle3_head, eagle3_objective
+    from eagle_train.eagle3_train import build_eagle3_head
+    from eagle_train.methods import objective_for
     from eagle_train.store import read_vocab_map
     from eagle_train.train_config import TrainConfig
     from eagle_train.trainer import BatchSource, HeadRunner, draw_seed, micro_batch
@@ -467,7 +468,7 @@ def bench_train(args, device, model, tokenizer) -> dict:
     params = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95))
     source = BatchSource(cfg, model, head.t2d, list(head.config.aux_layer_ids), device)
-    objective = eagle3_objective(cfg.ttt_length, cfg.ttt_decay, cfg.gradient_checkpointing)
+    objective = objective_for(cfg)
     data, batches = real_batches(args.data, args.train_tokens, args.train_tokens * (args.train_steps + 2))
     batches = batches[: args.train_steps + 1]
     padded = [

@@ -1,0 +1,55 @@
+"""The training methods: one row per method, and the one path from a run's config to its head and objective.
+
+`eagle_train.trainer.train(cfg, build_head, objective)` is the loop every method shares; a row names what
+differs: the head builder, the objective built from the `TrainConfig` alone, and the checks of the method's
+own keys (after `train_config.validate`'s common ones). A new method is a new row.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from eagle_train.eagle3_train import build_eagle3_head, eagle3_objective
+from eagle_train.peagle_train import build_peagle_head, peagle_objective, validate_peagle
+from eagle_train.train_config import TrainConfig
+
+
+@dataclass(frozen=True)
+class Method:
+    build_head: Callable  # (cfg, target_model, vocab_map) -> head
+    objective: Callable  # (cfg) -> objective(model, batch, backward) -> metrics
+    check: Callable | None = None  # (cfg, target_config) -> None, raising ValueError naming the fix
+    summary: str = ""  # one line for --help
+
+
+METHODS = {
+    "eagle3": Method(
+        build_eagle3_head,
+        eagle3_objective,
+        summary="EAGLE-3: one fused decoder layer, trained with training-time test (ttt_length drafts unrolled)",
+    ),
+    "peagle": Method(
+        build_peagle_head,
+        peagle_objective,
+        validate_peagle,
+        summary="P-EAGLE: all num_depths drafts in one forward pass, trained with sequence partitioning",
+    ),
+}
+
+
+def method_of(cfg: TrainConfig) -> Method:
+    """The row of `cfg.method`; ValueError naming the methods there are."""
+    if cfg.method not in METHODS:
+        raise ValueError(f"method {cfg.method!r} is not one of {', '.join(METHODS)}")
+    return METHODS[cfg.method]
+
+
+def objective_for(cfg: TrainConfig):
+    """The objective of `cfg.method`, every setting from `cfg`: the one way a config becomes an objective."""
+    return method_of(cfg).objective(cfg)
+
+
+def check_method(cfg: TrainConfig, target_config) -> None:
+    """The checks of `cfg.method`'s own keys; run after `train_config.validate`, whose common checks they rely on."""
+    check = method_of(cfg).check
+    if check is not None:
+        check(cfg, target_config)
