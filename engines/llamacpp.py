@@ -29,7 +29,7 @@ import sys
 import tarfile
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -38,11 +38,11 @@ from gguf import GGMLQuantizationType
 
 from eagle_train.checkpoint import GGUF, load_draft_head, locate_head
 from eagle_train.export.gguf import export_gguf, field_value, read_gguf, read_target
-from eagle_train.files import write_json
 from eagle_train.target import cache_dir, load_tokenizer, target_gguf
 from engines import Engine, EngineError
 from engines.live import EngineFailed, Pooled, d2t_finding, layers_finding
 from engines.rules import Finding
+from inference.evaluate import EvalOptions, TurnEngine, TurnResult, load_bench, run_bench, summarise_drafters
 
 VERSION = "0.3.36"  # llama-cpp-python's sdist; its vendor/llama.cpp speaks draft-eagle3
 TOOLS = ("llama-completion", "llama-speculative-simple")
@@ -591,126 +591,101 @@ class LlamaCpp(Engine):
         pooled = Pooled(sum(r["head"].tokens for r in runs), sum(r["head"].forwards for r in runs))
         return pooled, sum(r["identical"] for r in runs)
 
-    def evaluate(self, args, builtin: dict | None = None) -> dict:
-        return evaluate(args)
+    def evaluate(self, options, answers=None) -> dict:
+        return evaluate(options, answers)
 
 
 # ---- eagle-eval --engine llamacpp ----------------------------------------------------------------
 
-DRAFTERS = {"plain": "plain", "head": "EAGLE-3 head", "ngram": "n-gram (ngram-simple)"}
+
+def turn_result(run: Run) -> TurnResult:
+    """A `Run` in the bench loop's counts: every new token came from a counted forward (the first round
+    carries the prompt's last token), tokens/s is llama.cpp's own (tokens inside its timed span)."""
+    return TurnResult(
+        answer=run.text,
+        output_ids=None,
+        tokens=run.tokens,
+        forwards=run.forwards,
+        emitted=run.tokens,
+        seconds=run.seconds,
+        timed_tokens=run.decoded,
+        accepted_total=run.accepted,
+        extra={"eos": run.eos, "llamacpp_prompt_tokens": run.prompt_tokens, "drafted": run.drafted},
+    )
 
 
-def evaluate(args) -> dict:
-    """The bench through llama.cpp: plain, head and n-gram drafting on the same templated prompts.
-    Turn 2 of a multi-turn prompt follows plain decoding's answer, so every drafter sees one prompt."""
-    from inference.evaluate import chat_ids, load_bench
+class LlamaCppTurns(TurnEngine):
+    """llama.cpp's tools decoding turns greedily: "spec" with a head GGUF, "ngram" with ngram-simple.
+    Each prompt goes to the tools as the text of its chat-templated tokens, byte for byte."""
 
+    def __init__(self, target_gguf: Path, head: Path, tokenizer, k: int, threads: int | None, ngram: bool = True):
+        self.target, self.head, self.tokenizer, self.k, self.threads = target_gguf, head, tokenizer, k, threads
+        self.drafters = ("spec", "ngram") if ngram else ("spec",)
+
+    def decode(self, drafter: str, prompts: list[list[int]], max_new_tokens: int) -> list[TurnResult]:
+        results = []
+        for ids in prompts:
+            text, n = self.tokenizer.decode(ids, clean_up_tokenization_spaces=False), max_new_tokens
+            if drafter == "plain":
+                run = run_plain(self.target, text, n, self.threads)
+            elif drafter == "spec":
+                run = run_head(self.target, self.head, text, n, self.k, self.threads)
+            else:
+                run = run_ngram(self.target, text, n, self.k, self.threads)
+            results.append(turn_result(run))
+        return results
+
+    def same(self, plain: TurnResult, other: TurnResult) -> bool:
+        """`same_text`: a speculative run may write up to K tokens past plain's unless plain stopped."""
+        return other.answer == plain.answer if plain.extra["eos"] else other.answer.startswith(plain.answer)
+
+
+def evaluate(options: EvalOptions, answers=None) -> dict:
+    """The bench through llama.cpp: plain, head and n-gram drafting on the same templated prompts."""
+    o = options
     builtin_only = {
-        "--tree": args.tree,
-        "--parallel": args.parallel,
-        "--device": args.device,
-        "--dtype": args.dtype,
-        "--no-cuda-graphs": args.no_cuda_graphs,
+        "--tree": o.tree,
+        "--parallel": o.parallel,
+        "--device": o.device,
+        "--dtype": o.dtype,
+        "--no-cuda-graphs": not o.cuda_graphs,
     }
     given = [flag for flag, value in builtin_only.items() if value]
     if given:
         raise ValueError(f"{', '.join(given)}: the built-in runtime's; --engine llamacpp drafts chains (--chain K)")
-    if (args.temperature, args.top_p, args.top_k) != (0.0, 1.0, 0):
+    if not o.greedy:
         raise ValueError("--engine llamacpp decodes greedily: leave out --temperature, --top-p and --top-k")
-    k = 5 if args.chain is None else args.chain
-    if k < 1 or args.max_new_tokens < 1:
-        raise ValueError(f"--chain and --max-new-tokens must be >= 1, got {k} and {args.max_new_tokens}")
-    gguf = target_gguf(args.target)
+    k = o.depth
+    if k < 1 or o.max_new_tokens < 1:
+        raise ValueError(f"--chain and --max-new-tokens must be >= 1, got {k} and {o.max_new_tokens}")
+    gguf = target_gguf(o.target)
     if gguf is None:
-        raise ValueError(
-            f"--engine llamacpp needs --target as a .gguf file or an alias shipping one, not {args.target!r}"
-        )
-    prompts = load_bench(args.bench, args.num_prompts)
+        raise ValueError(f"--engine llamacpp needs --target as a .gguf file or an alias shipping one, not {o.target!r}")
+    prompts = load_bench(o.bench, o.num_prompts)
     bin_dir = require_tools()
-    tokenizer = load_tokenizer(args.target)
-
-    from tqdm import tqdm
-
-    results, t0 = [], time.time()
+    tokenizer = load_tokenizer(o.target)
+    t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
-        head, _ = head_gguf(args.draft, gguf, Path(tmp) / "head.gguf")
-        for prompt in tqdm(prompts, desc=f"eagle-eval llama.cpp {args.bench}", unit="prompt"):
-            messages, turns = [], []
-            for text in prompt["turns"]:
-                messages.append({"role": "user", "content": text})
-                ids = chat_ids(tokenizer, messages)
-                templated, n = tokenizer.decode(ids, clean_up_tokenization_spaces=False), args.max_new_tokens
-                runs = {
-                    "plain": run_plain(gguf, templated, n, args.threads),
-                    "head": run_head(gguf, head, templated, n, k, args.threads),
-                    "ngram": run_ngram(gguf, templated, n, k, args.threads),
-                }
-                messages.append({"role": "assistant", "content": runs["plain"].text})
-                turns.append(
-                    {
-                        "prompt_tokens": len(ids),
-                        **{name: asdict(run) for name, run in runs.items()},
-                        "identical": {name: same_text(runs["plain"], runs[name]) for name in ("head", "ngram")},
-                    }
-                )
-            results.append({"question_id": prompt["question_id"], "category": prompt["category"], "turns": turns})
-    summary = summarise(results)
-    record = {
+        head, _ = head_gguf(o.draft, gguf, Path(tmp) / "head.gguf")
+        engine = LlamaCppTurns(gguf, head, tokenizer, k, o.threads, o.ngram)
+        results = run_bench(engine, tokenizer, prompts, o.max_new_tokens, answers, f"eagle-eval llama.cpp {o.bench}")
+    summary = summarise_drafters(results, k, k if o.ngram else None)
+    return {
         "engine": "llamacpp",
+        "title": f"{o.bench}: {len(prompts)} prompts, {summary['turns']} turns, llama.cpp greedy, chain K={k}, "
+        f"{o.threads or 'default'} threads",
         "llamacpp_bin": str(bin_dir),
-        "target": args.target,
+        "target": o.target,
         "target_gguf": str(gguf),
-        "draft": str(args.draft),
-        "bench": args.bench,
-        "k": k,
-        "threads": args.threads,
-        "max_new_tokens": args.max_new_tokens,
+        "draft": str(o.draft),
+        "bench": o.bench,
+        "drafting": {"depth": k, "chain": True, "parallel": False, "ngram": k if o.ngram else None},
+        "threads": o.threads,
+        "max_new_tokens": o.max_new_tokens,
         "wall_seconds": time.time() - t0,
         "summary": summary,
         "prompts": results,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_json(out, record, indent=1)
-    title = (
-        f"{args.bench}: {len(prompts)} prompts, {summary['turns']} turns, llama.cpp greedy, chain K={k}, "
-        f"{args.threads or 'default'} threads"
-    )
-    print(format_table(summary, title))
-    print(f"results: {out}")
-    return record
-
-
-def summarise(results: list[dict]) -> dict:
-    """Per drafter, pooled over every turn: tokens per target forward, decode tokens/s, speedup over
-    plain, turns whose text is plain decoding's."""
-    turns = [t for r in results for t in r["turns"]]
-    summary = {"turns": len(turns)}
-    for name in DRAFTERS:
-        total = {key: sum(t[name][key] for t in turns) for key in ("tokens", "forwards", "drafted", "accepted")}
-        decoded, seconds = sum(t[name]["decoded"] for t in turns), sum(t[name]["seconds"] for t in turns)
-        summary[name] = {
-            **total,
-            "tokens_per_forward": total["tokens"] / total["forwards"] if total["forwards"] else 0.0,
-            "tokens_per_s": decoded / seconds if seconds else 0.0,
-        }
-        if name != "plain":
-            summary[name]["identical_to_plain"] = sum(t["identical"][name] for t in turns)
-    plain_tps = summary["plain"]["tokens_per_s"]
-    for name in DRAFTERS:
-        summary[name]["speedup"] = summary[name]["tokens_per_s"] / plain_tps if plain_tps else 0.0
-    return summary
-
-
-def format_table(summary: dict, title: str) -> str:
-    lines = [title, f"  {'drafter':<24}{'tokens/forward':>15}{'tokens/s':>10}{'speedup':>9}   identical to plain"]
-    for name, label in DRAFTERS.items():
-        s = summary[name]
-        same = "-" if name == "plain" else f"{s['identical_to_plain']}/{summary['turns']}"
-        lines.append(
-            f"  {label:<24}{s['tokens_per_forward']:>15.3f}{s['tokens_per_s']:>10.1f}{s['speedup']:>8.2f}x   {same}"
-        )
-    return "\n".join(lines)
 
 
 # ---- eagle-llamacpp ----------------------------------------------------------------------------

@@ -111,6 +111,39 @@ def test_runs_pass_n_k_and_threads_the_way_the_tools_count(tmp_path, monkeypatch
     assert measured["identical"] and measured["tokens_per_forward"] == pytest.approx(8 / 5)
 
 
+def test_eval_counts_forwards_as_tokens_less_accepted_drafts(tmp_path, monkeypatch, capsys):
+    """eagle-eval --engine llamacpp on the fake tools (8 tokens, 3 accepted drafts per speculative run): every
+    turn's forwards are 8 - 3 = 5, the pooled AL 16 / 10, tokens/s llama.cpp's own, turn 2 follows plain's text."""
+    fake_tools(tmp_path, monkeypatch)
+    head, out = tmp_path / "head.gguf", tmp_path / "r.json"
+    head.write_bytes(b"")  # the fake tools never read it
+    main(
+        [
+            *("--engine", "llamacpp", "--target", "smollm2-135m", "--draft", str(head), "--bench", "mt_bench"),
+            *("--num-prompts", "1", "--max-new-tokens", "8", "--chain", "3", "--out", str(out)),
+        ]
+    )
+    record = json.loads(out.read_text())
+    first, second = record["prompts"][0]["turns"]
+    assert second["prompt_tokens"] > first["prompt_tokens"] and first["answer"] == "Paris."
+    for turn in (first, second):
+        for drafter in ("spec", "ngram"):
+            run = turn[drafter]
+            assert (run["tokens"], run["accepted_total"], run["forwards"], run["emitted"]) == (8, 3, 5, 8)
+            assert run["identical"]  # plain stopped at "Paris." [end of text], the speculative run wrote "Paris."
+        assert (turn["plain"]["forwards"], turn["plain"]["timed_tokens"]) == (8, 7)
+    summary = record["summary"]
+    assert summary["acceptance_length"] == pytest.approx(16 / 10) and summary["accepted_drafts"] == 6
+    assert summary["ngram"]["acceptance_length"] == pytest.approx(16 / 10)
+    assert summary["spec_tokens_per_s"] == pytest.approx(16 / 0.4)  # decoded / seconds, pooled
+    assert summary["plain_tokens_per_s"] == pytest.approx(14 / (2 * 0.06227))
+    assert summary["speedup"] == pytest.approx((16 / 0.4) / (14 / (2 * 0.06227)))
+    assert summary["acceptance_per_position"] is None  # llama.cpp counts accepted drafts in total only
+    printed = capsys.readouterr().out
+    assert "acceptance length (AL)      1.600   (16 tokens / 10 verification forwards)" in printed
+    assert "acceptance per position     -" in printed and "2/2" in printed
+
+
 def test_failed_run_quotes_the_end_of_stderr(tmp_path, monkeypatch):
     fake_tools(tmp_path, monkeypatch, exit_code=1)
     with pytest.raises(llamacpp.LlamaCppError, match=r"(?s)llama-speculative-simple failed \(exit 1\).*n_accept  = 3"):
@@ -312,11 +345,11 @@ def test_eval_llamacpp_exports_the_checkpoint_and_writes_one_record(random_head,
         ]
     )
     record = json.loads(out.read_text())
-    assert record["engine"] == "llamacpp" and record["k"] == 2
+    assert record["engine"] == "llamacpp" and record["drafting"]["depth"] == 2
     turn = record["prompts"][0]["turns"][0]
-    assert turn["identical"] == {"head": True, "ngram": True}
-    assert turn["head"]["tokens"] >= 8 and turn["plain"]["tokens"] == 8
+    assert turn["spec"]["identical"] and turn["ngram"]["identical"]
+    assert turn["spec"]["tokens"] >= 8 and turn["plain"]["tokens"] == 8
     summary = record["summary"]
-    assert summary["plain"]["speedup"] == 1.0 and summary["head"]["identical_to_plain"] == 1
+    assert summary["turns_identical_to_plain"] == 1 and summary["ngram"]["turns_identical_to_plain"] == 1
     printed = capsys.readouterr().out
-    assert "EAGLE-3 head" in printed and "n-gram (ngram-simple)" in printed
+    assert "acceptance length (AL)" in printed and "n-gram (free)" in printed
