@@ -2,8 +2,6 @@
 directory against the engines' loaders, or import an engine-layout directory as a training checkpoint."""
 
 import argparse
-import json
-import re
 import sys
 from pathlib import Path
 
@@ -11,6 +9,7 @@ from eagle_train.checkpoint import load_draft_head
 from eagle_train.export import LAYOUTS, export_head
 from eagle_train.export.gguf import OUTTYPES, export_gguf
 from eagle_train.target import load_target_config
+from eagle_train.train_checkpoint import checkpoint_step, read_state
 from engines import DIRECTORY_ENGINES, ENGINES, check_directory
 
 LIVE_ENGINES = tuple(name for name, e in ENGINES.items() if e.decodes_live)
@@ -129,19 +128,17 @@ def parse_args(argv=None):
 
 
 def checkpoint_provenance(path: Path) -> dict:
-    """Steps and data of a training checkpoint: its trainer_state.json (step, config.data_path), else
+    """Steps and data of a training checkpoint: its trainer state (step, config.data_path), else
     the step in a `checkpoint-N` directory name."""
     found = {}
-    m = re.search(r"checkpoint-(\d+)$", str(path.resolve()))
-    if m:
-        found["steps"] = int(m.group(1))
-    state_file = path / "trainer_state.json"
-    if state_file.is_file():
-        state = json.loads(state_file.read_text())
-        if "step" in state:
-            found["steps"] = state["step"]
-        if (state.get("config") or {}).get("data_path"):
-            found["data"] = state["config"]["data_path"]
+    step = checkpoint_step(path.resolve())
+    if step is not None:
+        found["steps"] = step
+    state = read_state(path) or {}
+    if "step" in state:
+        found["steps"] = state["step"]
+    if (state.get("config") or {}).get("data_path"):
+        found["data"] = state["config"]["data_path"]
     return found
 
 

@@ -38,21 +38,20 @@ import os
 import random
 import shutil
 import time
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import SafetensorError, safe_open
+from accelerate.tracking import GeneralTracker
+from accelerate.utils import is_tensorboard_available
 from torch import nn
 from tqdm import tqdm
 
-from eagle_train.backend import Backend, backend_of, check_resumable, make_accelerator, precision
+from eagle_train.backend import Backend, backend_of, make_accelerator, precision
 from eagle_train.batching import epoch_batches, pack_by_length
 from eagle_train.checkpoint import load_draft_head
-from eagle_train.files import write_json, write_safetensors, write_text
-from eagle_train.head import non_finite_values
+from eagle_train.files import write_text
 from eagle_train.hidden_states import TargetLogits, target_hidden_states
 from eagle_train.store import (
     HIDDEN_FORMAT,
@@ -63,6 +62,7 @@ from eagle_train.store import (
     target_fingerprint,
 )
 from eagle_train.target import load_target, load_target_config
+from eagle_train.train_checkpoint import last_good_checkpoint, resolve_resume, restore, save_checkpoint
 from eagle_train.train_config import TrainConfig, validate
 from eagle_train.ttt import shift_left, simulated_acceptance_length, target_distribution
 from eagle_train.vocab_map import top_k_vocab_map
@@ -245,234 +245,75 @@ def cosine_with_warmup(warmup: int, total: int, min_ratio: float):
     return factor
 
 
-# ------------------------------------------------------------------------------------ checkpoints
-
-
-def checkpoint_dirs(output_dir) -> list[Path]:
-    """Finished checkpoints (trainer_state.json is written last), oldest first."""
-    found = [
-        p
-        for p in Path(output_dir).glob("checkpoint-*")
-        if p.name.removeprefix("checkpoint-").isdigit() and (p / "trainer_state.json").is_file()
-    ]
-    return sorted(found, key=checkpoint_step)
-
-
-def checkpoint_step(path: Path) -> int:
-    return int(path.name.removeprefix("checkpoint-"))
-
-
-def checkpoint_damage(path: Path) -> str:
-    """Why `path` cannot be resumed ("" when it can): a file a resume reads is missing, empty, truncated
-    or not what it should be. Cheap: safetensors headers and the zip directories torch.save writes last."""
-    state_file = path / "trainer_state.json"
-    if not state_file.is_file():
-        return "it has no trainer_state.json (its save did not finish)"
-    try:
-        saved = json.loads(state_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return f"trainer_state.json is {'empty' if state_file.stat().st_size == 0 else 'not JSON'}"
-    position = ("step", "epoch", "epoch_samples", "samples_consumed", "tokens_consumed", "num_processes")
-    if not isinstance(saved, dict) or not all(isinstance(saved.get(k), int) for k in position):
-        return "trainer_state.json lacks the step and data position"
-    for name in ("head/config.json", "head/model.safetensors"):
-        if not (path / name).is_file():
-            return f"{name} is missing"
-    try:
-        json.loads((path / "head" / "config.json").read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return "head/config.json is not JSON"
-    try:
-        with safe_open(str(path / "head" / "model.safetensors"), framework="pt"):
-            pass
-    except SafetensorError as e:
-        return f"head/model.safetensors is truncated or unreadable ({e})"
-    ranks = range(saved["num_processes"])
-    whole = saved.get("optimizer_layout", "whole") == "whole"
-    optimizer = ["optimizer.pt"] if whole else [f"optimizer-rank{r}.pt" for r in ranks]
-    for name in ["scheduler.pt", *optimizer, *(f"rng-rank{r}.pt" for r in ranks)]:
-        if not (path / name).is_file():
-            return f"{name} is missing"
-        if not zipfile.is_zipfile(path / name):
-            return f"{name} is truncated or unreadable"
-    return ""
-
-
-def resolve_resume(cfg: TrainConfig) -> tuple[Path | None, list[str]]:
-    """The checkpoint to continue (None for a fresh run, whose output_dir must hold no checkpoints), and a
-    line for each damaged newer checkpoint resume=auto passed over."""
-    if cfg.resume == "auto":
-        skipped = []
-        for path in reversed(checkpoint_dirs(cfg.output_dir)):
-            damage = checkpoint_damage(path)
-            if not damage:
-                return path, skipped
-            skipped.append(f"skipping {path}: {damage}")
-        if skipped:
-            raise ValueError(
-                f"no checkpoint in {cfg.output_dir} can be resumed ({'; '.join(skipped)}): move them away to "
-                "start afresh, or choose another output_dir"
-            )
-        return None, []
-    if cfg.resume:
-        path = Path(cfg.resume)
-        damage = checkpoint_damage(path)
-        if damage:
-            raise ValueError(
-                f"resume checkpoint {path} cannot be resumed: {damage}; resume from an earlier checkpoint-<step> "
-                "(resume=auto takes the newest one that is whole)"
-            )
-        return path, []
-    if checkpoint_dirs(cfg.output_dir):
-        raise ValueError(
-            f"output_dir {cfg.output_dir} holds checkpoints of an earlier run: continue it with "
-            "resume=auto, or choose another output_dir"
-        )
-    return None, []
-
-
-def last_good_checkpoint(cfg: TrainConfig) -> str:
-    """Where a stopped run can be taken up, for its error message."""
-    found = checkpoint_dirs(cfg.output_dir)
-    return f"the last good checkpoint is {found[-1]}" if found else "no checkpoint was saved"
-
-
-def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def save_checkpoint(run: "Run") -> Path:
-    """<output_dir>/checkpoint-<step>/{head/, optimizer.pt, scheduler.pt, rng-<rank>.pt, trainer_state.json}."""
-    accelerator, model, optimizer, scheduler, state, cfg = (
-        run.accelerator,
-        run.model,
-        run.optimizer,
-        run.scheduler,
-        run.state,
-        run.cfg,
-    )
-    path = Path(cfg.output_dir) / f"checkpoint-{state['step']}"
-    full = accelerator.get_state_dict(model)  # gathers FSDP/ZeRO-3 shards; every process must call it
-    sharded_optim = run.backend.sharded
-    head = accelerator.unwrap_model(model).head
-    tensors, bad = {}, ""
-    if accelerator.is_main_process:
-        saved = head.saved_state_dict()  # EAGLE-3 leaves the frozen target embedding out, P-EAGLE keeps its own
-        tensors = {
-            k.removeprefix("head."): v.detach().contiguous().cpu()
-            for k, v in full.items()
-            if k.removeprefix("head.") in saved
-        }
-        bad = non_finite_values(tensors)
-    if accelerator.reduce(torch.tensor([float(bool(bad))], device=accelerator.device), "sum").item():
-        raise ValueError(
-            f"step {state['step']}: the head holds non-finite values ({bad or 'see the main process'}) after "
-            f"the step: not saving {path.name}; lower learning_rate ({last_good_checkpoint(cfg)})"
-        )
-    if accelerator.is_main_process:
-        (path / "head").mkdir(parents=True, exist_ok=True)
-        head.config.save(path / "head")
-        write_safetensors(path / "head" / "model.safetensors", tensors)
-        torch.save(scheduler.state_dict(), path / "scheduler.pt")
-        if not sharded_optim:
-            torch.save(optimizer.state_dict(), path / "optimizer.pt")
-    accelerator.wait_for_everyone()
-    if sharded_optim:  # each process keeps its shard; resuming these needs the same process count
-        torch.save(optimizer.state_dict(), path / f"optimizer-rank{accelerator.process_index}.pt")
-    torch.save(rng_state(), path / f"rng-rank{accelerator.process_index}.pt")
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        write_json(path / "trainer_state.json", {**state, "config": cfg.to_dict()})
-        # this run's checkpoints only: a newer one is another run's that resume passed over as damaged
-        ours = [p for p in checkpoint_dirs(cfg.output_dir) if checkpoint_step(p) <= state["step"]]
-        for old in ours[: -cfg.keep_checkpoints]:
-            shutil.rmtree(old)
-    accelerator.wait_for_everyone()
-    return path
-
-
 # ------------------------------------------------------------------------------------ logging
 
 
-class Reporter:
-    """Console lines, a metrics.jsonl in output_dir, and TensorBoard or wandb (main process only).
+class MetricsFile(GeneralTracker):
+    """<output_dir>/metrics.jsonl, a line per step and split ({"step", "split", metric: value}): the run's
+    curve that scripts read back, and that a resume trims to the resumed step (`keep_metrics_through`);
+    accelerate has no local-file tracker. Opened at each line, so nothing is written before the first."""
 
-    metrics.jsonl holds each step once per split: the lines an earlier invocation logged after the step
-    this one starts from (all of them for a fresh run) are dropped. Nothing is written, output_dir
-    included, before the first line is logged, so a run that fails first leaves no empty directory.
-    """
+    name = "metrics.jsonl"
+    requires_logging_directory = False
 
-    def __init__(self, cfg: TrainConfig, accelerator, start_step: int | None):
-        """`start_step`: the resumed checkpoint's step, None for a fresh run."""
-        self.cfg, self.main = cfg, accelerator.is_main_process
-        self.tb = self.wandb = None
-        self.opened = False
-        self.jsonl = Path(cfg.output_dir) / "metrics.jsonl"
-        if self.main and self.jsonl.is_file():
-            through = -1 if start_step is None else start_step
-            kept = [line for line in self.jsonl.read_text().splitlines() if logged_step(line) <= through]
-            if kept:
-                write_text(self.jsonl, "".join(line + "\n" for line in kept))
-            else:
-                self.jsonl.unlink()
+    def __init__(self, output_dir):
+        super().__init__()
+        self.path = Path(output_dir) / "metrics.jsonl"
 
-    def open(self):
-        cfg = self.cfg
-        self.opened = True
-        Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
-        if cfg.report_to == "tensorboard":
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                print("tensorboard is not installed: logging to the console and metrics.jsonl only")
-            else:
-                self.tb = SummaryWriter(str(Path(cfg.output_dir) / "tensorboard" / (cfg.run_name or "run")))
-        elif cfg.report_to == "wandb":
-            import wandb
+    @property
+    def tracker(self):
+        return self.path
 
-            if not os.environ.get("WANDB_API_KEY"):
-                os.environ.setdefault("WANDB_MODE", "offline")
-            self.wandb = wandb.init(
-                project="eagle-train", name=cfg.run_name or None, config=cfg.to_dict(), dir=cfg.output_dir
-            )
+    def log(self, values: dict, step: int | None = None, **kwargs):
+        """`values` are `split/name` (what TensorBoard and wandb show): one line per split."""
+        lines = {}
+        for key, value in values.items():
+            split, _, name = key.partition("/")
+            lines.setdefault(split, {"step": step, "split": split})[name] = value
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a") as f:
+            f.writelines(json.dumps(line) + "\n" for line in lines.values())
 
-    def log(self, step: int, metrics: dict, prefix: str):
-        if not self.main:
-            return
-        if not self.opened:
-            self.open()
-        with open(self.jsonl, "a") as f:
-            f.write(json.dumps({"step": step, "split": prefix, **metrics}) + "\n")
-        if self.tb is not None:
-            for k, v in metrics.items():
-                self.tb.add_scalar(f"{prefix}/{k}", v, step)
-        if self.wandb is not None:
-            self.wandb.log({f"{prefix}/{k}": v for k, v in metrics.items()}, step=step)
 
-    def close(self):
-        if self.tb is not None:
-            self.tb.close()
-        if self.wandb is not None:
-            self.wandb.finish()
+def keep_metrics_through(output_dir, step: int) -> None:
+    """Drop the metrics.jsonl lines an earlier invocation logged after `step` (all of them for a fresh
+    run, step -1), so the file holds each step once per split; a line a kill cut short goes too."""
+    path = Path(output_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines() if logged_step(line) <= step]
+    if kept:
+        write_text(path, "".join(line + "\n" for line in kept))
+    else:
+        path.unlink()
 
 
 def logged_step(line: str) -> float:
-    """The step of a metrics.jsonl line; inf for a line a kill cut short, which is dropped with the later ones."""
+    """The step of a metrics.jsonl line; inf for a line a kill cut short."""
     try:
         return json.loads(line)["step"]
     except (json.JSONDecodeError, KeyError, TypeError):
         return math.inf
+
+
+def trackers(cfg: TrainConfig) -> list:
+    """What the run logs to: metrics.jsonl always, and TensorBoard or wandb as `report_to` says."""
+    return [MetricsFile(cfg.output_dir), *([cfg.report_to] if cfg.report_to != "none" else [])]
+
+
+def log_metrics(run: "Run", metrics: dict, split: str) -> None:
+    """Log `metrics` at the run's step as `split/name`. The trackers start with the first line (main
+    process only), so a run that fails before it leaves no output_dir behind."""
+    accelerator, cfg = run.accelerator, run.cfg
+    if not accelerator.is_main_process:
+        return
+    if not accelerator.trackers:
+        if cfg.report_to == "wandb" and not os.environ.get("WANDB_API_KEY"):
+            os.environ.setdefault("WANDB_MODE", "offline")
+        wandb = {"name": cfg.run_name or None, "config": cfg.to_dict(), "dir": cfg.output_dir}
+        project = "eagle-train" if cfg.report_to == "wandb" else cfg.run_name or "run"  # TensorBoard's subdirectory
+        accelerator.init_trackers(project, init_kwargs={"wandb": wandb})
+    accelerator.log({f"{split}/{k}": v for k, v in metrics.items()}, step=run.state["step"])
 
 
 def summary(metrics: dict, steps: int = 3) -> str:
@@ -540,12 +381,9 @@ def build_model(cfg: TrainConfig, build_head, resume_from: Path | None, device) 
     return head, BatchSource(cfg, target_model, head.t2d, aux_ids, device, greedy_answers)
 
 
-def set_up(cfg: TrainConfig, build_head, resume_from: Path | None) -> Run:
+def set_up(cfg: TrainConfig, accelerator, build_head, resume_from: Path | None) -> Run:
     """Seed, then the data and its epochs, the wrapped head, the optimizer and the LR schedule."""
-    accelerator = make_accelerator(cfg)
     backend = backend_of(accelerator)
-    if resume_from is not None:
-        check_resumable(resume_from, accelerator.num_processes, backend.layout)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
@@ -603,23 +441,6 @@ def set_up(cfg: TrainConfig, build_head, resume_from: Path | None) -> Run:
         scheduler=scheduler,
         total_steps=total_steps,
         state=state,
-    )
-
-
-def restore(run: Run, checkpoint: Path) -> None:
-    """Continue from `checkpoint`: its step and data position, optimizer, LR schedule and RNG state
-    (the head's weights were loaded before the model was wrapped, in `build_model`)."""
-    rank = run.accelerator.process_index
-    saved = json.loads((checkpoint / "trainer_state.json").read_text())
-    run.state.update({k: saved[k] for k in ("step", "epoch", "epoch_samples", "samples_consumed", "tokens_consumed")})
-    run.optimizer.load_state_dict(run.backend.optimizer_state(checkpoint, saved["num_processes"], rank))
-    run.scheduler.load_state_dict(torch.load(checkpoint / "scheduler.pt", weights_only=False))
-    if (checkpoint / f"rng-rank{rank}.pt").is_file():
-        set_rng_state(torch.load(checkpoint / f"rng-rank{rank}.pt", weights_only=False))
-    run.accelerator.print(
-        f"resumed from {checkpoint}: step {run.state['step']}, {run.state['samples_consumed']} "
-        f"samples consumed (saved by {saved['num_processes']} processes, now "
-        f"{run.accelerator.num_processes})"
     )
 
 
@@ -712,11 +533,12 @@ def refuse_non_finite_step(run: Run, loss: float, grad_norm, group: list[list[in
     shown = ", ".join(map(str, samples[:10])) + (f" ... ({len(samples)} in all)" if len(samples) > 10 else "")
     raise ValueError(
         f"step {run.state['step'] + 1}: {' and '.join(problems)} (samples {shown} of {run.cfg.data_path}, "
-        f"in store order): the data holds broken values or learning_rate is too high; {last_good_checkpoint(run.cfg)}"
+        "in store order): the data holds broken values or learning_rate is too high; "
+        + last_good_checkpoint(run.cfg.output_dir)
     )
 
 
-def evaluate(run: Run, objective, reporter: Reporter, when: str) -> dict | None:
+def evaluate(run: Run, objective, when: str) -> dict | None:
     """Pooled metrics over the eval micro-batches, split round-robin over processes, logged as
     `eval <when>`. Processes with fewer batches repeat one without counting it, so sharded models
     see the same number of passes."""
@@ -738,7 +560,7 @@ def evaluate(run: Run, objective, reporter: Reporter, when: str) -> dict | None:
                 results.append(metrics)
     pooled = pool_metrics(results, accelerator, keys=metrics.keys())
     if pooled:
-        reporter.log(run.state["step"], pooled, "eval")
+        log_metrics(run, pooled, "eval")
         accelerator.print(f"eval {when}: {summary(pooled)}")
     return pooled
 
@@ -802,14 +624,18 @@ def train(cfg: TrainConfig, build_head, objective) -> dict:
     the schedule stays that of the whole run, and `resume=auto` continues it.
     """
     validate(cfg, load_target_config(cfg.target))  # before any compute
-    resume_from, skipped = resolve_resume(cfg)
-    run = set_up(cfg, build_head, resume_from)
+    accelerator = make_accelerator(cfg, trackers(cfg))
+    if cfg.report_to == "tensorboard" and not is_tensorboard_available():  # accelerate drops it without a word
+        accelerator.print("tensorboard is not installed: logging to the console and metrics.jsonl only")
+    resume_from, skipped = resolve_resume(cfg, accelerator.num_processes, backend_of(accelerator).layout)
+    run = set_up(cfg, accelerator, build_head, resume_from)
     for line in skipped:
         run.accelerator.print(line)
     if resume_from is not None:
         restore(run, resume_from)
     state, world = run.state, run.accelerator.num_processes
-    reporter = Reporter(cfg, run.accelerator, state["step"] if resume_from is not None else None)
+    if run.accelerator.is_main_process:
+        keep_metrics_through(cfg.output_dir, state["step"] if resume_from is not None else -1)
     result = {"history": [], "eval_before": None, "eval_after": None, "world_size": world}
     run.accelerator.print(
         f"{cfg.method} on {cfg.target} ({cfg.mode}): {len(run.train_ids)} train / "
@@ -819,7 +645,7 @@ def train(cfg: TrainConfig, build_head, objective) -> dict:
     )
     warn_idle_cores(run.accelerator, world)
     if state["step"] == 0:
-        result["eval_before"] = evaluate(run, objective, reporter, "before training")
+        result["eval_before"] = evaluate(run, objective, "before training")
 
     # stopping is a kill right after that step's checkpoint: no final eval, no final head
     stopping = state["step"] < cfg.stop_after_step < run.total_steps
@@ -835,10 +661,10 @@ def train(cfg: TrainConfig, build_head, objective) -> dict:
                     metrics = optimizer_step(run, objective, group, stream)
                     result["history"].append(metrics)
                     check_supervised(result["history"], cfg.data_path, last=state["step"] >= end)
-                    reporter.log(state["step"], metrics, "train")
+                    log_metrics(run, metrics, "train")
                     show_step(bar, metrics, run)
                     if cfg.eval_every and state["step"] % cfg.eval_every == 0 and state["step"] < run.total_steps:
-                        evaluate(run, objective, reporter, f"step {state['step']}")
+                        evaluate(run, objective, f"step {state['step']}")
                     if cfg.save_every and state["step"] % cfg.save_every == 0:
                         last_saved = save_checkpoint(run)
                     if state["step"] >= end:
@@ -850,8 +676,8 @@ def train(cfg: TrainConfig, build_head, objective) -> dict:
         if last_saved is None or last_saved.name != f"checkpoint-{state['step']}":
             last_saved = save_checkpoint(run)
         if not stopping:
-            result["eval_after"] = evaluate(run, objective, reporter, "after training")
+            result["eval_after"] = evaluate(run, objective, "after training")
             write_final_head(run, last_saved)
     finally:
-        reporter.close()  # what was logged reaches TensorBoard / wandb even when the run stops on an error
+        run.accelerator.end_training()  # what was logged reaches TensorBoard / wandb even when the run stops
     return {**result, "checkpoint": last_saved}

@@ -14,6 +14,7 @@ from eagle_train.checkpoint import load_draft_head
 from eagle_train.eagle3 import Eagle3Head
 from eagle_train.export import LAYOUTS, export_head
 from eagle_train.export.draft_files import DraftFiles
+from eagle_train.train_checkpoint import STATE_FILE
 from engines import ENGINES, check_directory
 from engines.rules import engine_state, head_from_engine_state, head_shapes
 
@@ -453,7 +454,7 @@ def cli_exit(argv) -> int:
 def test_cli_exports_a_training_checkpoint_with_a_model_card(tmp_path, capsys):
     checkpoint = tmp_path / "run" / "checkpoint-1200"
     tiny_head().save_pretrained(checkpoint / "head")
-    (checkpoint / "trainer_state.json").write_text(json.dumps({"step": 1200, "config": {"data_path": "sharegpt"}}))
+    (checkpoint / STATE_FILE).write_text(json.dumps({"step": 1200, "config": {"data_path": "sharegpt"}}))
     results = tmp_path / "eval.json"
     results.write_text(
         json.dumps(

@@ -11,6 +11,7 @@ from eagle_train import files
 from eagle_train.export import export_head
 from eagle_train.files import FILE_MODE, share_directory, write_json
 from eagle_train.store import write_vocab_map
+from eagle_train.train_checkpoint import STATE_FILE
 
 
 def mode(path) -> int:
@@ -42,7 +43,7 @@ def test_a_directory_transformers_wrote_is_made_shareable(tmp_path):
 
 
 def test_a_json_write_that_fails_leaves_the_previous_file_whole(tmp_path, monkeypatch):
-    state = tmp_path / "trainer_state.json"
+    state = tmp_path / STATE_FILE
     write_json(state, {"step": 1})
 
     def killed(*args):

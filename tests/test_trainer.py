@@ -15,6 +15,7 @@ from eagle_train.batching import epoch_batches
 from eagle_train.checkpoint import load_draft_head
 from eagle_train.eagle3_train import build_eagle3_head, eagle3_objective, noisy_features
 from eagle_train.methods import objective_for
+from eagle_train.train_checkpoint import STATE_FILE, check_resumable, checkpoint_damage
 from eagle_train.train_config import TrainConfig, load_train_config
 from eagle_train.trainer import train
 
@@ -120,7 +121,7 @@ def test_a_store_from_another_target_or_a_dataset_without_hidden_states_is_refus
 def test_a_fresh_run_refuses_an_output_dir_with_checkpoints(monkeypatch, train_store, tmp_path):
     monkeypatch.setattr("eagle_train.trainer.load_target", lambda *a, **k: pytest.fail("target loaded"))
     (tmp_path / "checkpoint-3").mkdir()
-    (tmp_path / "checkpoint-3" / "trainer_state.json").write_text("{}")
+    (tmp_path / "checkpoint-3" / STATE_FILE).write_text("{}")
     with pytest.raises(ValueError, match="holds checkpoints of an earlier run: continue it with resume=auto"):
         run(config(train_store, tmp_path))
 
@@ -239,9 +240,9 @@ def test_resume_after_a_stop_continues_the_identical_loss_curve(train_store, smo
         "optimizer.pt",
         "scheduler.pt",
         "rng-rank0.pt",
-        "trainer_state.json",
+        STATE_FILE,
     }
-    saved = json.loads((ckpt / "trainer_state.json").read_text())
+    saved = json.loads((ckpt / STATE_FILE).read_text())
     assert saved["step"] == stop and saved["num_processes"] == 1 and saved["samples_consumed"] > 0
     resumed = run(config(train_store, tmp_path / "b", *overrides, "resume=auto"))
     assert losses(first) == losses(straight)[:stop]
@@ -267,7 +268,6 @@ def test_a_resume_the_checkpoint_cannot_give_is_refused_before_the_target_loads(
     is another backend (a whole AdamW state, FSDP shards and ZeRO partitions do not convert); both
     messages name the launch that resumes it and init_from. A whole optimizer resumes with any count."""
     from eagle_train import trainer
-    from eagle_train.backend import check_resumable
 
     monkeypatch.setattr(trainer, "build_model", lambda *a: pytest.fail("the target loaded"))
     out = tmp_path / "run"
@@ -281,7 +281,7 @@ def test_a_resume_the_checkpoint_cannot_give_is_refused_before_the_target_loads(
     (ckpt / "head" / "config.json").write_text("{}")
     save_file({"fc.weight": torch.zeros(1)}, ckpt / "head" / "model.safetensors")
     position = {"step": 4, "epoch": 0, "epoch_samples": 8, "samples_consumed": 8, "tokens_consumed": 512}
-    (ckpt / "trainer_state.json").write_text(json.dumps({**position, "num_processes": 2, "optimizer_layout": "zero2"}))
+    (ckpt / STATE_FILE).write_text(json.dumps({**position, "num_processes": 2, "optimizer_layout": "zero2"}))
     with pytest.raises(
         ValueError,
         match=r"saved by DeepSpeed ZeRO-2 and this launch is one process or DDP: resume it with "
@@ -299,7 +299,7 @@ def test_a_resume_the_checkpoint_cannot_give_is_refused_before_the_target_loads(
     whole = tmp_path / "whole"
     whole.mkdir()
     torch.save({}, whole / "optimizer.pt")
-    (whole / "trainer_state.json").write_text(json.dumps({"num_processes": 2, "step": 4}))  # no layout: saved earlier
+    (whole / STATE_FILE).write_text(json.dumps({"num_processes": 2, "step": 4}))  # no layout: saved earlier
     check_resumable(whole, 1, "whole")
     check_resumable(whole, 3, "whole")
     with pytest.raises(
@@ -378,18 +378,25 @@ def poison(monkeypatch, store, step: int) -> list[int]:
 def test_a_nan_loss_stops_the_run_naming_the_step_its_samples_and_the_last_good_checkpoint(
     monkeypatch, train_store, tmp_path
 ):
+    """What was logged before the stop reaches metrics.jsonl and TensorBoard alike."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     samples = poison(monkeypatch, train_store, step=3)
     with pytest.raises(ValueError) as err:
-        run(config(train_store, tmp_path, "max_steps=5", "save_every=2"))
+        run(config(train_store, tmp_path, "max_steps=5", "save_every=2", "report_to=tensorboard"))
     message = str(err.value)
     assert "\n" not in message
     assert message.startswith(
         f"step 3: loss is nan and the gradient norm is nan (samples {', '.join(map(str, samples))} of {train_store}"
     )
     assert message.endswith(f"the last good checkpoint is {tmp_path / 'checkpoint-2'}")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2", "metrics.jsonl"]  # no final head
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2", "metrics.jsonl", "tensorboard"]  # no final
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
+    events = EventAccumulator(str(tmp_path / "tensorboard" / "run"))
+    events.Reload()
+    logged = [(e.step, e.value) for e in events.Scalars("train/loss")]
+    assert logged == [(r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in rows]  # float32 in TensorBoard
 
 
 def test_a_run_that_fails_before_writing_anything_leaves_no_output_dir(monkeypatch, train_store, tmp_path):
@@ -410,7 +417,7 @@ def test_a_head_with_nan_is_never_saved(monkeypatch, train_store, tmp_path):
 
 def test_the_scripts_say_a_refusal_from_inside_train_in_one_line(monkeypatch, train_store, tmp_path):
     (tmp_path / "checkpoint-3").mkdir()
-    (tmp_path / "checkpoint-3" / "trainer_state.json").write_text("{}")
+    (tmp_path / "checkpoint-3" / STATE_FILE).write_text("{}")
     for script in ("train_eagle3", "train_peagle"):
         with pytest.raises(SystemExit, match=r"^error: output_dir .* holds checkpoints of an earlier run") as err:
             load_script(f"{script}.py").main([f"data_path={train_store}", f"output_dir={tmp_path}", "report_to=none"])
@@ -433,8 +440,8 @@ def stopped_run(train_store, tmp_path_factory):
 
 
 DAMAGE = [
-    ("trainer_state.json", b"", "trainer_state.json is empty"),
-    ("trainer_state.json", b"{not json", "trainer_state.json is not JSON"),
+    (STATE_FILE, b"", f"{STATE_FILE} is empty"),
+    (STATE_FILE, b"{not json", f"{STATE_FILE} is not JSON"),
     ("head/model.safetensors", None, "head/model.safetensors is missing"),
     ("head/model.safetensors", "half", "head/model.safetensors is truncated or unreadable"),
     ("scheduler.pt", None, "scheduler.pt is missing"),
@@ -446,8 +453,6 @@ DAMAGE = [
 @pytest.mark.parametrize("name, damage, reason", DAMAGE)
 def test_a_damaged_checkpoint_says_why(stopped_run, tmp_path, name, damage, reason):
     import shutil
-
-    from eagle_train.trainer import checkpoint_damage
 
     ckpt = shutil.copytree(stopped_run[0] / "checkpoint-2", tmp_path / "checkpoint-2")
     assert checkpoint_damage(ckpt) == ""
@@ -465,11 +470,11 @@ def test_resume_auto_skips_a_damaged_newest_checkpoint_and_metrics_keep_each_ste
     import shutil
 
     out = shutil.copytree(stopped_run[0], tmp_path / "run")
-    (out / "checkpoint-3" / "trainer_state.json").write_text("")
-    with pytest.raises(ValueError, match=r"checkpoint-3 cannot be resumed: trainer_state.json is empty; resume from"):
+    (out / "checkpoint-3" / STATE_FILE).write_text("")
+    with pytest.raises(ValueError, match=rf"checkpoint-3 cannot be resumed: {STATE_FILE} is empty; resume from"):
         run(config(train_store, out, "max_steps=4", f"resume={out / 'checkpoint-3'}"))
     resumed = run(config(train_store, out, "max_steps=4", "save_every=1", "keep_checkpoints=4", "resume=auto"))
-    assert f"skipping {out / 'checkpoint-3'}: trainer_state.json is empty" in capsys.readouterr().out
+    assert f"skipping {out / 'checkpoint-3'}: {STATE_FILE} is empty" in capsys.readouterr().out
     assert losses(resumed)[0] == stopped_run[1][2]  # step 3 again, from checkpoint-2
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["split"] == "train"] == [1, 2, 3, 4]
@@ -485,7 +490,7 @@ def test_rotation_after_passing_over_a_damaged_newer_checkpoint_keeps_the_one_ju
 
     out = shutil.copytree(stopped_run[0], tmp_path / "run")
     shutil.copytree(out / "checkpoint-3", out / "checkpoint-9")
-    (out / "checkpoint-9" / "trainer_state.json").write_text("")
+    (out / "checkpoint-9" / STATE_FILE).write_text("")
     run(config(train_store, out, "max_steps=4", "save_every=1", "keep_checkpoints=1", "resume=auto"))
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-9"]
     assert (out / "final" / "model.safetensors").is_file()

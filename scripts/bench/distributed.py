@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from eagle_train.train_checkpoint import newest_checkpoint
+
 REPO = Path(__file__).resolve().parents[2]
 LAUNCH = {
     "one": ["--num_processes", "1"],
@@ -54,7 +56,7 @@ def run(backend: str, args, out: Path) -> dict:
         return {"backend": backend, "error": proc.stderr.strip().splitlines()[-1]}
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["split"] == "train"]
-    state = json.loads(max(out.glob("checkpoint-*/trainer_state.json"), key=os.path.getmtime).read_text())
+    _, state = newest_checkpoint(out)
     return {
         "backend": backend,
         "processes": state["num_processes"],

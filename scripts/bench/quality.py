@@ -63,8 +63,8 @@ from data_prep.distil import generate_and_capture
 from eagle_train.checkpoint import load_draft_head
 from eagle_train.hidden_states import TargetLogits
 from eagle_train.target import end_of_turn_ids, load_target
+from eagle_train.train_checkpoint import finished_at, newest_checkpoint
 from eagle_train.train_config import load_train_config
-from eagle_train.trainer import checkpoint_dirs
 from eagle_train.ttt import target_distribution, ttt_loss
 from inference.drafting import TreeShape
 from inference.evaluate import BENCHES, chat_ids, load_bench, summarise
@@ -234,15 +234,6 @@ class TrainerProcess:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)  # also ends a stopped process
             self.proc.wait()
-
-
-def newest_checkpoint(train_dir: Path, after_step: int) -> tuple[Path, dict] | None:
-    """The newest finished checkpoint past `after_step`, with its trainer_state.json."""
-    found = checkpoint_dirs(train_dir)
-    if not found:
-        return None
-    state = json.loads((found[-1] / "trainer_state.json").read_text())
-    return (found[-1], state) if state["step"] > after_step else None
 
 
 # ------------------------------------------------------------------------------------ evaluation
@@ -486,7 +477,7 @@ def main(argv=None):
     def evaluate(checkpoint: Path, state: dict):
         nonlocal evaluator
         start = time.time()
-        written = (checkpoint / "trainer_state.json").stat().st_mtime
+        written = finished_at(checkpoint)
         if evaluator is None:
             evaluator = Evaluator(
                 cfg.target,
