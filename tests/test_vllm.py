@@ -21,16 +21,23 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_eval import recount_al
 
 from eagle_cli.evaluate import main as eval_main
 from eagle_train import bf16
 from eagle_train.export import export_head
 from eagle_train.export.draft_files import DraftFiles
 from eagle_train.target import SMOLLM2
-from engines import ENGINES, vllm, vllm_data
+from engines import ENGINES, vllm, vllm_data, vllm_decode
 
 needs_vllm = pytest.mark.skipif(bool(vllm.missing()), reason="vLLM is not installed: scripts/install_vllm.sh")
 QUESTIONS = ["What is the capital of France? Answer in one sentence.", "Write a haiku about the sea."]
+
+
+def first_turns(tokenizer, questions: list[str]) -> list[list[int]]:
+    from inference.evaluate import chat_ids
+
+    return [chat_ids(tokenizer, [{"role": "user", "content": q}]) for q in questions]
 
 
 # ---- no vLLM needed --------------------------------------------------------------------------------
@@ -45,19 +52,20 @@ def test_the_data_engine_runs_bf16_where_the_machine_multiplies_it_fast(monkeypa
 def test_rounds_are_rebuilt_from_the_per_position_counters():
     # 5 drafting rounds of K=3: accepted 0, 1, 3, 1, 2 -> position 1 reached 4 times, 2 twice, 3 once
     output = list(range(1 + 5 + 7))  # the prefill's token, then one per forward plus the accepted drafts
-    turn = vllm.Turn([1], output, 0.1, drafts=5, accepted=7, accepted_per_pos=[4, 2, 1])
-    assert sorted(vllm.rounds(turn)) == [0, 1, 1, 2, 3]
-    record = vllm.speculative_record(turn)
-    assert record["forwards"] == 5 and sum(record["emitted"]) == len(output) - 1
+    turn = vllm_decode.Turn([1], output, 0.1, drafts=5, accepted=7, accepted_per_pos=[4, 2, 1])
+    assert sorted(vllm_decode.rounds(turn)) == [0, 1, 1, 2, 3]
+    result = vllm_decode.turn_result(turn)
+    assert (result.forwards, result.emitted, result.accepted_total) == (5, len(output) - 1, 7)
+    assert sum(result.per_forward) == result.emitted and sorted(result.accepted) == [0, 1, 1, 2, 3]
     # n-gram drafting finds no match in 3 more forwards: vLLM does not count them, AL does
-    undrafted = vllm.Turn([1], output + [0, 0, 0], 0.1, drafts=5, accepted=7, accepted_per_pos=[4, 2, 1])
-    assert sorted(vllm.rounds(undrafted)) == [0, 0, 0, 0, 1, 1, 2, 3]
+    undrafted = vllm_decode.Turn([1], output + [0, 0, 0], 0.1, drafts=5, accepted=7, accepted_per_pos=[4, 2, 1])
+    assert sorted(vllm_decode.rounds(undrafted)) == [0, 0, 0, 0, 1, 1, 2, 3]
 
 
 def test_speculative_configs_are_vllms():
-    assert vllm.speculative("eagle3", "h", 3) == {"method": "eagle3", "model": "h", "num_speculative_tokens": 3}
-    assert vllm.speculative("peagle", "h", 5)["parallel_drafting"] is True
-    ngram = vllm.speculative("ngram", None, 3)
+    assert vllm_decode.speculative("eagle3", "h", 3) == {"method": "eagle3", "model": "h", "num_speculative_tokens": 3}
+    assert vllm_decode.speculative("peagle", "h", 5)["parallel_drafting"] is True
+    ngram = vllm_decode.speculative("ngram", None, 3)
     assert ngram["method"] == "ngram" and (ngram["prompt_lookup_min"], ngram["prompt_lookup_max"]) == (2, 4)
 
 
@@ -102,14 +110,15 @@ def test_vllm_loads_each_layout_and_speculates_losslessly(smollm2, tmp_path, lay
     from eagle_train.checkpoint import load_draft_head
 
     export = export_head(load_draft_head(vllm_head(tmp_path, smollm2[0])), tmp_path / layout, layout, dtype="fp32")
-    conversations = [[q] for q in QUESTIONS]
-    plain = vllm.decode(SMOLLM2, conversations, 16)
-    spec = vllm.decode(SMOLLM2, conversations, 16, vllm.speculative("eagle3", export, 3))
-    for (p,), (s,) in zip(plain.conversations, spec.conversations):
+    prompts = first_turns(smollm2[1], QUESTIONS)
+    with vllm_decode.Decoder(SMOLLM2) as engine:
+        plain = engine.decode(prompts, 16)
+        assert engine.version == vllm.TESTED and engine.dtype == "float32"  # a CPU's default: HF's exactness
+    spec = vllm_decode.decode(SMOLLM2, prompts, 16, vllm_decode.speculative("eagle3", export, 3))
+    for p, s in zip(plain, spec):
         assert s.output_ids == p.output_ids and len(p.output_ids) > 0
         assert s.drafts > 0 and s.draft_tokens == 3 * s.drafts
         assert s.accepted == sum(s.accepted_per_pos) and len(s.accepted_per_pos) == 3
-    assert plain.version == vllm.TESTED and plain.dtype == spec.dtype == "float32"  # a CPU's default: HF's exactness
 
 
 @needs_vllm
@@ -120,10 +129,10 @@ def test_vllm_drafts_with_a_peagle_export_in_parallel_losslessly(smollm2, tmp_pa
     torch.manual_seed(0)
     head = PEagleHead.from_target(smollm2[0], mask_token_id=16, num_depths=3, draft_vocab_size=8192)
     export = export_head(head, tmp_path / "peagle", "peagle", dtype="fp32")
-    conversations = [[q] for q in QUESTIONS]
-    plain = vllm.decode(SMOLLM2, conversations, 16)
-    spec = vllm.decode(SMOLLM2, conversations, 16, vllm.speculative("peagle", export, 3))
-    for (p,), (s,) in zip(plain.conversations, spec.conversations):
+    prompts = first_turns(smollm2[1], QUESTIONS)
+    plain = vllm_decode.decode(SMOLLM2, prompts, 16)
+    spec = vllm_decode.decode(SMOLLM2, prompts, 16, vllm_decode.speculative("peagle", export, 3))
+    for p, s in zip(plain, spec):
         assert s.output_ids == p.output_ids and s.drafts > 0 and s.draft_tokens == 3 * s.drafts
 
 
@@ -146,7 +155,8 @@ def test_eval_all_runs_both_engines_on_the_same_prompts(smollm2, tmp_path, capsy
     assert [len(p["turns"]) for p in vllm["prompts"]] == [2]  # MT-Bench's second turn, in both
     for b, v in zip(builtin["prompts"][0]["turns"], vllm["prompts"][0]["turns"]):
         assert v["prompt_tokens"] == b["prompt_tokens"]  # turn 2 follows the built-in answer in vLLM too
-        assert v["identical"] and v["ngram"]["identical"]
+        assert v["spec"]["identical"] and v["ngram"]["identical"]
+    assert vllm["summary"]["acceptance_length"] == pytest.approx(recount_al(vllm), abs=1e-12)
     printed = capsys.readouterr().out
     assert "engine" in printed and "vllm" in printed and "builtin" in printed and "n-gram (free)" in printed
 
@@ -310,10 +320,11 @@ def tiny_target_dir(tmp_path, model_type):
 )
 def test_vllm_speculates_losslessly_on_an_architecture_it_serves(tmp_path, model_type):
     target, export = tiny_target_dir(tmp_path, model_type)
-    conversations = [[QUESTIONS[0]]]
-    plain = vllm.decode(str(target), conversations, 12)
-    spec = vllm.decode(str(target), conversations, 12, vllm.speculative("eagle3", export, 2))
-    (p,), (s,) = plain.conversations[0], spec.conversations[0]
+    from eagle_train.target import load_tokenizer
+
+    prompts = first_turns(load_tokenizer(str(target)), QUESTIONS[:1])
+    (p,) = vllm_decode.decode(str(target), prompts, 12)
+    (s,) = vllm_decode.decode(str(target), prompts, 12, vllm_decode.speculative("eagle3", export, 2))
     assert s.output_ids == p.output_ids and len(set(p.output_ids)) > 2 and s.drafts > 0
 
 
@@ -350,7 +361,7 @@ def test_a_target_vllm_serves_no_head_on_is_refused_in_one_line_before_and_durin
     with pytest.raises(
         vllm.VllmError, match=r"^vLLM failed \(exit 1\): the target's model class does not implement"
     ) as err:
-        vllm.decode(str(target), [[QUESTIONS[0]]], 8, vllm.speculative("eagle3", export, 2))
+        vllm_decode.decode(str(target), [[1, 2, 3]], 8, vllm_decode.speculative("eagle3", export, 2))
     assert "\n" not in str(err.value)
 
 

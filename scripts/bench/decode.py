@@ -57,29 +57,28 @@ def hf_generate(model, prompt, max_new_tokens, eos):
     return out[0, len(prompt) :].tolist(), time.perf_counter() - t0
 
 
-def vllm_rows(args, questions):
-    """vLLM plain, with the head (chain K, exported to a temporary directory) and with n-gram drafting."""
+def vllm_rows(args, prompts):
+    """vLLM plain, with the head (chain K, exported to a temporary directory) and with n-gram drafting, on the
+    same prompt tokens as the other rows."""
     import tempfile
 
-    from engines import vllm
+    from engines import vllm_decode
 
     if args.random_llama:
         raise SystemExit("--vllm runs a real target: leave out --random-llama")
-    conversations = [[q] for q in questions]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        configs = [("plain", None), ("n-gram", vllm.speculative("ngram", None, args.chain))]
+        configs = [("plain", None), ("n-gram", vllm_decode.speculative("ngram", None, args.chain))]
         if args.draft:
-            head_dir, _ = vllm.export_dir(args.draft, tmp)
-            spec = vllm.speculative(vllm.method_of(head_dir), head_dir, args.chain)
+            head_dir, _ = vllm_decode.export_dir(args.draft, tmp)
+            spec = vllm_decode.speculative(vllm_decode.method_of(head_dir), head_dir, args.chain)
             configs.insert(1, (f"head chain K={args.chain}", spec))
         for name, spec in configs:
-            run = vllm.decode(args.target, conversations, args.max_new_tokens, spec, dtype=args.dtype)
-            turns = [c[0] for c in run.conversations]
-            tps = sum(len(t.output_ids) for t in turns) / sum(t.seconds for t in turns)
-            forwards = sum(len(vllm.rounds(t)) for t in turns)
-            al = (forwards + sum(t.accepted for t in turns)) / forwards if spec else None
-            rows.append((f"vLLM {run.version} {run.dtype} {name}", tps, al, [t.output_ids for t in turns]))
+            with vllm_decode.Decoder(args.target, spec, args.dtype) as engine:
+                turns = [vllm_decode.turn_result(t) for t in engine.decode(prompts, args.max_new_tokens)]
+            tps = sum(t.timed_tokens for t in turns) / sum(t.seconds for t in turns)
+            al = sum(t.emitted for t in turns) / sum(t.forwards for t in turns) if spec else None
+            rows.append((f"vLLM {engine.version} {engine.dtype} {name}", tps, al, [t.output_ids for t in turns]))
     return rows
 
 
@@ -102,7 +101,7 @@ def main():
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     if args.random_llama:
-        model, tokenizer, questions = random_llama(args.random_llama, device, dtype), None, None
+        model = random_llama(args.random_llama, device, dtype)
         gen = torch.Generator().manual_seed(1)
         prompts = [torch.randint(0, 32000, (64 + 32 * i,), generator=gen).tolist() for i in range(args.num_prompts)]
         eos = None
@@ -150,7 +149,7 @@ def main():
     runtime_plain = next(row for row in rows if row[0].startswith("runtime plain"))  # on CUDA: with graphs
     compared = [(row, runtime_plain) for row in rows]  # each row and the plain decoding it is compared with
     if args.vllm:
-        engine_rows = vllm_rows(args, questions)
+        engine_rows = vllm_rows(args, prompts)
         compared += [(row, engine_rows[0]) for row in engine_rows]  # vLLM's own plain decoding comes first
     print(
         f"{args.random_llama and f'random Llama {args.random_llama}' or args.target}, {len(prompts)} prompts x "
