@@ -2,9 +2,14 @@
 config, two nodes on one machine, P-EAGLE's partitioned backward under DDP, and resume across
 backends and process counts.
 
-The reference is one process accumulating 2 micro-batches a step: the same global batch as 2
-processes x 1, so every 2-process run must reproduce its loss curve, its gradients and its head
-(up to the order of float reductions)."""
+The reference is one process accumulating 2 micro-batches a step, from the same run config: the same
+global batch as 2 processes x 1, so every 2-process run must reproduce its loss curve, its gradients
+and its head (up to the order of float reductions).
+
+The default run launches what nothing else guards: DDP against the reference, a resume into more
+processes, two nodes (global, not local, ranks), P-EAGLE's segments under DDP and a divergence that
+must stop both processes. Each ZeRO stage and the other resumes launch under `-m slow`; what a backend
+refuses is read in-process from the environment `accelerate launch` sets."""
 
 import importlib.util
 import json
@@ -21,6 +26,8 @@ from safetensors.torch import load_file
 
 from eagle_train.checkpoint import load_draft_head
 from eagle_train.methods import method_of, objective_for
+from eagle_train.train import run
+from eagle_train.train_checkpoint import check_resumable, newest_checkpoint
 from eagle_train.train_config import load_train_config
 from eagle_train.trainer import train
 
@@ -40,8 +47,8 @@ two_gpus = pytest.mark.skipif(
 BACKENDS = [
     "ddp",
     pytest.param("fsdp", marks=two_gpus),
-    pytest.param("zero2", marks=deepspeed),
-    pytest.param("zero3", marks=deepspeed),
+    pytest.param("zero2", marks=[deepspeed, pytest.mark.slow]),
+    pytest.param("zero3", marks=[deepspeed, pytest.mark.slow]),
 ]
 RUN = [  # 6 single-sample micro-batches an epoch: 3 steps of 2 per epoch, 6 in all
     "ttt_length=3",
@@ -68,14 +75,14 @@ def one_process(data_path, out, *extra) -> dict:
     return train(cfg, method_of(cfg).build_head, objective_for(cfg))
 
 
-def launch_command(backend: str, args: list[str], script="train_eagle3.py", machines=None, processes=2) -> list[str]:
+def launch_command(backend: str, args: list[str], script="train_eagle3.py", machines=None) -> list[str]:
     """`accelerate launch` of 2 processes; machines = (rank, port) for one of 2 single-process nodes."""
     where = ["--num_machines", "1", "--main_process_port", str(free_port())]
     if machines is not None:
         rank, port = machines
         where = ["--num_machines", "2", "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1"]
         where += ["--main_process_port", str(port), "--rdzv_backend", "static"]
-    launch = [sys.executable, "-m", "accelerate.commands.launch", *LAUNCH[backend], "--num_processes", str(processes)]
+    launch = [sys.executable, "-m", "accelerate.commands.launch", *LAUNCH[backend], "--num_processes", "2"]
     return [*launch, *where, "--dynamo_backend", "no", str(REPO / "scripts" / script), *args]
 
 
@@ -89,21 +96,13 @@ def two_processes(backend: str, args: list[str], script="train_eagle3.py") -> su
     return proc
 
 
-def refused(cmd: list[str]) -> str:
-    """The error output of a launch that must fail, lines joined."""
-    proc = subprocess.run(cmd, capture_output=True, timeout=300, **IN_REPO)
-    assert proc.returncode != 0
-    return proc.stderr.replace("\n", " ")
-
-
 def logged(out: Path, key="loss") -> list[float]:
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [r[key] for r in rows if r["split"] == "train"]
 
 
 def last_state(out: Path) -> dict:
-    last = max(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*"))
-    return json.loads((out / f"checkpoint-{last}" / "trainer_state.json").read_text())
+    return newest_checkpoint(out)[1]
 
 
 def assert_same_head(out: Path, reference: Path):
@@ -159,7 +158,7 @@ def test_every_backend_trains_the_run_of_one_process(backend, reference, train_s
 
 
 RESUMES = [  # (first leg, second leg): "one" is 1 process x 2 micro-batches, the others 2 x 1
-    ("ddp", "one"),
+    pytest.param("ddp", "one", marks=pytest.mark.slow),
     ("one", "ddp"),
     pytest.param("fsdp", "fsdp", marks=two_gpus),
     pytest.param("zero2", "zero2", marks=[deepspeed, pytest.mark.slow]),
@@ -190,52 +189,54 @@ def test_a_run_stopped_and_resumed_across_backends_and_counts_is_the_straight_ru
 @pytest.mark.slow
 def test_a_zero_checkpoint_resumes_only_under_zero_with_its_process_count(train_store, tmp_path):
     """ZeRO saves one optimizer partition per process: a resume under DDP, or under ZeRO with 1
-    process, is refused before the target loads, naming the launch that resumes it."""
+    process, is refused, naming the launch that resumes it."""
     out = tmp_path / "run"
     two_processes("zero2", overrides(train_store, out, "stop_after_step=2"))
-    assert sorted(p.name for p in (out / "checkpoint-2").glob("optimizer*")) == [
-        "optimizer-rank0.pt",
-        "optimizer-rank1.pt",
-    ]
-    for backend, processes, error in [
-        ("ddp", 2, "saved by DeepSpeed ZeRO-2 and this launch is one process or DDP: resume it with deepspeed_zero2"),
+    checkpoint = out / "checkpoint-2"
+    assert sorted(p.name for p in checkpoint.glob("optimizer*")) == ["optimizer-rank0.pt", "optimizer-rank1.pt"]
+    for layout, processes, error in [
+        ("whole", 2, "saved by DeepSpeed ZeRO-2 and this launch is one process or DDP: resume it with deepspeed_zero2"),
         ("zero2", 1, "sharded over 2 processes (2 optimizer-rank files; FSDP or DeepSpeed ZeRO) and this run has 1"),
     ]:
-        cmd = launch_command(backend, overrides(train_store, out, "resume=auto"), processes=processes)
-        assert error in refused(cmd)
-    assert len(logged(out)) == 2
+        with pytest.raises(ValueError, match=re.escape(error)):
+            check_resumable(checkpoint, processes, layout)
+    check_resumable(checkpoint, 2, "zero2")
 
 
-REFUSED = [  # (backend, script, extra overrides, what the error says)
+REFUSED = [  # (what `accelerate launch` tells the process, extra overrides, what the error says)
     pytest.param(
-        "fsdp",
-        "train_eagle3.py",
+        "ACCELERATE_USE_FSDP",
         [],
         "asks for FSDP, which accelerate runs on GPUs only: without one it would silently train plain DDP",
         marks=pytest.mark.skipif(torch.cuda.is_available(), reason="refused only on a machine without a GPU"),
+        id="fsdp-without-gpu",
     ),
     pytest.param(
-        "zero2",
-        "train_peagle.py",
+        "ACCELERATE_USE_DEEPSPEED",
         ["method=peagle", "num_segments=2"],
         "DeepSpeed steps its optimizer inside every backward: set num_segments=1, or train with DDP or FSDP",
-        marks=deepspeed,
+        id="zero-peagle-segments",
     ),
     pytest.param(
-        "zero2",
-        "train_eagle3.py",
+        "ACCELERATE_USE_DEEPSPEED",
         ["gradient_accumulation_steps=2"],
         "DeepSpeed steps its optimizer inside every backward: use gradient_accumulation_steps=1",
-        marks=deepspeed,
+        id="zero-accumulation",
     ),
 ]
 
 
-@pytest.mark.parametrize("backend, script, extra, error", REFUSED)
-def test_what_a_backend_cannot_run_is_refused_before_any_compute(backend, script, extra, error, train_store, tmp_path):
+@pytest.mark.parametrize("launched, extra, error", REFUSED)
+def test_what_a_backend_cannot_run_is_refused_before_any_compute(
+    launched, extra, error, train_store, tmp_path, monkeypatch
+):
+    """The process of such a launch (its environment says the backend) refuses before the target loads."""
+    monkeypatch.setenv(launched, "true")
+    monkeypatch.setattr("eagle_train.trainer.load_target", lambda *a, **k: pytest.fail("the target loaded"))
     out = tmp_path / "run"
-    assert error in refused(launch_command(backend, overrides(train_store, out, *extra), script))
-    assert not (out / "metrics.jsonl").exists()
+    with pytest.raises(ValueError, match=re.escape(error)):
+        run(load_train_config(None, overrides(train_store, out, *extra)))
+    assert not out.exists()
 
 
 def test_two_nodes_on_one_machine_train_one_head(reference, train_store, tmp_path):
