@@ -6,16 +6,16 @@
     eagle-prep vocab      --data runs/x/tokenized --draft-vocab-size 32000 [--fill-from sharegpt]
     eagle-prep capture    --target smollm2-135m --data runs/x/tokenized --out runs/x/store
     eagle-prep distil     --target smollm2-135m --data sharegpt --limit 500 --out runs/x/store
-    eagle-prep run        --config configs/smollm2_sharegpt.yaml [prep.num_conversations=200 ...]
+    eagle-prep run        --config smollm2_sharegpt [prep.num_conversations=200 ...]
 
 Each subcommand is a function of keyword arguments: a library call and the summary it prints;
-`run` calls them in turn with a YAML config's values. Every default is the library function's own
-(read from its signature), so a subcommand and `run` cannot disagree. `capture` runs under
-`accelerate launch` as is: each process captures its share of the shards.
+`run` calls them in turn with a YAML config's values. Each knob is declared once (`data_prep.knobs`):
+a subcommand's flags and `run`'s YAML keys are the same fields, with the library function's default.
+`capture` runs under `accelerate launch` as is: each process captures its share of the shards.
 """
 
 import argparse
-import inspect
+import dataclasses
 import os
 import sys
 import time
@@ -26,30 +26,37 @@ import yaml
 from tqdm import tqdm
 
 from data_prep.capture import capture
-from data_prep.chat import MAX_LENGTH, SkipSample, show_mask, tokenize_conversation
+from data_prep.chat import SkipSample, show_mask, tokenize_conversation
 from data_prep.dataset import tokenize_dataset
-from data_prep.distil import ENGINES, distil
-from data_prep.readers import SHAREGPT, ReadReport, read_conversations
-from data_prep.regenerate import regenerate, regenerate_batch
+from data_prep.distil import distil
+from data_prep.knobs import (
+    RUN_KEYS,
+    Capture,
+    Conversations,
+    Count,
+    Distil,
+    Engine,
+    Regenerate,
+    Steps,
+    Store,
+    Target,
+    Tokenize,
+    Vocab,
+    VocabFill,
+    add_flags,
+    from_run,
+    knobs,
+)
+from data_prep.readers import ReadReport, read_conversations
+from data_prep.regenerate import regenerate
 from data_prep.vocab import count_answer_tokens, coverage_line, make_vocab_map
 from eagle_train.architectures import check_supported
 from eagle_train.bf16 import data_engine_dtype
-from eagle_train.store import STORE_DTYPES, read_manifest
-from eagle_train.target import SMOLLM2, load_target, load_target_config, load_tokenizer
+from eagle_train.config_files import config_file
+from eagle_train.store import read_manifest
+from eagle_train.target import load_target, load_target_config, load_tokenizer
 from eagle_train.train_config import parse_overrides
 from engines import EngineError
-from engines.vllm import INSTALL_HINT
-
-SEED = 0  # torch's seed before regenerating (sampling, temperature > 0, draws from it)
-
-
-def default(fn, name: str):
-    """The default of `fn`'s parameter `name`: the CLI takes each default from the library function."""
-    return inspect.signature(fn).parameters[name].default
-
-
-def _parse_layers(text):
-    return tuple(int(x) for x in text.split(",")) if text else None
 
 
 def check_trainable(target) -> None:
@@ -127,23 +134,6 @@ ENGINE_SETTINGS = {  # the options of distil and capture that configure the engi
 }
 
 
-def parse_turns(text: str) -> int | None:
-    """`--turns`: a count, or `all` (None)."""
-    if text == "all":
-        return None
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: a number of turns (1, 2, ...) or all")
-    return int(text)
-
-
-def run_turns(value) -> int | None:
-    """`prep.distil.turns` of a YAML config: a count, all, or null (all)."""
-    try:
-        return None if value is None else parse_turns(str(value))
-    except argparse.ArgumentTypeError as e:
-        raise ValueError(f"prep.distil.turns: {e}") from e
-
-
 def parse_shard(text: str) -> tuple[int, int]:
     """`--shard i/n`: this run's part of n runs over one store."""
     i, _, n = text.partition("/")
@@ -201,7 +191,7 @@ def check_fill_conversations(n) -> None:
         raise ValueError(f"fill_conversations must be >= 1 (the conversations whose answers fill the map), got {n}")
 
 
-def rewrite_vocab_map(data, draft_vocab_size, fill_from=None, fill_conversations=20000) -> dict:
+def rewrite_vocab_map(data, draft_vocab_size, fill_from, fill_conversations) -> dict:
     """Recount the loss-masked tokens of a tokenized dataset or store and rewrite its vocab map; with
     `fill_from`, ids the data uses equally often (never, most of all) go by the answers of that source's first
     `fill_conversations` conversations."""
@@ -281,42 +271,6 @@ def print_store_line(out, manifest: dict) -> None:
     )
 
 
-# Every key `eagle-prep run` reads (dotted paths into the YAML) and its default, which is the default
-# of the library parameter it sets. Any other key, in the file or on the command line, is refused: a
-# misspelt key must not silently fall back.
-RUN_KEYS = {
-    "target": SMOLLM2,
-    "data": SHAREGPT,
-    "out_dir": None,
-    "prep.num_conversations": default(tokenize_dataset, "limit"),
-    "prep.max_length": MAX_LENGTH,
-    "prep.split": default(read_conversations, "split"),
-    "prep.system_prompt": default(tokenize_dataset, "system_prompt"),
-    "prep.draft_vocab_size": default(tokenize_dataset, "draft_vocab_size"),
-    "prep.tokenized_shard_tokens": default(tokenize_dataset, "shard_tokens"),
-    "prep.workers": default(tokenize_dataset, "workers"),
-    "prep.regenerate.enabled": False,
-    "prep.regenerate.batch_size": default(regenerate, "batch_size"),
-    "prep.regenerate.max_new_tokens": default(regenerate_batch, "max_new_tokens"),
-    "prep.regenerate.temperature": default(regenerate_batch, "temperature"),
-    "prep.regenerate.top_p": default(regenerate_batch, "top_p"),
-    "prep.regenerate.seed": SEED,
-    "prep.regenerate.max_turns": default(regenerate_batch, "max_turns"),
-    "prep.distil.enabled": False,
-    "prep.distil.max_new_tokens": default(distil, "max_new_tokens"),
-    "prep.distil.batch_size": default(distil, "batch_size"),
-    "prep.distil.turns": default(distil, "turns"),
-    "prep.distil.engine": default(distil, "engine"),
-    "prep.capture.enabled": True,
-    "prep.capture.dtype": default(capture, "dtype"),
-    "prep.capture.aux_layer_ids": default(capture, "aux_layer_ids"),
-    "prep.capture.token_budget": default(capture, "token_budget"),
-    "prep.capture.shard_tokens": default(capture, "shard_tokens"),
-    "prep.vocab_fill.source": default(rewrite_vocab_map, "fill_from"),
-    "prep.vocab_fill.conversations": default(rewrite_vocab_map, "fill_conversations"),
-}
-
-
 def _flatten(tree: dict, prefix: str = "") -> dict:
     out = {}
     for key, value in tree.items():
@@ -330,7 +284,7 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
 def load_run_config(path, overrides=()) -> dict:
     """The YAML config of `eagle-prep run` with `key=value` overrides (`prep.max_length=1024`), as
     dotted keys with their defaults filled in."""
-    values = _flatten(yaml.safe_load(Path(path).read_text()) or {})
+    values = _flatten(yaml.safe_load(config_file(path).read_text()) or {})
     values.update(parse_overrides(list(overrides)))
     unknown = sorted(set(values) - set(RUN_KEYS))
     if unknown:
@@ -347,76 +301,33 @@ def run(config, overrides) -> None:
     """The whole pipeline from a YAML config: distil, or [regenerate] -> tokenize -> [capture]."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         sys.exit("`eagle-prep run` is one process; for several, run `accelerate launch -m data_prep.cli capture ...`")
-    c = load_run_config(config, overrides)
-    check_fill_conversations(c["prep.vocab_fill.conversations"])  # before hours of data, not after
-    out = Path(c["out_dir"])
-    target, data, system_prompt = c["target"], c["data"], c["prep.system_prompt"]
-    read = {"limit": c["prep.num_conversations"], "split": c["prep.split"]}
-    if c["prep.distil.enabled"]:
+    values = load_run_config(config, overrides)
+    steps, target, conversations = (from_run(section, values) for section in (Steps, Target, Conversations))
+    count, vocab, fill, store = (from_run(section, values) for section in (Count, Vocab, VocabFill, Store))
+    check_fill_conversations(fill.fill_conversations)  # before hours of data, not after
+    out = Path(steps.out_dir)
+    if steps.distil:
         distil_store(
-            target,
-            data,
-            out / "store",
-            **read,
-            max_length=c["prep.max_length"],
-            max_new_tokens=c["prep.distil.max_new_tokens"],
-            batch_size=c["prep.distil.batch_size"],
-            turns=run_turns(c["prep.distil.turns"]),
-            system_prompt=system_prompt,
-            aux_layer_ids=c["prep.capture.aux_layer_ids"],
-            dtype=c["prep.capture.dtype"],
-            draft_vocab_size=c["prep.draft_vocab_size"],
-            engine=c["prep.distil.engine"],
+            **knobs(target, conversations, count, vocab, store, from_run(Distil, values), from_run(Engine, values)),
+            out=out / "store",
         )
-        fill_vocab_map(out / "store", c)
+        fill_vocab_map(out / "store", vocab, fill)
         return
-    if c["prep.regenerate.enabled"]:
+    if steps.regenerate:
         regenerated = out / "regenerated.jsonl"
-        regenerate_answers(
-            target,
-            data,
-            regenerated,
-            **read,
-            seed=c["prep.regenerate.seed"],
-            batch_size=c["prep.regenerate.batch_size"],
-            max_new_tokens=c["prep.regenerate.max_new_tokens"],
-            temperature=c["prep.regenerate.temperature"],
-            top_p=c["prep.regenerate.top_p"],
-            max_turns=c["prep.regenerate.max_turns"],
-            max_length=c["prep.max_length"],
-            system_prompt=system_prompt,
-        )
-        data, system_prompt = str(regenerated), None  # the regenerated conversations hold the system prompt
-    tokenize(
-        target,
-        data,
-        out / "tokenized",
-        **read,
-        max_length=c["prep.max_length"],
-        system_prompt=system_prompt,
-        draft_vocab_size=c["prep.draft_vocab_size"],
-        shard_tokens=c["prep.tokenized_shard_tokens"],
-        workers=c["prep.workers"],
-    )
-    fill_vocab_map(out / "tokenized", c)  # capture copies it into the store
-    if c["prep.capture.enabled"]:
-        capture_store(
-            target,
-            out / "tokenized",
-            out / "store",
-            aux_layer_ids=c["prep.capture.aux_layer_ids"],
-            dtype=c["prep.capture.dtype"],
-            token_budget=c["prep.capture.token_budget"],
-            shard_tokens=c["prep.capture.shard_tokens"],
-        )
+        regenerate_answers(**knobs(target, conversations, count, from_run(Regenerate, values)), out=regenerated)
+        # the regenerated conversations hold the system prompt
+        conversations = dataclasses.replace(conversations, data=str(regenerated), system_prompt=None)
+    tokenize(**knobs(target, conversations, count, vocab, from_run(Tokenize, values)), out=out / "tokenized")
+    fill_vocab_map(out / "tokenized", vocab, fill)  # capture copies it into the store
+    if steps.capture:
+        capture_store(**knobs(target, store, from_run(Capture, values)), data=out / "tokenized", out=out / "store")
 
 
-def fill_vocab_map(data: Path, c: dict) -> None:
+def fill_vocab_map(data: Path, vocab: Vocab, fill: VocabFill) -> None:
     """`eagle-prep vocab --fill-from` on the data `run` just wrote, when its config names a source."""
-    if c["prep.vocab_fill.source"]:
-        rewrite_vocab_map(
-            data, c["prep.draft_vocab_size"], c["prep.vocab_fill.source"], c["prep.vocab_fill.conversations"]
-        )
+    if fill.fill_from:
+        rewrite_vocab_map(data, **knobs(vocab, fill))
 
 
 def engine_dtype_argument(s, note: str = "") -> None:
@@ -428,14 +339,9 @@ def engine_dtype_argument(s, note: str = "") -> None:
     )
 
 
-def engine_arguments(s, does: str, vllm_does: str) -> None:
+def engine_arguments(s) -> None:
     """--engine, --shard and vLLM's settings, of the commands a serving engine can run (distil, capture)."""
-    s.add_argument(
-        "--engine",
-        default=default(distil, "engine"),
-        choices=ENGINES,
-        help=f"who {does}: hf (transformers, here) or vllm ({vllm_does}; needs vLLM: {INSTALL_HINT})",
-    )
+    add_flags(s, Engine)
     s.add_argument(
         "--shard",
         type=parse_shard,
@@ -457,57 +363,36 @@ def engine_arguments(s, does: str, vllm_does: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """Each subcommand: its knobs' flags (`data_prep.knobs`), then the flags only it has."""
     p = argparse.ArgumentParser(
         prog="eagle-prep", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = p.add_subparsers(dest="command", required=True)
 
-    def add(name, fn, help_):
+    def add(name, fn, help_, *sections, out=None):
         s = sub.add_parser(name, help=help_, description=help_)
         s.set_defaults(fn=fn)
+        add_flags(s, *sections)
+        if out:
+            s.add_argument("--out", required=True, help=out)
         return s
 
-    def source(s, out_help=None):
-        s.add_argument("--target", default=SMOLLM2, help="hub id, local HF dir, .gguf file or alias (smollm2-135m)")
-        s.add_argument(
-            "--data",
-            default=SHAREGPT,
-            help="'sharegpt', a .json/.jsonl/.parquet file, a saved datasets dir or a hub dataset",
-        )
-        s.add_argument(
-            "--split", default=default(read_conversations, "split"), help="split for hub / DatasetDict sources"
-        )
-        s.add_argument("--max-length", type=int, default=MAX_LENGTH, help="truncate conversations to this many tokens")
-        s.add_argument("--system-prompt", default=None, help="replace every conversation's system prompt with this")
-        if out_help:
-            s.add_argument("--out", required=True, help=out_help)
-
-    s = add(
+    add(
         "tokenize",
         tokenize,
         "render conversations with the target's chat template, mask assistant tokens, "
         "write a tokenized dataset dir (input of capture and online training) "
         "and its vocab map",
-    )
-    source(s, "output directory")
-    s.add_argument("--limit", type=int, default=None, help="stop after this many usable conversations")
-    s.add_argument("--draft-vocab-size", type=int, default=default(tokenize_dataset, "draft_vocab_size"))
-    s.add_argument(
-        "--shard-tokens", type=int, default=default(tokenize_dataset, "shard_tokens"), help="tokens per shard file"
-    )
-    s.add_argument(
-        "--workers",
-        type=int,
-        default=default(tokenize_dataset, "workers"),
-        help="processes that render and tokenize (same output)",
+        *(Target, Conversations, Count, Vocab, Tokenize),
+        out="output directory",
     )
 
     s = add(
         "show-mask",
         print_mask,
         "print one conversation with its loss-masked (trained) tokens highlighted; use it to check a new chat template",
+        *(Target, Conversations),
     )
-    source(s)
     s.add_argument("--index", type=int, default=0, help="which usable conversation to show")
     s.add_argument("--template", default=None, help="a jinja chat template file to use instead of the tokenizer's")
     s.add_argument("--no-color", dest="color", action="store_false", help="mark spans with [[ ]] instead of colour")
@@ -516,20 +401,9 @@ def build_parser() -> argparse.ArgumentParser:
         "regenerate",
         regenerate_answers,
         "replace assistant turns with the target's own responses (JSONL out, resumable)",
+        *(Target, Conversations, Count, Regenerate),
+        out="output .jsonl (appended; ids already there are skipped)",
     )
-    source(s, "output .jsonl (appended; ids already there are skipped)")
-    s.add_argument("--limit", type=int, default=None)
-    s.add_argument("--batch-size", type=int, default=default(regenerate, "batch_size"))
-    s.add_argument("--max-new-tokens", type=int, default=default(regenerate_batch, "max_new_tokens"))
-    s.add_argument("--temperature", type=float, default=default(regenerate_batch, "temperature"), help="0 = greedy")
-    s.add_argument("--top-p", type=float, default=default(regenerate_batch, "top_p"))
-    s.add_argument(
-        "--max-turns",
-        type=int,
-        default=default(regenerate_batch, "max_turns"),
-        help="regenerate at most this many assistant turns per conversation (later turns are dropped)",
-    )
-    s.add_argument("--seed", type=int, default=SEED)
     s.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     engine_dtype_argument(s)
 
@@ -537,49 +411,20 @@ def build_parser() -> argparse.ArgumentParser:
         "vocab",
         rewrite_vocab_map,
         "recount loss-masked tokens of a tokenized dataset or store and rewrite its draft vocab map",
+        *(Vocab, VocabFill),
     )
     s.add_argument("--data", required=True, help="tokenized dataset or store directory")
-    s.add_argument("--draft-vocab-size", type=int, default=default(make_vocab_map, "draft_vocab_size"))
-    s.add_argument(
-        "--fill-from",
-        default=None,
-        help="conversations (sharegpt, a file, a hub dataset) whose answers rank the ids the data never uses: "
-        "a small dataset's map then fills with words answers elsewhere use",
-    )
-    s.add_argument(
-        "--fill-conversations",
-        type=int,
-        default=default(rewrite_vocab_map, "fill_conversations"),
-        help="how many of --fill-from's conversations to count (default %(default)s)",
-    )
 
     s = add(
         "capture",
         capture_store,
         "run the target over a tokenized dataset and store its aux + final hidden "
         "states (resumable; run under `accelerate launch` for several processes)",
+        *(Target, Store, Capture),
+        out="store directory",
     )
-    s.add_argument("--target", default=SMOLLM2)
     s.add_argument("--data", required=True, help="tokenized dataset directory (from `tokenize`)")
-    s.add_argument("--out", required=True, help="store directory")
-    s.add_argument(
-        "--aux-layers",
-        dest="aux_layer_ids",
-        type=_parse_layers,
-        default=default(capture, "aux_layer_ids"),
-        help="comma-separated hidden_states indices; default 2,N//2,N-3 (distinct ones below 7 layers)",
-    )
-    s.add_argument("--dtype", default=default(capture, "dtype"), choices=list(STORE_DTYPES))
-    s.add_argument(
-        "--token-budget", type=int, default=default(capture, "token_budget"), help="padded tokens per forward"
-    )
-    s.add_argument(
-        "--shard-tokens",
-        type=int,
-        default=default(capture, "shard_tokens"),
-        help="tokens per shard (the unit of resume)",
-    )
-    engine_arguments(s, "runs the target", "each shard's samples prefilled together")
+    engine_arguments(s)
     s.add_argument("--no-progress", dest="progress", action="store_false")
 
     s = add(
@@ -587,40 +432,15 @@ def build_parser() -> argparse.ArgumentParser:
         distil_store,
         "the target answers the user turns of each conversation (greedy, batched; the first by default) and the "
         "hidden states of those same forwards are stored: self-distilled offline data in one pass (resumable)",
+        *(Target, Conversations, Count, Distil, Store, Vocab),
+        out="store directory",
     )
-    source(s, "store directory")
-    s.add_argument("--limit", type=int, default=None, help="answer at most this many conversations")
-    s.add_argument(
-        "--turns",
-        type=parse_turns,
-        default=default(distil, "turns"),
-        help="user turns answered per conversation, each after the target's own earlier answers: a number or all "
-        "(default 1; a conversation stops at the first turn without room for an answer)",
-    )
-    s.add_argument(
-        "--max-new-tokens", type=int, default=default(distil, "max_new_tokens"), help="longest answer, in tokens"
-    )
-    s.add_argument(
-        "--batch-size",
-        type=int,
-        default=default(distil, "batch_size"),
-        help="conversations answered together (one shard, the unit of resume; vllm: its max_num_seqs)",
-    )
-    s.add_argument(
-        "--aux-layers",
-        dest="aux_layer_ids",
-        type=_parse_layers,
-        default=default(distil, "aux_layer_ids"),
-        help="comma-separated hidden_states indices; default 2,N//2,N-3 (distinct ones below 7 layers)",
-    )
-    s.add_argument("--dtype", default=default(distil, "dtype"), choices=list(STORE_DTYPES), help="the store's dtype")
-    s.add_argument("--draft-vocab-size", type=int, default=default(distil, "draft_vocab_size"))
     s.add_argument("--device", default=None, help="hf engine; default: cuda if available, else cpu")
-    engine_arguments(s, "answers and captures", "continuous batching, hidden states from the generating forwards")
+    engine_arguments(s)
     s.add_argument("--no-progress", dest="progress", action="store_false")
 
     s = add("run", run, "run the pipeline of a YAML config: distil, or [regenerate] -> tokenize -> capture")
-    s.add_argument("--config", required=True)
+    s.add_argument("--config", required=True, help="a prep YAML: a path, or a shipped config's name (smollm2_sharegpt)")
     s.add_argument(
         "overrides",
         nargs="*",
