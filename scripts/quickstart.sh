@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 if [ "${SCALE:-full}" = smoke ]; then
   RUN=runs/smoke; HEAD=runs/smoke/eagle3
   PREP=(out_dir="$RUN" prep.num_conversations=6 prep.max_length=256 prep.distil.max_new_tokens=16 prep.vocab_fill.conversations=50)
-  TRAIN=(max_length=256 tokens_per_batch=512 max_steps=2 warmup_steps=1 save_every=1)
+  TRAIN=(tokens_per_batch=512 max_steps=2 warmup_steps=1 save_every=1)   # max_length: the store's, 256
   EVAL=(--num-prompts 1 --max-new-tokens 8)
 else
   RUN=runs/smollm2_sharegpt; HEAD=runs/eagle3_smollm2   # the configs' out_dir and output_dir
@@ -24,9 +24,9 @@ else
   EVAL=(--num-prompts 5 --max-new-tokens 64)
 fi
 
-eagle-prep run --config configs/smollm2_sharegpt.yaml "${PREP[@]}"   # resumes a killed run; a finished one is kept
+eagle-prep run --config smollm2_sharegpt "${PREP[@]}"   # resumes a killed run; a finished one is kept
 accelerate launch --num_processes 1 --num_cpu_threads_per_process "$(nproc)" --num_machines 1 --mixed_precision no \
-    --dynamo_backend no scripts/train_eagle3.py --config configs/eagle3_smollm2.yaml \
+    --dynamo_backend no -m eagle_train.train --config eagle3_smollm2 \
     data_path="$RUN/store" output_dir="$HEAD" resume=auto ttt_length="${K:-1}" "${TRAIN[@]}"
 eagle-export "$HEAD/final" --format eagle3 --out "$HEAD/export" --target smollm2-135m
 eagle-eval --target smollm2-135m --draft "$HEAD/export" --bench mt_bench --chain "${K:-1}" \
