@@ -505,3 +505,35 @@ def test_a_conversation_tokenization_skips_is_named_by_its_id_in_the_summary(con
         str(tmp_path / "d.jsonl"), tmp_path / "out", SMOLLM2, max_length=64, tokenizer=smollm2[1]
     )
     assert report.first["no assistant tokens within max_length"] == "conversation long"
+
+
+@pytest.mark.parametrize(
+    "yaml_prep, flags",
+    [
+        ("", []),  # the defaults: one declaration for both
+        (
+            "prep:\n  num_conversations: 7\n  max_length: 300\n  draft_vocab_size: 512\n"
+            "  distil: {max_new_tokens: 20, turns: all, batch_size: 3}\n"
+            "  capture: {aux_layer_ids: [1, 2, 3], dtype: float32}\n",
+            ["--limit", "7", "--max-length", "300", "--draft-vocab-size", "512", "--max-new-tokens", "20"]
+            + ["--turns", "all", "--batch-size", "3", "--aux-layers", "1,2,3", "--dtype", "float32"],
+        ),
+    ],
+)
+def test_a_run_key_and_its_flag_make_the_same_call(monkeypatch, tmp_path, yaml_prep, flags):
+    """`eagle-prep run`'s YAML keys and a subcommand's flags are the same knobs: the same values, and the same
+    defaults, reach the same library call."""
+    calls = []
+    monkeypatch.setattr(cli, "distil_store", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(cli, "fill_vocab_map", lambda *args: None)
+    config = tmp_path / "prep.yaml"
+    config.write_text(f"out_dir: {tmp_path}\n{yaml_prep}")
+    cli.main(["run", "--config", str(config), "prep.distil.enabled=true"])
+    cli.main(["distil", "--out", str(tmp_path / "store"), *flags])
+    from_yaml, from_flags = calls
+
+    def same(value):
+        return tuple(value) if isinstance(value, list) else str(value) if isinstance(value, type(tmp_path)) else value
+
+    assert {k: same(v) for k, v in from_yaml.items()} == {k: same(from_flags[k]) for k in from_yaml}
+    assert len(from_yaml) == 14  # every knob of distil, and out
