@@ -226,6 +226,27 @@ def chain_rounds(correct, loss_mask):
     return rounds, torch.from_numpy(rejected)
 
 
+@torch.no_grad()
+def chain_walk(head, samples, target_logits, k: int) -> tuple[int, int]:
+    """(tokens, rounds) of greedy chain drafting with K = `k` drafts over the answers of `samples` (dicts of
+    input_ids [T], loss_mask [T], aux_hidden [T, 3H], final_hidden [T, H], a store's or `generate_and_capture`'s):
+    `ttt_loss`'s walk (`chain_rounds` over the head's top-1 agreement with the target), the one the trainer's
+    eval reports as chain_al; tokens / rounds is the AL greedy chain decoding gets on that text. The target's
+    distribution comes from `target_logits` in fp32; the head runs in its own dtype (autocast when not fp32)."""
+    dtype = head.lm_head.weight.dtype
+    device = head.lm_head.weight.device
+    tokens = rounds = 0
+    for sample in samples:
+        x, mask = sample["input_ids"][None].to(device), sample["loss_mask"][None].to(device)
+        final = sample["final_hidden"][None].to(device).float()
+        probs, in_draft = target_distribution(final, target_logits, head.t2d, mask)
+        aux = sample["aux_hidden"][None].to(device, dtype)
+        with torch.autocast(device.type, dtype, enabled=dtype != torch.float32):
+            _, metrics = ttt_loss(head, aux, x, mask, probs, in_draft, ttt_length=k)
+        tokens, rounds = tokens + int(metrics["count_chain_tokens"]), rounds + int(metrics["count_rounds"])
+    return tokens, rounds
+
+
 def simulated_acceptance_length(accs) -> float:
     """Acceptance length of chain drafting predicted from per-step top-1 accuracies.
 

@@ -234,16 +234,17 @@ def test_fixed_shape_path_of_cuda_graphs_is_lossless_on_cpu():
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_chain_walk_over_the_greedy_text_is_what_the_runtime_accepts(k):
-    """On the target's own greedy text, `ttt.chain_rounds` over the TTT steps' top-1 agreement runs the rounds
-    greedy chain drafting runs: as many verifications, emitting as many tokens, as `Runtime.generate`; both in
-    the trainer's loss and in scripts/bench/sampled_acceptance.py's walk over one stored sample."""
+    """On the target's own greedy text, `ttt.chain_walk` (`chain_rounds` over the TTT steps' top-1 agreement) runs
+    the rounds greedy chain drafting runs: as many verifications, emitting as many tokens, as `Runtime.generate`;
+    sample by sample (quality.py's walk, scripts/bench/sampled_acceptance.py's) and in the trainer's eval, whose
+    objective walks a padded batch of the same samples (its metrics give chain_al)."""
     from eagle_train.hidden_states import TargetLogits, target_hidden_states
-    from eagle_train.ttt import target_distribution, ttt_loss
+    from eagle_train.ttt import chain_walk, target_distribution, ttt_loss
 
     sampled = load_script("bench/sampled_acceptance.py")
 
     model, head = tiny_pair(3, **PAIR)
-    per_round = []
+    per_round, samples, runs = [], [], []
     for i in range(4):
         prompt = torch.randint(0, V, (4 + 3 * i,)).tolist()
         spec = Runtime(model, head, TreeShape.chain(k)).generate(prompt, 40)
@@ -252,15 +253,29 @@ def test_chain_walk_over_the_greedy_text_is_what_the_runtime_accepts(k):
         loss_mask[0, len(prompt) :] = True
         with torch.no_grad():
             aux, final = target_hidden_states(model, seq, aux_layer_ids=head.config.aux_layer_ids)
-            probs, in_draft = target_distribution(final, TargetLogits.of(model), head.t2d)
-            _, metrics = ttt_loss(head, aux, seq, loss_mask, probs, in_draft, ttt_length=k)
         # every round but a last one cut at 40 tokens emits its accepted drafts + 1
         assert sum(spec.accepted) + spec.forwards >= sum(spec.emitted) == len(spec.output_ids) - 1
-        assert int(metrics["count_rounds"]) == spec.forwards, i
-        assert int(metrics["count_chain_tokens"]) == sum(spec.accepted) + spec.forwards, i
+        runtime = (sum(spec.accepted) + spec.forwards, spec.forwards)
         sample = {"input_ids": seq[0], "loss_mask": loss_mask[0], "aux_hidden": aux[0], "final_hidden": final[0]}
+        assert chain_walk(head, [sample], TargetLogits.of(model), k) == runtime, i
         draft_ids = head.draft_to_target_ids(torch.arange(head.config.draft_vocab_size))
         _, walk, _ = sampled.acceptance(head, draft_ids, TargetLogits.of(model), sample, [0.0], k)
-        assert walk == (sum(spec.accepted) + spec.forwards, spec.forwards), i
+        assert walk == runtime, i
         per_round += spec.accepted
+        samples.append(sample)
+        runs.append(runtime)
     assert sum(per_round) > 10 and max(per_round) == k  # drafts were accepted, whole chains too: the walk jumped
+    total = tuple(map(sum, zip(*runs)))
+    assert chain_walk(head, samples, TargetLogits.of(model), k) == total
+
+    def padded(key):  # right padding, as the trainer batches
+        rows = [s[key] for s in samples]
+        return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+
+    batch = {key: padded(key) for key in samples[0]}
+    with torch.no_grad():
+        probs, in_draft = target_distribution(batch["final_hidden"], TargetLogits.of(model), head.t2d)
+        _, metrics = ttt_loss(
+            head, batch["aux_hidden"], batch["input_ids"], batch["loss_mask"], probs, in_draft, ttt_length=k
+        )
+    assert (int(metrics["count_chain_tokens"]), int(metrics["count_rounds"])) == total

@@ -14,10 +14,10 @@ The runtime's sampled AL (`eagle-eval --temperature T`) measures the same thing 
 Held-out answers: the samples the trainer held out (`trainer.split_indices` with --eval-fraction and --seed,
 the train YAML's), so none of them was trained on; with --all-samples every sample of a store no head trained
 on, e.g. the target's answers to a bench's prompts (`eagle-prep distil`; docs/performance.md). At T = 0 the
-line ends with the greedy chain walk's AL (`ttt.chain_rounds`): what greedy chain decoding with K = --steps
-drafts gets on that text, round by round. --by-token splits the greedy first draft's acceptance by the class of
-the token it had to match (`token_class`): where a head fails, and whether a larger vocabulary or more data
-would reach it.
+line ends with the greedy chain walk's AL (`ttt.chain_walk`, the trainer's chain_al): what greedy chain decoding
+with K = --steps drafts gets on that text, round by round. --by-token splits the greedy first draft's acceptance by
+the class of the token it had to match (`token_class`): where a head fails, and whether a larger vocabulary or more
+data would reach it.
 """
 
 import argparse
@@ -29,7 +29,7 @@ from eagle_train.hidden_states import TargetLogits
 from eagle_train.store import ShardedSamples, read_manifest
 from eagle_train.target import load_target
 from eagle_train.trainer import split_indices
-from eagle_train.ttt import chain_rounds, shift_left, simulated_acceptance_length
+from eagle_train.ttt import chain_walk, shift_left, simulated_acceptance_length
 
 
 def parse_args(argv=None):
@@ -103,8 +103,7 @@ def acceptance(head, draft_ids, target_logits, sample, temperatures, steps):
                 accepted = torch.minimum(p_t, q_t).sum(-1)
             out[temp][i][0] += float(accepted.sum())
             out[temp][i][1] += rows.numel()
-    rounds, _ = chain_rounds(correct, mask.cpu())
-    return out, (sum(a + 1 for *_, a in rounds), len(rounds)), first
+    return out, chain_walk(head, [sample], target_logits, steps), first
 
 
 def by_token_class(first, input_ids, in_draft, decode) -> dict[str, list[int]]:
