@@ -12,7 +12,7 @@ as sum(len(output_ids) - 1) / sum(forwards).
 
 import json
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from importlib import resources
 from pathlib import Path
 
@@ -115,7 +115,14 @@ class TurnResult:
     extra: dict = field(default_factory=dict)  # what else the engine measured (kept in the JSON)
 
     def record(self) -> dict:
+        """What the JSON keeps: the fields that are known, the engine's extras beside them."""
         return {k: v for k, v in asdict(self).items() if v is not None and k != "extra"} | self.extra
+
+    @classmethod
+    def of_record(cls, record: dict) -> "TurnResult":
+        names = {f.name for f in fields(cls)}
+        given = {k: v for k, v in record.items() if k in names}
+        return cls(**{"output_ids": None, **given}, extra={k: v for k, v in record.items() if k not in names})
 
 
 class TurnEngine:
@@ -145,42 +152,40 @@ class TurnEngine:
 def run_bench(
     engine: TurnEngine, tokenizer, prompts: list[dict], max_new_tokens: int, answers=None, progress: str = ""
 ) -> list[dict]:
-    """Every turn of every prompt, plainly and with each of the engine's drafters, one record per turn.
-    Plain decoding goes first, turn by turn: a later turn follows its answer (or `answers[p][t]`, another
-    run's, so two engines see the same prompts), so every drafter decodes the same prompt tokens. Then each
-    drafter decodes all those prompts in one session."""
+    """Every turn of every prompt, plainly and with each of the engine's drafters: one record per turn
+    (its prompt ids, the answer a later turn follows, then per decoding a `TurnResult.record`). Plain
+    decoding goes first, turn by turn: a later turn follows its answer (or `answers[p][t]`, another run's,
+    so two engines see the same prompts), so every drafter decodes the same prompt tokens; then each
+    drafter decodes all those prompts in one session (`add_drafter`)."""
     from tqdm import tqdm
 
-    ids, plain = [], []  # per turn, in prompt order
+    results = []
     with engine.session("plain") as decode:
         for p, prompt in enumerate(tqdm(prompts, desc=progress or "plain", unit="prompt", disable=not progress)):
-            messages = []
+            messages, turns = [], []
             for t, text in enumerate(prompt["turns"]):
                 messages.append({"role": "user", "content": text})
-                ids.append(chat_ids(tokenizer, messages))
-                plain += decode([ids[-1]], max_new_tokens)
-                answer = answers[p][t] if answers else plain[-1].answer
+                ids = chat_ids(tokenizer, messages)
+                (plain,) = decode([ids], max_new_tokens)
+                answer = answers[p][t] if answers else plain.answer
+                turns.append({"prompt_tokens": len(ids), "prompt_ids": ids, "answer": answer, "plain": plain.record()})
                 messages.append({"role": "assistant", "content": answer})
-    drafted = {}
+            results.append({"question_id": prompt["question_id"], "category": prompt["category"], "turns": turns})
     for name in engine.drafters:
-        with engine.session(name) as decode:
-            drafted[name] = decode(ids, max_new_tokens)
-    turns = []
-    for i, (prompt_ids, base) in enumerate(zip(ids, plain)):
-        turn = {"prompt_tokens": len(prompt_ids), "answer": base.answer, "plain": base.record()}
-        for name, runs in drafted.items():
-            turn[name] = {**runs[i].record(), "identical": engine.same(base, runs[i])}
-            if engine.finds_divergence:
-                turn[name]["divergence"] = engine.divergence(prompt_ids, base, runs[i], max_new_tokens)
-        turns.append(turn)
-    results, at = [], 0
-    for prompt in prompts:
-        n = len(prompt["turns"])
-        results.append(
-            {"question_id": prompt["question_id"], "category": prompt["category"], "turns": turns[at : at + n]}
-        )
-        at += n
+        add_drafter(results, engine, name, max_new_tokens)
     return results
+
+
+def add_drafter(results: list[dict], engine: TurnEngine, drafter: str, max_new_tokens: int) -> None:
+    """`drafter`'s decodes of every turn of `results` (`run_bench`'s), beside plain decoding's in each record."""
+    turns = [t for r in results for t in r["turns"]]
+    with engine.session(drafter) as decode:
+        runs = decode([t["prompt_ids"] for t in turns], max_new_tokens)
+    for turn, run in zip(turns, runs):
+        plain = TurnResult.of_record(turn["plain"])
+        turn[drafter] = {**run.record(), "identical": engine.same(plain, run)}
+        if engine.finds_divergence:
+            turn[drafter]["divergence"] = engine.divergence(turn["prompt_ids"], plain, run, max_new_tokens)
 
 
 def summarise(results: list[dict], depth: int, drafter: str = "spec") -> dict:

@@ -31,29 +31,35 @@ def turn_result(result, tokenizer) -> TurnResult:
 
 
 class RuntimeEngine(TurnEngine):
-    """`runtime` decoding turns: "spec" drafts with its head (without one: prompt lookup with up to
-    `ngram` drafts), "ngram" with prompt lookup beside a head (`ngram` None: not run)."""
+    """Built-in runtimes decoding turns: plainly on `plain`, and with each of `drafters` (name -> a runtime's
+    generate(prompt_ids, max_new_tokens), `eval_drafters`'s or a head per drafting's); they share the target,
+    so `plain` also reruns it where a greedy decode parts from plain decoding."""
 
-    def __init__(self, runtime, tokenizer, ngram: int | None = None):
-        self.runtime, self.tokenizer, self.ngram = runtime, tokenizer, ngram
-        has_head = runtime.drafter is not None
-        if not has_head and not ngram:
-            raise ValueError("a runtime without a head drafts by prompt lookup: give its K (ngram)")
-        self.drafters = ("spec", "ngram") if has_head and ngram else ("spec",)
-        self.finds_divergence = runtime.sampler.greedy
+    def __init__(self, plain, drafters: dict, tokenizer):
+        self.plain, self.generate, self.tokenizer = plain, drafters, tokenizer
+        self.drafters = tuple(drafters)
+        self.finds_divergence = plain.sampler.greedy
 
     def decode(self, drafter: str, prompts: list[list[int]], max_new_tokens: int) -> list[TurnResult]:
-        rt = self.runtime
-        if drafter == "plain":
-            generate = rt.generate_plain
-        elif drafter == "spec" and rt.drafter is not None:
-            generate = rt.generate
-        else:
-            generate = lambda ids, n: rt.generate_lookup(ids, n, self.ngram)  # noqa: E731
+        generate = self.plain.generate_plain if drafter == "plain" else self.generate[drafter]
         return [turn_result(generate(ids, max_new_tokens), self.tokenizer) for ids in prompts]
 
     def divergence(self, prompt_ids, plain: TurnResult, other: TurnResult, max_new_tokens: int) -> dict | None:
-        return first_divergence(self.runtime, prompt_ids, plain.output_ids, other.output_ids, max_new_tokens)
+        return first_divergence(self.plain, prompt_ids, plain.output_ids, other.output_ids, max_new_tokens)
+
+
+def eval_drafters(runtime, ngram: int | None) -> dict:
+    """eagle-eval's drafters on one runtime: "spec" with its head (without one: prompt lookup with up to
+    `ngram` drafts), "ngram" prompt lookup beside a head (`ngram` None: not run)."""
+
+    def lookup(ids, max_new_tokens):
+        return runtime.generate_lookup(ids, max_new_tokens, ngram)
+
+    if runtime.drafter is None:
+        if not ngram:
+            raise ValueError("a runtime without a head drafts by prompt lookup: give its K (ngram)")
+        return {"spec": lookup}
+    return {"spec": runtime.generate, **({"ngram": lookup} if ngram else {})}
 
 
 def precheck_head(draft, target_cfg) -> None:
@@ -106,7 +112,7 @@ def evaluate(options: EvalOptions) -> dict:
     ngram = shape.depth if o.ngram else None  # prompt lookup's K: the chain's, the tree's depth
     eos = end_of_turn_ids(model, tokenizer)
     runtime = Runtime(model, head, shape, sampler, eos_token_ids=eos, cuda_graphs=o.cuda_graphs, seed=o.seed)
-    engine = RuntimeEngine(runtime, tokenizer, ngram)
+    engine = RuntimeEngine(runtime, eval_drafters(runtime, ngram), tokenizer)
 
     if device.type == "cuda":  # kernel selection and graph capture stay out of the timings
         warmup = {"question_id": "warmup", "category": "", "turns": prompts[0]["turns"][:1]}

@@ -10,9 +10,11 @@ import pytest
 import torch
 from conftest import load_script
 
+from eagle_train.checkpoint import load_draft_head
 from eagle_train.eagle3 import Eagle3Head
 from eagle_train.hidden_states import target_hidden_states
 from inference.drafting import TreeShape
+from inference.generate import Runtime
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench" / "quality.py"
 
@@ -73,15 +75,36 @@ def test_one_point_on_the_tiny_llama(quality, tmp_path, tiny_llama_dir, tiny_lla
         assert tokens / 3 <= walk16[bench]["rounds"] <= tokens
     evaluator.model.float()
     assert set(summaries) == set(shapes)
-    for per_bench in summaries.values():
+    head = load_draft_head(tmp_path / "head", model).eval()
+    for name, per_bench in summaries.items():
         assert set(per_bench) == {"mt_bench", "gsm8k"}
-        for s in per_bench.values():
+        runtime = Runtime(model, head, shapes[name], eos_token_ids=evaluator.eos)
+        for bench, s in per_bench.items():
             assert s["turns_identical_to_plain"] == s["turns"]  # greedy speculative decoding is lossless
-            assert s["acceptance_length"] >= 1.0 and s["speedup"] > 0
+            # the reference: each turn's prompt decoded by the runtime itself, pooled as eagle-eval pools
+            runs = [runtime.generate(ids, 6) for ids, _ in sequences[bench]]
+            assert s["acceptance_length"] == sum(map(sum, (r.emitted for r in runs))) / sum(r.forwards for r in runs)
+            assert s["accepted_drafts"] == sum(map(sum, (r.accepted for r in runs)))
+            assert s["speedup"] == pytest.approx(s["spec_tokens_per_s"] / s["plain_tokens_per_s"])
+    chain = summaries["chain K=2"]["gsm8k"]  # one turn: the walk's text is the one the chain decoded
+    assert walk["gsm8k"]["acceptance_length"] * walk["gsm8k"]["rounds"] == pytest.approx(
+        chain["accepted_drafts"] + chain["verify_forwards"]
+    )
     assert summaries["chain K=2"]["mt_bench"]["turns"] == 2  # both MT-Bench turns
     assert [len(out) for _, out in sequences["gsm8k"]] == [6]
     top1 = evaluator.target_top1_probability(sequences)
-    assert set(top1) == {"mt_bench", "gsm8k", "all"} and all(0 < p <= 1 for p in top1.values())
+    with torch.no_grad():  # the reference: the target's top-1 probability before each of its tokens, one at a time
+        probs = {
+            bench: [
+                evaluator.model(torch.tensor([ids + out[:j]])).logits[0, -1].softmax(-1).max().item()
+                for ids, out in turns
+                for j in range(len(out))
+            ]
+            for bench, turns in sequences.items()
+        }
+    for bench, p in probs.items():
+        assert top1[bench] == pytest.approx(sum(p) / len(p), rel=1e-5)
+    assert top1["all"] == pytest.approx(sum(map(sum, probs.values())) / sum(map(len, probs.values())), rel=1e-5)
 
     pytest.importorskip("matplotlib")
     point = {"compute_minutes": 1.0, "results": summaries, "mean_acceptance_length": {name: 1.0 for name in shapes}}

@@ -25,14 +25,14 @@ Evaluation runs the built-in runtime (inference/, what `eagle-eval` runs) greedi
 --num-prompts prompts of each bench: plain decoding once per prompt turn (the speedup's reference,
 timed at every point, so a busy machine slows both sides alike), then each drafting (--chain,
 --tree). MT-Bench's second turn follows the plain answer, which greedy speculative decoding
-reproduces token for token. AL and speedup are `inference.evaluate.summarise`'s, as eagle-eval
+reproduces token for token. AL and speedup are eagle-eval's (`inference.evaluate.run_bench`, `summarise`), as it
 prints them. Once per run, on the first point's plain outputs, one target forward per turn gives
 the target's mean top-1 probability on its own greedy tokens: how predictable the text a head must
 guess is, to compare runs on other targets or prompts.
 
 Five prompts of 64 tokens cannot tell heads 0.03 AL apart. So each point also walks the chain (K = --chain)
 over the target's greedy answers to the first turns of the first --walk-prompts prompts of each bench (made
-once, batched, --walk-new-tokens long, with their hidden states): `ttt.chain_rounds` over the head's top-1
+once, batched, --walk-new-tokens long, with their hidden states): `ttt.chain_walk` over the head's top-1
 agreement on that text runs the rounds greedy chain decoding runs there, without decoding
 (tests/test_runtime_generate.py checks it against the runtime), at ~20x the tokens in seconds.
 
@@ -65,10 +65,11 @@ from eagle_train.hidden_states import TargetLogits
 from eagle_train.target import end_of_turn_ids, load_target
 from eagle_train.train_checkpoint import finished_at, newest_checkpoint
 from eagle_train.train_config import load_train_config
-from eagle_train.ttt import target_distribution, ttt_loss
+from eagle_train.ttt import chain_walk
 from inference.drafting import TreeShape
-from inference.evaluate import BENCHES, chat_ids, load_bench, summarise
+from inference.evaluate import BENCHES, chat_ids, load_bench, run_bench, summarise
 from inference.generate import Runtime
+from inference.runtime_eval import RuntimeEngine
 
 TRAIN_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_eagle3.py"
 # --recipe: the training objective, as train overrides placed after the YAML file (later --train overrides win)
@@ -271,43 +272,22 @@ class Evaluator:
         if self.device.type == "cuda":  # graph capture stays out of the timings
             for runtime in runtimes.values():
                 runtime.generate(chat_ids(self.tokenizer, [{"role": "user", "content": "Hi"}]), 8)
-        reference = next(iter(runtimes.values()))
+        engine = RuntimeEngine(
+            next(iter(runtimes.values())), {name: rt.generate for name, rt in runtimes.items()}, self.tokenizer
+        )
         summaries, sequences = {name: {} for name in runtimes}, {}
         for bench, prompts in self.prompts.items():
-            results, sequences[bench] = {name: [] for name in runtimes}, []
-            for prompt in prompts:
-                messages, turns = [], {name: [] for name in runtimes}
-                for text in prompt["turns"]:
-                    messages.append({"role": "user", "content": text})
-                    ids = chat_ids(self.tokenizer, messages)
-                    plain = reference.generate_plain(ids, self.max_new_tokens)
-                    for name, runtime in runtimes.items():
-                        spec = runtime.generate(ids, self.max_new_tokens)
-                        turns[name].append(
-                            {
-                                "spec": asdict(spec),
-                                "plain": asdict(plain),
-                                "identical": spec.output_ids == plain.output_ids,
-                            }
-                        )
-                    sequences[bench].append((ids, plain.output_ids))
-                    messages.append(
-                        {
-                            "role": "assistant",
-                            "content": self.tokenizer.decode(plain.output_ids, skip_special_tokens=True),
-                        }
-                    )
-                for name in runtimes:
-                    results[name].append({"turns": turns[name]})
+            results = run_bench(engine, self.tokenizer, prompts, self.max_new_tokens)
+            sequences[bench] = [(t["prompt_ids"], t["plain"]["output_ids"]) for r in results for t in r["turns"]]
             for name, shape in self.shapes.items():
-                summaries[name][bench] = summarise(results[name], shape.depth)
+                summaries[name][bench] = summarise(results, shape.depth, name)
         return summaries, sequences
 
     @torch.no_grad()
     def walk(self, head_dir, k: int) -> dict:
-        """Per bench, {acceptance_length, rounds}: greedy chain K = k over the walk texts, by the chain walk of the
-        head's TTT unroll (`ttt_loss`'s count_rounds and count_chain_tokens). The texts are the target's greedy
-        answers to the walk prompts' first turns with the states of the head's aux layers, made once per layer set."""
+        """Per bench, {acceptance_length, rounds}: greedy chain K = k over the walk texts (`ttt.chain_walk`, the
+        trainer's chain_al). The texts are the target's greedy answers to the walk prompts' first turns with the
+        states of the head's aux layers, made once per layer set."""
         head = load_draft_head(head_dir, self.model).to(device=self.device, dtype=self.model.dtype).eval()
         aux = tuple(head.config.aux_layer_ids)
         if aux not in self.walk_texts:
@@ -322,18 +302,11 @@ class Evaluator:
                 )
                 for bench, prompts in self.walk_prompts.items()
             }
-        # the target's distribution in fp32 and the head under the target's autocast, as the trainer has them
-        target_logits, out = TargetLogits.of(self.model, self.device, torch.float32), {}
-        autocast = torch.autocast(self.device.type, self.model.dtype, enabled=self.model.dtype != torch.float32)
+        # the target's distribution in fp32 and the head in the target's dtype, as the trainer has them
+        target_logits = TargetLogits.of(self.model, self.device, torch.float32)
+        out = {}
         for bench, texts in self.walk_texts[aux].items():
-            tokens = rounds = 0
-            for text in texts:
-                x, mask = text["input_ids"][None].to(self.device), text["loss_mask"][None].to(self.device)
-                probs, in_draft = target_distribution(text["final_hidden"][None].float(), target_logits, head.t2d, mask)
-                aux = text["aux_hidden"][None].to(self.model.dtype)
-                with autocast:
-                    _, metrics = ttt_loss(head, aux, x, mask, probs, in_draft, ttt_length=k)
-                tokens, rounds = tokens + int(metrics["count_chain_tokens"]), rounds + int(metrics["count_rounds"])
+            tokens, rounds = chain_walk(head, texts, target_logits, k)
             out[bench] = {"acceptance_length": tokens / max(rounds, 1), "rounds": rounds}
         return out
 
