@@ -13,7 +13,6 @@ over the process it runs in, so the engine lives in a child process: `generate_b
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -23,7 +22,7 @@ from pathlib import Path
 import torch
 
 from eagle_train.target import load_target_config
-from engines.vllm import VLLM_KEY, VllmError, child_env, error_lines, installed_version, missing, run_child
+from engines.vllm import VLLM_KEY, ChildServer, VllmError, child_env, installed_version, missing, run_child
 
 BATCH_CHILD = "import sys; from engines.vllm_data import serve_batch; serve_batch(*sys.argv[1:])"
 HIDDEN_STATES_CHILD = (
@@ -226,60 +225,37 @@ class HiddenStatesServer:
         engine_options = dict(engine_options or {})
         cache_gib = engine_options.pop("cpu_kv_cache_gib", None)
         cache_gib = cache_gib or os.environ.get("VLLM_CPU_KVCACHE_SPACE", DISTIL_CPU_KV_CACHE_GIB)
-        self.tmp = tempfile.TemporaryDirectory()
-        directory = Path(self.tmp.name)
+        self.files = tempfile.TemporaryDirectory()  # where the child writes the samples
         request = {
             "target": target,
             "aux_layer_ids": list(aux_layer_ids),
             "engine_options": engine_options,
-            "directory": str(directory),
+            "directory": self.files.name,
         }
-        (directory / "request.json").write_text(json.dumps(request))
-        self.log_path = directory / "stderr.log"
-        self.log = open(self.log_path, "w")
-        self.child = subprocess.Popen(
-            [sys.executable, "-c", HIDDEN_STATES_CHILD, str(directory / "request.json")],
-            env={**child_env(), "VLLM_CPU_KVCACHE_SPACE": str(cache_gib)},
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            text=True,
-        )
-        self.init_seconds = self._reply()["init_seconds"]
-
-    def _reply(self) -> dict:
-        for line in self.child.stdout:  # the child's replies are JSON lines; anything else is vLLM talking
-            if line.startswith("{"):
-                return json.loads(line)
-        self.child.wait()
-        self.log.flush()
-        raise VllmError(f"vLLM failed (exit {self.child.returncode}): {error_lines(self.log_path.read_text())}")
+        try:
+            self.server = ChildServer(
+                HIDDEN_STATES_CHILD, request, {**child_env(), "VLLM_CPU_KVCACHE_SPACE": str(cache_gib)}
+            )
+        except VllmError:
+            self.files.cleanup()
+            raise
+        self.init_seconds = self.server.started["init_seconds"]
 
     def answer(self, prompts: list[list[int]], max_new_tokens: int, stop_ids=None) -> list[dict]:
         from safetensors.torch import load_file
 
-        request = {"prompts": prompts, "max_new_tokens": max_new_tokens, "stop_ids": sorted(stop_ids or ())}
-        try:
-            self.child.stdin.write(json.dumps(request) + "\n")
-            self.child.stdin.flush()
-        except BrokenPipeError:
-            pass  # the child is gone: _reply says why
+        reply = self.server.ask(
+            {"prompts": prompts, "max_new_tokens": max_new_tokens, "stop_ids": sorted(stop_ids or ())}
+        )
         samples = []
-        for name in self._reply()["files"]:
+        for name in reply["files"]:
             samples.append(load_file(name))
             Path(name).unlink()
         return samples
 
     def close(self) -> None:
-        if self.child.poll() is None:
-            self.child.stdin.close()
-            try:
-                self.child.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.child.kill()
-                self.child.wait()
-        self.log.close()
-        self.tmp.cleanup()
+        self.server.close()
+        self.files.cleanup()
 
     def __enter__(self):
         return self
