@@ -174,36 +174,6 @@ def bench_kernels(args, device) -> dict:
 # ------------------------------------------------------------------------------------ decode
 
 
-def bench_turns(tokenizer, runtime, prompts: int, max_new_tokens: int) -> dict[str, list[dict]]:
-    """Prompt token ids of every turn of the first `prompts` prompts of each bench; a later turn
-    follows the plain greedy answer to the one before (what the speculative answer equals)."""
-    from inference.evaluate import BENCHES, chat_ids, load_bench
-
-    turns = {}
-    for bench in BENCHES:
-        turns[bench] = []
-        for prompt in load_bench(bench, prompts):
-            messages = []
-            for text in prompt["turns"]:
-                messages.append({"role": "user", "content": text})
-                ids = chat_ids(tokenizer, messages)
-                plain = runtime.generate_plain(ids, max_new_tokens)
-                turns[bench].append({"ids": ids, "plain": plain})
-                messages.append(
-                    {"role": "assistant", "content": tokenizer.decode(plain.output_ids, skip_special_tokens=True)}
-                )
-    return turns
-
-
-def acceptance_rates(accepted: list[int], depth: int) -> list[float]:
-    """P(draft j accepted | drafts < j accepted) for j = 1..depth, pooled over rounds."""
-    rates = []
-    for j in range(1, depth + 1):
-        reached = sum(a >= j - 1 for a in accepted)
-        rates.append(sum(a >= j for a in accepted) / reached if reached else 0.0)
-    return rates
-
-
 def decode_weight_bytes(model) -> int:
     """Bytes a decoding step must read: every decoder weight, the final norm and the lm_head
     (the input embedding is a one-row lookup unless it is the tied lm_head)."""
@@ -218,18 +188,21 @@ def decode_weight_bytes(model) -> int:
 def bench_decode(args, device, model, tokenizer, save=lambda partial: None) -> dict:
     from eagle_train.checkpoint import load_draft_head
     from eagle_train.target import end_of_turn_ids
-    from inference.divergence import first_divergence
     from inference.drafting import TreeShape
-    from inference.evaluate import divergence_counts, identical_note
+    from inference.evaluate import BENCHES, add_drafter, identical_note, load_bench, run_bench, summarise
     from inference.generate import Runtime
+    from inference.runtime_eval import RuntimeEngine
 
     eos = end_of_turn_ids(model, tokenizer)
     plain_rt = Runtime(model, None, eos_token_ids=eos)
     plain_rt.generate_plain(tokenizer("Hello")["input_ids"], 8)  # graph capture
-    turns = bench_turns(tokenizer, plain_rt, args.prompts, args.max_new_tokens)
+    # every turn of the first --prompts prompts of each bench, plainly; a later turn follows the plain answer
+    plain_only = RuntimeEngine(plain_rt, {}, tokenizer)
+    results = {b: run_bench(plain_only, tokenizer, load_bench(b, args.prompts), args.max_new_tokens) for b in BENCHES}
+    turns = {b: [t for r in rs for t in r["turns"]] for b, rs in results.items()}
     all_turns = [t for b in turns.values() for t in b]
-    plain_tokens = sum(len(t["plain"].output_ids) for t in all_turns)
-    plain_seconds = sum(t["plain"].seconds for t in all_turns)
+    plain_tokens = sum(t["plain"]["tokens"] for t in all_turns)
+    plain_seconds = sum(t["plain"]["seconds"] for t in all_turns)
     plain_tps = plain_tokens / plain_seconds
     out = {
         "prompts_per_bench": args.prompts,
@@ -240,7 +213,7 @@ def bench_decode(args, device, model, tokenizer, save=lambda partial: None) -> d
             "seconds": plain_seconds,
             "tokens_per_s": plain_tps,
             "per_bench": {
-                b: sum(len(t["plain"].output_ids) for t in ts) / sum(t["plain"].seconds for t in ts)
+                b: sum(t["plain"]["tokens"] for t in ts) / sum(t["plain"]["seconds"] for t in ts)
                 for b, ts in turns.items()
             },
         },
@@ -250,8 +223,8 @@ def bench_decode(args, device, model, tokenizer, save=lambda partial: None) -> d
     subset = [ts[i] for ts in turns.values() for i in range(min(args.hf_prompts, len(ts)))]
     hf_tokens, hf_seconds = 0, 0.0
     for i, t in enumerate(subset):
-        ids = torch.tensor([t["ids"]], device=device)
-        n = len(t["plain"].output_ids)
+        ids = torch.tensor([t["prompt_ids"]], device=device)
+        n = t["plain"]["tokens"]
         sync(device)
         t0 = time.perf_counter()
         gen = model.generate(
@@ -267,8 +240,8 @@ def bench_decode(args, device, model, tokenizer, save=lambda partial: None) -> d
             hf_tokens += gen.shape[1] - ids.shape[1]
             hf_seconds += time.perf_counter() - t0
     sub_plain = subset[1:]
-    sub_plain_tps = sum(len(t["plain"].output_ids) for t in sub_plain) / max(
-        sum(t["plain"].seconds for t in sub_plain), 1e-9
+    sub_plain_tps = sum(t["plain"]["tokens"] for t in sub_plain) / max(
+        sum(t["plain"]["seconds"] for t in sub_plain), 1e-9
     )
     hf_tps = hf_tokens / hf_seconds if hf_seconds else float("nan")
     out["hf_generate"] = {
@@ -302,21 +275,10 @@ def bench_decode(args, device, model, tokenizer, save=lambda partial: None) -> d
             if path not in heads:
                 heads[path] = load_draft_head(path, model).to(device=device, dtype=model.dtype).eval()
             rt = Runtime(model, heads[path], shape, eos_token_ids=eos)
-            rt.generate(all_turns[0]["ids"], 8)  # graph capture
-            tokens = seconds = forwards = emitted = 0
-            accepted, identical, parted = [], 0, []
-            for t in all_turns:
-                r = rt.generate(t["ids"], args.max_new_tokens)
-                tokens += len(r.output_ids)
-                seconds += r.seconds
-                forwards += r.forwards
-                emitted += sum(r.emitted)
-                accepted += r.accepted
-                plain_ids = t["plain"].output_ids
-                identical += r.output_ids == plain_ids
-                parted.append(
-                    {"divergence": first_divergence(rt, t["ids"], plain_ids, r.output_ids, args.max_new_tokens)}
-                )
+            rt.generate(all_turns[0]["prompt_ids"], 8)  # graph capture
+            engine = RuntimeEngine(plain_rt, {name: rt.generate}, tokenizer)
+            for rs in results.values():
+                add_drafter(rs, engine, name, args.max_new_tokens)
         except Exception as e:  # e.g. a head the runtime cannot drive yet: the other shapes still run
             out["speculative"].append(
                 {"method": method, "drafting": name, "head": str(path), "error": f"{type(e).__name__}: {e}"}
@@ -324,21 +286,25 @@ def bench_decode(args, device, model, tokenizer, save=lambda partial: None) -> d
             rows.append([f"{method} {name}", "error", f"{type(e).__name__}: {str(e)[:60]}", "", "", "", "", ""])
             print(f"{method} {name}: {type(e).__name__}: {e}", file=sys.stderr)
             continue
-        al = emitted / max(forwards, 1)
-        tps = tokens / seconds
-        speedup = tps / plain_tps
+        s = summarise([r for rs in results.values() for r in rs], shape.depth, name)
+        al, tps, speedup, identical = (
+            s["acceptance_length"],
+            s["spec_tokens_per_s"],
+            s["speedup"],
+            s["turns_identical_to_plain"],
+        )
         record = {
             "method": method,
             "drafting": name,
             "head": str(path),
             "acceptance_length": al,
-            "acceptance_rates": acceptance_rates(accepted, shape.depth),
+            "acceptance_rates": s["acceptance_per_position_conditional"],
             "tokens_per_s": tps,
             "speedup_vs_plain": speedup,
             "speedup_vs_hf": tps / hf_tps,
             "speedup_over_al": speedup / al,
             "identical_to_plain": identical,
-            **divergence_counts(parted),
+            **{k: s[k] for k in ("turns_parting_at_ties", "turns_parting_unexplained", "largest_gap_rounding_steps")},
             "turns": len(all_turns),
         }
         out["speculative"].append(record)
