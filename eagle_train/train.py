@@ -31,7 +31,7 @@ compute where it can be.
 import argparse
 
 from eagle_train.config_files import SHIPPED, config_file, shipped_names
-from eagle_train.methods import METHODS, check_method, method_of
+from eagle_train.methods import METHODS, check_method, method_of, objective_for
 from eagle_train.target import load_target_config
 from eagle_train.train_config import TrainConfig, field_names, load_train_config, one_line_refusals, validate
 from eagle_train.trainer import train
@@ -60,8 +60,8 @@ def config_from_command_line(argv=None, method: str | None = None) -> TrainConfi
         method_of(cfg)
         if method and cfg.method != method:
             raise ValueError(
-                f"method={cfg.method}: this script trains {method} heads (eagle-train trains either, by the "
-                "config's method)"
+                f"method={cfg.method}: this script trains {method} heads (eagle-train trains the method the "
+                "config names)"
             )
     return cfg
 
@@ -71,8 +71,7 @@ def run(cfg: TrainConfig) -> dict:
     target_config = load_target_config(cfg.target)
     validate(cfg, target_config)
     check_method(cfg, target_config)
-    method = method_of(cfg)
-    return train(cfg, method.build_head, method.objective(cfg))
+    return train(cfg, method_of(cfg).build_head, objective_for(cfg))
 
 
 def main(argv=None, method: str | None = None) -> None:
