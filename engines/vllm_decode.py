@@ -25,8 +25,9 @@ from pathlib import Path
 from eagle_train.checkpoint import load_draft_head, locate_head
 from eagle_train.export import export_head
 from eagle_train.export.draft_files import DraftFiles
+from engines import vllm as vllm_engine  # its missing() looked up when called: tests stand in for it
 from engines.rules import is_parallel
-from engines.vllm import ChildServer, VllmError, missing
+from engines.vllm import ChildServer, VllmError
 from inference.evaluate import EvalOptions, TurnEngine, TurnResult, load_bench, run_bench, summarise_drafters
 
 DECODE_CHILD = "import sys; from engines.vllm_decode import serve; serve(*sys.argv[1:])"
@@ -86,7 +87,7 @@ class Decoder:
     `close`. `dtype` ("float32", "bfloat16"): the target's (default fp32 on a CPU, bf16 on CUDA)."""
 
     def __init__(self, target: str, spec: dict | None = None, dtype: str | None = None):
-        reason = missing()
+        reason = vllm_engine.missing()
         if reason:
             raise VllmError(reason)
         self.server = ChildServer(DECODE_CHILD, {"target": target, "speculative_config": spec, "dtype": dtype})
@@ -172,7 +173,7 @@ def evaluate(options: EvalOptions, answers=None) -> dict:
         raise ValueError("--threads is for --engine llamacpp (vLLM binds its own threads)")
     if o.tree or not o.greedy:
         raise ValueError("--engine vllm decodes greedy chains here: leave out --tree, --temperature, --top-p, --top-k")
-    reason = missing()
+    reason = vllm_engine.missing()
     if reason:
         raise ValueError(reason)
     k = o.depth
