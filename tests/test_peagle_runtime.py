@@ -12,7 +12,7 @@ from inference.generate import Runtime
 from inference.parallel_drafting import ParallelDrafter
 
 HEAD = dict(init_std=0.2, draft_ids=None, num_hidden_layers=2, mask_token_id=16, num_depths=K, draft_vocab_size=4096)
-V = 16  # a confident tiny target's vocabulary: a random head's drafts are accepted often
+V = 16  # a confident tiny target's vocabulary: a random head's drafts are accepted now and then
 CONFIDENT_HEAD = {**HEAD, "mask_token_id": V - 1, "draft_vocab_size": V}
 
 
