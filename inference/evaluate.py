@@ -172,13 +172,15 @@ def run_bench(
                 messages.append({"role": "assistant", "content": answer})
             results.append({"question_id": prompt["question_id"], "category": prompt["category"], "turns": turns})
     for name in engine.drafters:
-        add_drafter(results, engine, name, max_new_tokens)
+        add_drafter(results, engine, name, max_new_tokens, progress)
     return results
 
 
-def add_drafter(results: list[dict], engine: TurnEngine, drafter: str, max_new_tokens: int) -> None:
+def add_drafter(results: list[dict], engine: TurnEngine, drafter: str, max_new_tokens: int, progress: str = "") -> None:
     """`drafter`'s decodes of every turn of `results` (`run_bench`'s), beside plain decoding's in each record."""
     turns = [t for r in results for t in r["turns"]]
+    if progress:
+        print(f"{progress}: {drafter} on {len(turns)} turns ...", flush=True)
     with engine.session(drafter) as decode:
         runs = decode([t["prompt_ids"] for t in turns], max_new_tokens)
     for turn, run in zip(turns, runs):
