@@ -93,11 +93,16 @@ step() {
   return $rc
 }
 
+# newest finished checkpoint of a training run (eagle_train.train_checkpoint decides what "finished" means), or nothing
+newest_checkpoint() {
+  "$PY" -c 'import sys; from eagle_train.train_checkpoint import newest_checkpoint as n; f = n(sys.argv[1]); print(f[0] if f else "")' "$1"
+}
+
 # newest head of a training run: final/ when it finished, else its newest checkpoint
 head_of() {
   if [ -f "$1/final/config.json" ]; then echo "$1/final"; return; fi
-  local ck  # a checkpoint is finished once its trainer_state.json is written (the trainer writes it last)
-  ck=$(ls -d "$1"/checkpoint-*/trainer_state.json 2>/dev/null | xargs -r -n1 dirname | sort -V | tail -n 1)
+  local ck
+  ck=$(newest_checkpoint "$1")
   [ -n "$ck" ] || { say "no head in $1: its training did not save a checkpoint" >&2; return 1; }
   echo "$ck"
 }
@@ -278,7 +283,7 @@ PY
   say "training done (last failing rc: $rc)"
   local common heads=() d
   common=$(for d in "${runs[@]}"; do
-           ls -d "$d"/checkpoint-*/trainer_state.json 2>/dev/null | xargs -r -n1 dirname | sed 's/.*checkpoint-//' | sort -n | tail -n 1
+           newest_checkpoint "$d" | sed 's/.*checkpoint-//'
          done | sort -n | head -n 1)
   [ -n "$common" ] || { say "a recipe saved no checkpoint: raise STAGE_SECONDS or lower OBJECTIVE_STEPS"; return 1; }
   for d in "${runs[@]}"; do
