@@ -4,6 +4,7 @@ prompts, one table and one JSON for them all.
     record = evaluate(EvalOptions("smollm2-135m", "runs/eagle3/final", chain=3), "builtin", "results.json")
 """
 
+from dataclasses import replace
 from pathlib import Path
 
 from eagle_train.files import write_json
@@ -24,19 +25,24 @@ def run_engine(name: str, options: EvalOptions, answers=None) -> dict:
 
 def evaluate(options: EvalOptions, engine: str, out) -> dict:
     """`engine`: "builtin", one of LIVE_ENGINES, or "all": the built-in runtime first, then every engine that
-    runs here, each following the built-in plain answers so all see the same prompts. Prints the table, writes
-    the JSON (one engine's record, or {engine: record}) and the plot beside it; returns what it wrote."""
+    runs here and takes the options (the others are named, with why), each following the built-in plain
+    answers so all see the same prompts. Prints the table, writes the JSON (one engine's record, or
+    {engine: record}) and the plot beside it; returns what it wrote."""
     if engine == "all":
         if options.draft == "ngram":
             raise ValueError("--engine all compares a head in every engine: give --draft HEAD")
-        records = {"builtin": run_engine("builtin", options)}
+        threadless = replace(options, threads=None)  # --threads is llama.cpp's alone
+        records = {"builtin": run_engine("builtin", threadless)}
         answers = [[t["answer"] for t in p["turns"]] for p in records["builtin"]["prompts"]]
         for name in LIVE_ENGINES:
-            reason = ENGINES[name].missing()
+            try:
+                reason = ENGINES[name].missing()
+                if not reason:
+                    records[name] = run_engine(name, options if name == "llamacpp" else threadless, answers)
+            except ValueError as e:  # it cannot take these options (a target without a GGUF for llama.cpp, ...)
+                reason = str(e)
             if reason:
                 print(f"{ENGINES[name].title} skipped: {reason}")
-                continue
-            records[name] = run_engine(name, options, answers)
     else:
         records = {engine: run_engine(engine, options)}
     summaries = {name: r["summary"] for name, r in records.items()}

@@ -144,6 +144,28 @@ def test_eval_counts_forwards_as_tokens_less_accepted_drafts(tmp_path, monkeypat
     assert "acceptance per position     -" in printed and "2/2" in printed
 
 
+def test_eval_all_lines_up_llama_cpp_beside_the_builtin_runtime(random_head, tmp_path, monkeypatch, capsys):
+    """--engine all: llama.cpp (the fake tools) decodes the turns the built-in runtime's plain answers make, in
+    the one table; --threads goes to llama.cpp alone."""
+    args = fake_tools(tmp_path, monkeypatch)
+    out = tmp_path / "all.json"
+    main(
+        [
+            *("--engine", "all", "--target", "smollm2-135m", "--draft", str(random_head[0]), "--bench", "mt_bench"),
+            *("--num-prompts", "1", "--max-new-tokens", "4", "--chain", "2", "--threads", "1", "--out", str(out)),
+        ]
+    )
+    record = json.loads(out.read_text())
+    assert {"builtin", "llamacpp"} <= set(record)
+    for b, c in zip(record["builtin"]["prompts"][0]["turns"], record["llamacpp"]["prompts"][0]["turns"]):
+        assert c["prompt_ids"] == b["prompt_ids"] and c["answer"] == b["answer"]  # turn 2 follows builtin's answer
+    assert record["llamacpp"]["summary"]["acceptance_length"] == pytest.approx(16 / 10)
+    spec = args("llama-speculative-simple")
+    assert spec[spec.index("-t") + 1] == "1"
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip().startswith("llamacpp")]
+    assert [row[1] for row in rows] == ["head", "n-gram"] and rows[0][2] == "1.600"
+
+
 def test_failed_run_quotes_the_end_of_stderr(tmp_path, monkeypatch):
     fake_tools(tmp_path, monkeypatch, exit_code=1)
     with pytest.raises(llamacpp.LlamaCppError, match=r"(?s)llama-speculative-simple failed \(exit 1\).*n_accept  = 3"):
