@@ -236,17 +236,6 @@ def validate(cfg: TrainConfig, target_config) -> None:
         if not ok:
             raise ValueError(message)
 
-    if not cfg.data_path:
-        raise ValueError(
-            "data_path is not set: point it at a store from `eagle-prep capture` (offline) "
-            "or a tokenized dataset from `eagle-prep tokenize` (online)"
-        )
-    if not Path(cfg.data_path).exists():
-        raise FileNotFoundError(
-            f"data_path {cfg.data_path} does not exist: run `eagle-prep run --config ...` first or fix the path"
-        )
-    from_data(cfg)  # its refusals, for a config made without load_train_config
-    need(cfg.max_length is not None, "max_length is unset: load_train_config takes the data's, or set it")
     need(cfg.mode in MODES, f"mode {cfg.mode!r} is not one of {MODES}")
     need(cfg.report_to in REPORT_TO, f"report_to {cfg.report_to!r} is not one of {REPORT_TO}")
     need(
@@ -263,12 +252,6 @@ def validate(cfg: TrainConfig, target_config) -> None:
     need(
         cfg.rejection_weight >= 0,
         f"rejection_weight must be >= 0 (0: every draft weighs 1), got {cfg.rejection_weight}",
-    )
-    need(cfg.max_length >= 4, f"max_length must be >= 4 tokens, got {cfg.max_length}")
-    need(
-        cfg.tokens_per_batch >= cfg.max_length,
-        f"tokens_per_batch {cfg.tokens_per_batch} is smaller than max_length {cfg.max_length}: a longest sample "
-        "would not fit a micro-batch; raise tokens_per_batch or lower max_length",
     )
     need(cfg.gradient_accumulation_steps >= 1, "gradient_accumulation_steps must be >= 1")
     need(
@@ -308,6 +291,24 @@ def validate(cfg: TrainConfig, target_config) -> None:
         writable.is_dir() and os.access(writable, os.W_OK | os.X_OK),
         f"output_dir {cfg.output_dir} cannot be written: {writable} is not a directory this user may write; "
         "choose another output_dir",
+    )
+    # the data, after the keys a config alone decides
+    if not cfg.data_path:
+        raise ValueError(
+            "data_path is not set: point it at a store from `eagle-prep capture` (offline) "
+            "or a tokenized dataset from `eagle-prep tokenize` (online)"
+        )
+    if not Path(cfg.data_path).exists():
+        raise FileNotFoundError(
+            f"data_path {cfg.data_path} does not exist: run `eagle-prep run --config ...` first or fix the path"
+        )
+    from_data(cfg)  # its refusals, for a config made without load_train_config
+    need(cfg.max_length is not None, "max_length is unset: load_train_config takes the data's, or set it")
+    need(cfg.max_length >= 4, f"max_length must be >= 4 tokens, got {cfg.max_length}")
+    need(
+        cfg.tokens_per_batch >= cfg.max_length,
+        f"tokens_per_batch {cfg.tokens_per_batch} is smaller than max_length {cfg.max_length}: a longest sample "
+        "would not fit a micro-batch; raise tokens_per_batch or lower max_length",
     )
     manifest = read_manifest(cfg.data_path)
     if cfg.mode == "offline" and manifest["format"] != HIDDEN_FORMAT:
