@@ -78,7 +78,7 @@ def main(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7], help="chain lengths K")
     p.add_argument("--p", type=float, nargs="+", default=[0.0, 0.3, 0.6], help="probabilities of a wrong draft")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="target dtype (default bf16 on CUDA, fp32 on a CPU)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default bf16 on CUDA, fp32 on a CPU")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--no-graphs", action="store_true", help="CUDA: decode without CUDA graphs")
     p.add_argument("--seed", type=int, default=0)
