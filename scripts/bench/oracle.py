@@ -1,27 +1,29 @@
 """The runtime's efficiency independent of any head: speculative decoding with an oracle drafter.
 
-    python scripts/bench/oracle.py --ks 1 2 3 4 5 6 7 --p 0 0.3 0.6 [--num-prompts 5 --max-new-tokens 128]
+    python scripts/bench/oracle.py --ks 1 2 3 4 5 6 7 --p 0 0.3 0.6 [--widths 1 4 --num-prompts 5 --max-new-tokens 128]
 
 The oracle drafts the target's own greedy continuation, taken from a plain run of the same prompt:
 each round's K drafts are the plain output's next K tokens, each replaced with probability p by
 another token (seeded), so the acceptance length is set by construction, not by a head. Drafting
 costs nothing, so a round's speedup over plain decoding reaches AL only if verifying K+1 rows costs
 one plain step and the runtime adds nothing around it: the table's speedup / AL is how close it comes
-(1.0 = nothing beyond the target's verify forward). "AL set" is the expected AL of a K-chain whose
-drafts each survive with probability 1 - p (the measured AL falls short of it by the last round's
-truncation). Tokens/s are over whole generate calls, prefill included, after one warm-up of each.
-Chains only: the runtime's trees come from a head's top-k, which an oracle has no analogue of.
-Every row checks that its tokens equal plain decoding's.
+(1.0 = nothing beyond the target's verify forward). --widths W > 1 drafts a K x W tree instead: W
+distinct candidates at each depth under the one carrying the continuation, which is among them with
+probability 1 - p, so AL is a chain's at the cost of verifying K*W nodes (and of compacting the cache
+when the accepted path leaves the first branch). "AL set" is the expected AL (the measured one falls
+short of it by the last round's truncation). Tokens/s are over whole generate calls, prefill
+included, after one warm-up of each. Every row checks that its tokens equal plain decoding's.
 """
 
 import argparse
+import itertools
 import json
 import random
 
 import torch
 
 from eagle_train.target import load_target
-from inference.drafting import TreeShape
+from inference.drafting import DraftTree, TreeShape
 from inference.evaluate import chat_ids, load_bench
 from inference.generate import GenerationResult, Runtime
 from inference.prompt_lookup import chain_tree
@@ -29,10 +31,14 @@ from inference.prompt_lookup import chain_tree
 
 class OracleDrafter:
     """Drafts a known continuation of one prompt through the runtime's drafter interface (as
-    `PromptLookup` does: no head, no root state), each draft corrupted with probability p."""
+    `PromptLookup` does: no head, no root state). Each depth of the draft holds `width` distinct
+    candidates under the one before it that carries the continuation; with probability 1 - p the
+    continuation's token is among them (at a random place), else all are wrong. Width 1 is a chain."""
 
-    def __init__(self, prompt_len: int, continuation: list[int], k: int, p: float, vocab_size: int, rng):
-        self.shape = TreeShape.chain(k)
+    def __init__(self, prompt_len: int, continuation: list[int], k: int, p: float, vocab_size: int, rng, width=1):
+        if not 1 <= width < vocab_size:
+            raise ValueError(f"a tree width must be in 1..{vocab_size - 1} (the vocab less one), got {width}")
+        self.shape = TreeShape(k, width, k * width)
         self.prompt_len = prompt_len  # continuation[i] is the token at position prompt_len + i
         self.continuation = continuation
         self.p, self.vocab_size, self.rng = p, vocab_size, rng
@@ -42,26 +48,52 @@ class OracleDrafter:
 
     catch_up_padded = catch_up
 
-    def wrong_or(self, token: int) -> int:
-        """`token`, or with probability p any other token (which the greedy target then rejects)."""
-        if self.rng.random() < self.p:
-            return (token + 1 + self.rng.randrange(self.vocab_size - 1)) % self.vocab_size
-        return token
+    def candidates(self, token: int) -> list[int]:
+        """`width` distinct tokens, `token` among them with probability 1 - p (greedy verification
+        rejects every other one)."""
+        width = self.shape.topk
+        wrong = [(token + 1 + i) % self.vocab_size for i in self.rng.sample(range(self.vocab_size - 1), width)]
+        if self.rng.random() >= self.p:
+            wrong[self.rng.randrange(width)] = token
+        return wrong
 
     def draft(self, root_token: torch.Tensor, h_root, logits_root, length: int):
         # the root is x_length = continuation[length - prompt_len]; the drafts are the tokens after it
         nxt = length - self.prompt_len + 1
-        drafts = [self.wrong_or(t) for t in self.continuation[nxt : nxt + self.shape.depth]]
-        drafts = torch.tensor(drafts, dtype=torch.long, device=root_token.device)
-        return chain_tree(torch.cat([root_token.reshape(1), drafts]))
+        tokens, parents, depths, spine = [], [0], [0], 0
+        for depth, token in enumerate(self.continuation[nxt : nxt + self.shape.depth], start=1):
+            row = self.candidates(token)
+            first = len(tokens) + 1
+            tokens += row
+            parents += [spine] * len(row)
+            depths += [depth] * len(row)
+            spine = first + row.index(token) if token in row else first
+        drafts = torch.tensor(tokens, dtype=torch.long, device=root_token.device)
+        tokens = torch.cat([root_token.reshape(1), drafts])
+        if self.shape.topk == 1:
+            return chain_tree(tokens)
+        ancestors = torch.eye(len(parents), dtype=torch.bool)
+        for i in range(1, len(parents)):
+            ancestors[i] |= ancestors[parents[i]]
+        dev = root_token.device
+        return DraftTree(
+            tokens=tokens,
+            parents=torch.tensor(parents, device=dev),
+            depths=torch.tensor(depths, device=dev),
+            ancestors=ancestors.to(dev),
+            dist_index=torch.full((len(parents),), -1, device=dev),
+            dists=None,
+        )
 
 
-def oracle_runs(runtime: Runtime, prompts, plains, k: int, p: float, seed: int = 0) -> list[GenerationResult]:
+def oracle_runs(runtime: Runtime, prompts, plains, k: int, p: float, seed=0, width=1) -> list[GenerationResult]:
     """Speculative decoding of each prompt with the oracle over its plain output (one seeded rng for all)."""
     rng = random.Random(seed)
     vocab_size = runtime.target.config.vocab_size
     return [
-        runtime.generate(q, len(plain.output_ids), OracleDrafter(len(q), plain.output_ids, k, p, vocab_size, rng))
+        runtime.generate(
+            q, len(plain.output_ids), OracleDrafter(len(q), plain.output_ids, k, p, vocab_size, rng, width)
+        )
         for q, plain in zip(prompts, plains)
     ]
 
@@ -77,6 +109,9 @@ def main(argv=None):
     p.add_argument("--num-prompts", type=int, default=5)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7], help="chain lengths K")
+    p.add_argument(
+        "--widths", type=int, nargs="+", default=[1], help="candidates per depth: 1 = a chain, W > 1 = a K x W tree"
+    )
     p.add_argument("--p", type=float, nargs="+", default=[0.0, 0.3, 0.6], help="probabilities of a wrong draft")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default bf16 on CUDA, fp32 on a CPU")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -100,16 +135,17 @@ def main(argv=None):
     plains = [runtime.generate_plain(q, args.max_new_tokens) for q in prompts]
     plain_tps = tokens_per_s(plains)
     rows = []
-    for k in args.ks:
-        oracle_runs(runtime, prompts[:1], [runtime.generate_plain(prompts[0], 8)], k, 0.0)  # warm-up
+    for k, width in itertools.product(args.ks, args.widths):
+        oracle_runs(runtime, prompts[:1], [runtime.generate_plain(prompts[0], 8)], k, 0.0, width=width)  # warm-up
         for prob in args.p:
-            results = oracle_runs(runtime, prompts, plains, k, prob, args.seed)
+            results = oracle_runs(runtime, prompts, plains, k, prob, args.seed, width)
             forwards = sum(r.forwards for r in results)
             al = sum(sum(r.emitted) for r in results) / forwards
             tps = tokens_per_s(results)
             rows.append(
                 dict(
                     k=k,
+                    width=width,
                     p=prob,
                     al_set=1 + sum((1 - prob) ** i for i in range(1, k + 1)),
                     al=al,
@@ -124,13 +160,13 @@ def main(argv=None):
     graphs = "CUDA graphs" if runtime.use_graphs else "no graphs"
     print(
         f"{args.target} on {device.type} {str(dtype).replace('torch.', '')} ({graphs}), torch {torch.__version__}: "
-        f"{args.bench}, {len(prompts)} prompts x {args.max_new_tokens} new tokens, oracle chain drafts\n"
+        f"{args.bench}, {len(prompts)} prompts x {args.max_new_tokens} new tokens, oracle drafts\n"
     )
-    print("| K | p | AL set | AL | tokens/s spec | tokens/s plain | speedup | speedup / AL | lossless |")
-    print("|--:|--:|--:|--:|--:|--:|--:|--:|:-:|")
+    print("| K | W | p | AL set | AL | tokens/s spec | tokens/s plain | speedup | speedup / AL | lossless |")
+    print("|--:|--:|--:|--:|--:|--:|--:|--:|--:|:-:|")
     for r in rows:
         print(
-            f"| {r['k']} | {r['p']:g} | {r['al_set']:.3f} | {r['al']:.3f} | {r['tokens_per_s']:.1f} | "
+            f"| {r['k']} | {r['width']} | {r['p']:g} | {r['al_set']:.3f} | {r['al']:.3f} | {r['tokens_per_s']:.1f} | "
             f"{r['plain_tokens_per_s']:.1f} | {r['speedup']:.2f}x | {r['speedup_per_al']:.3f} | "
             f"{'yes' if r['lossless'] else 'NO'} |"
         )
