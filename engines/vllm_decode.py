@@ -169,8 +169,9 @@ def evaluate(options: EvalOptions, answers=None) -> dict:
     from eagle_train.target import load_tokenizer
 
     o = options
-    if o.threads is not None:
-        raise ValueError("--threads is for --engine llamacpp (vLLM binds its own threads)")
+    refusal = vllm_engine.Vllm().check_refusal(o.target, o.threads)  # the engine's own word on its arguments
+    if refusal:
+        raise ValueError(refusal)
     if o.tree or not o.greedy:
         raise ValueError("--engine vllm decodes greedy chains here: leave out --tree, --temperature, --top-p, --top-k")
     reason = vllm_engine.missing()
