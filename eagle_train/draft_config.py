@@ -62,11 +62,16 @@ class DraftConfig:
     target_num_layers: int
     aux_layer_ids: tuple[int, int, int]
     num_hidden_layers: int = 1
-    method: str = "eagle3"  # or "peagle"
+    method: str = "eagle3"  # or "peagle", "dflash", "dspark" (head.HEAD_CLASSES)
     target: str = ""  # name or path the head was built for
     target_architectures: list[str] = field(default_factory=list)
-    mask_token_id: int | None = None  # P-EAGLE only
+    mask_token_id: int | None = None  # P-EAGLE, DFlash, DSpark
     num_depths: int | None = None  # P-EAGLE only: drafts per forward (K)
+    block_size: int | None = None  # DFlash, DSpark: slots per block, the anchor's and the masks'
+    causal: bool = False  # DFlash, DSpark: attention inside a block is causal (the engines' default: not)
+    sample_from_anchor: bool = False  # the anchor's slot drafts the first token (DSpark's default)
+    markov_rank: int = 0  # DSpark: rank of the logit bias from the token before each draft (0: none)
+    confidence_head: bool = False  # DSpark: a head predicting whether each draft is accepted
 
     def __post_init__(self):
         self.aux_layer_ids = tuple(self.aux_layer_ids)

@@ -70,12 +70,14 @@ class DecoderLayer(nn.Module):
 
 
 class DraftHead(nn.Module):
-    """What every draft head shares: EAGLE-3's fused first layer (`fc`, `midlayer`), the final norm,
-    the draft lm_head, the `d2t`/`t2d` vocab map and checkpoint I/O. A head that `owns_embedding`
-    saves `embed_tokens` (P-EAGLE trains it; an EAGLE-3 head imported from another trainer may carry
-    its own, frozen); otherwise it is the target's, frozen and left out of saves."""
+    """What every draft head shares: `fc` over the target's fused layers, the final norm, the draft
+    lm_head, the `d2t`/`t2d` vocab map and checkpoint I/O; with `fused_first_layer` (EAGLE-3, P-EAGLE)
+    EAGLE-3's fused first layer `midlayer`. A head that `owns_embedding` saves `embed_tokens` (P-EAGLE
+    trains it; an EAGLE-3 head imported from another trainer may carry its own, frozen); otherwise it is
+    the target's, frozen and left out of saves."""
 
     owns_embedding = False
+    fused_first_layer = True
 
     def __init__(self, cfg: DraftConfig):
         super().__init__()
@@ -84,7 +86,8 @@ class DraftHead(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, h)
         self.embed_tokens.weight.requires_grad_(self.owns_embedding)
         self.fc = nn.Linear(3 * cfg.target_hidden_size, h, bias=False)
-        self.midlayer = DecoderLayer(cfg, fused_input=True)
+        if self.fused_first_layer:
+            self.midlayer = DecoderLayer(cfg, fused_input=True)
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
@@ -173,7 +176,7 @@ class HeadClasses(Mapping):
         return len(self.loaded())
 
 
-HEAD_CLASSES = HeadClasses(("eagle_train.eagle3", "eagle_train.peagle"))
+HEAD_CLASSES = HeadClasses(("eagle_train.eagle3", "eagle_train.peagle", "eagle_train.dflash"))
 
 
 def non_finite_values(tensors: dict[str, torch.Tensor]) -> str:

@@ -70,23 +70,47 @@ def apply_rope(x, cos, sin):
 
 
 class Attention(nn.Module):
-    """Llama attention; `in_features` is 2H for the fused first draft layer, H otherwise."""
+    """Llama attention; `in_features` is 2H for the fused first draft layer, H otherwise. With `qk_norm`
+    (Qwen3, the DFlash layers) each head's query and key pass an RMSNorm (`q_norm`, `k_norm`) before RoPE."""
 
-    def __init__(self, in_features: int, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(
+        self,
+        in_features: int,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        qk_norm: bool = False,
+        eps: float = 1e-6,
+    ):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_proj = nn.Linear(in_features, num_heads * head_dim, bias=False)
         self.k_proj = nn.Linear(in_features, num_kv_heads * head_dim, bias=False)
         self.v_proj = nn.Linear(in_features, num_kv_heads * head_dim, bias=False)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+        if qk_norm:
+            self.q_norm = RMSNorm(head_dim, eps)
+            self.k_norm = RMSNorm(head_dim, eps)
+        self.qk_norm = qk_norm
+
+    def split_heads(self, x, heads: int):
+        """[B, T, heads * d] -> [B, heads, T, d]."""
+        return x.view(*x.shape[:2], heads, self.head_dim).transpose(1, 2)
+
+    def kv(self, x, cos, sin):
+        """Projected keys (normed, rotated) and values [B, h_kv, T, d] of `x`."""
+        k = self.split_heads(self.k_proj(x), self.num_kv_heads)
+        if self.qk_norm:
+            k = self.k_norm(k)
+        return apply_rope(k, cos, sin), self.split_heads(self.v_proj(x), self.num_kv_heads)
 
     def qkv(self, x, cos, sin):
         """Projected, rotated q [B, h, T, d] and k, v [B, h_kv, T, d]."""
-        b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        q = self.split_heads(self.q_proj(x), self.num_heads)
+        if self.qk_norm:
+            q = self.q_norm(q)
+        return apply_rope(q, cos, sin), *self.kv(x, cos, sin)
 
     def expand_kv(self, x):
         """[B, h_kv, S, d] -> [B, h, S, d] for grouped-query attention."""

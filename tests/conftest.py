@@ -147,6 +147,17 @@ TINY_DRAFT = dict(
     target_architectures=["LlamaForCausalLM"],
 )
 TINY_PEAGLE = dict(num_hidden_layers=2, mask_token_id=V - 1, num_depths=K)  # the mask token: the last id
+TINY_BLOCK = {  # the block drafters: DFlash, and DSpark with its options
+    "dflash": dict(num_hidden_layers=2, mask_token_id=V - 1, block_size=4),
+    "dspark": dict(
+        num_hidden_layers=2,
+        mask_token_id=V - 1,
+        block_size=4,
+        sample_from_anchor=True,
+        markov_rank=4,
+        confidence_head=True,
+    ),
+}
 TINY_TARGET = dict(  # the target tiny_draft_config's head drafts for
     vocab_size=V,
     hidden_size=H,
@@ -161,11 +172,12 @@ TARGET_FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qw
 
 
 def tiny_draft_config(**changes):
-    """The tiny head's DraftConfig (TINY_DRAFT, plus TINY_PEAGLE for method="peagle") with `changes`."""
+    """The tiny head's DraftConfig (TINY_DRAFT, plus TINY_PEAGLE or TINY_BLOCK for its method) with `changes`."""
     from eagle_train.draft_config import DraftConfig
 
-    peagle = TINY_PEAGLE if changes.get("method") == "peagle" else {}
-    return DraftConfig(**{**TINY_DRAFT, **peagle, **changes})
+    method = changes.get("method")
+    extra = TINY_PEAGLE if method == "peagle" else TINY_BLOCK.get(method, {})
+    return DraftConfig(**{**TINY_DRAFT, **extra, **changes})
 
 
 def set_random_vocab_map(head, among=None):
@@ -178,7 +190,7 @@ def set_random_vocab_map(head, among=None):
 
 
 def tiny_head(method="eagle3", seed=0, init_std=0.3, draft_ids="random", target_model=None, **config_changes):
-    """A random fp32 head: EAGLE-3 or P-EAGLE ("peagle") of tiny_draft_config(**config_changes), or, given
+    """A random fp32 head of `method` (eagle3, peagle, dflash, dspark) of tiny_draft_config(**config_changes), or, given
     a `target_model`, sized like it (DraftConfig.from_target_config(**config_changes)) and on its
     embedding: borrowed by EAGLE-3, an own copy for P-EAGLE, as their from_target give them.
 
@@ -187,8 +199,7 @@ def tiny_head(method="eagle3", seed=0, init_std=0.3, draft_ids="random", target_
     layers at work; draft_ids: the target ids of the draft vocabulary, "random" (a random sorted subset
     when smaller than the target's) or None (the constructor's map)."""
     from eagle_train.draft_config import DraftConfig
-    from eagle_train.eagle3 import Eagle3Head
-    from eagle_train.peagle import PEagleHead
+    from eagle_train.head import HEAD_CLASSES
 
     if seed is not None:
         torch.manual_seed(seed)
@@ -196,7 +207,7 @@ def tiny_head(method="eagle3", seed=0, init_std=0.3, draft_ids="random", target_
         config = tiny_draft_config(method=method, **config_changes)
     else:
         config = DraftConfig.from_target_config(target_model.config, method=method, **config_changes)
-    head = {"eagle3": Eagle3Head, "peagle": PEagleHead}[method](config)
+    head = HEAD_CLASSES[method](config)
     if init_std is not None:
         for p in head.parameters():
             torch.nn.init.normal_(p, std=init_std)
