@@ -4,15 +4,16 @@ For tokens x_0..x_{T-1}, a block at anchor a reads x_a and the target's states a
 runtime has when the target last verified x_a) and drafts x_{a+1}..x_{a+D}. Draft j is trained toward the
 target's distribution at a+j-1 (the one that predicts x_{a+j}); it is supervised iff x_{a+j} exists, is an
 assistant token (loss_mask) and the target's argmax there lies in the draft vocabulary. Anchors are drawn per
-sequence among the positions 1 <= a <= T-2 whose next token is an assistant token: no block reads the state
-at a sequence's last position (a vLLM store holds zeros there) or at its anchor.
+sequence among the positions 1 <= a <= T-2 where x_a and x_{a+1} are assistant tokens (the runtime's blocks
+start at an answer token: the prefill emits the answer's first): no block reads the state at a sequence's last
+position (a vLLM store holds zeros there) or at its anchor.
 
 loss = sum over supervised drafts of w_j x loss_j / sum of w_j, w_j = exp(-(j-1)/gamma): the first drafts
 decide acceptance, so they weigh most. loss_j is `ttt.loss_rows` (soft cross-entropy, mixed with total
 variation by `tv_weight`), over logits carrying DSpark's Markov bias from the true previous token (what the
 runtime reads whenever the drafts before j were accepted, the only case in which draft j matters); with a
-confidence head, plus `confidence_weight` x the binary cross-entropy of its logit against whether draft j
-is the target's argmax, weighted alike.
+confidence head, plus `confidence_weight` x the binary cross-entropy of its logit against draft j's chance
+of acceptance when sampled, 1 - TV(draft, target) (DSpark's label; detached), weighted alike.
 """
 
 import torch
@@ -31,10 +32,12 @@ def default_gamma(block_size: int) -> float:
 
 def sample_anchors(loss_mask, num_anchors: int, generator):
     """(anchors [B, n], valid [B, n]): up to `num_anchors` distinct anchors per row, drawn uniformly among
-    the positions 1 <= a <= T-2 with loss_mask[a+1], n the most any row got; invalid entries read anchor 1."""
+    the positions 1 <= a <= T-2 with loss_mask[a] and loss_mask[a+1], n the most any row got; invalid entries
+    read anchor 1."""
     b, t = loss_mask.shape
+    mask = loss_mask.bool().cpu()
     candidates = torch.zeros(b, t, dtype=torch.bool)
-    candidates[:, 1 : t - 1] = loss_mask[:, 2:].bool().cpu()
+    candidates[:, 1 : t - 1] = mask[:, 1 : t - 1] & mask[:, 2:]
     rows = []
     for row in candidates:
         where = row.nonzero().flatten()
@@ -86,7 +89,11 @@ def block_loss(
     loss = (weight * losses).sum() / total_weight
     metrics = {}
     if confidence is not None:
-        bce = F.binary_cross_entropy_with_logits(confidence.float(), agree.float(), weight=weight, reduction="sum")
+        with torch.no_grad():
+            accepted = 1 - 0.5 * (torch.softmax(logits.float(), -1) - probs).abs().sum(-1)
+        bce = F.binary_cross_entropy_with_logits(
+            confidence.float(), accepted.clamp(0, 1), weight=weight, reduction="sum"
+        )
         bce = bce / total_weight
         loss = loss + confidence_weight * bce
         metrics["confidence_bce"] = bce.detach()

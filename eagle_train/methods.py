@@ -8,6 +8,7 @@ own keys (after `train_config.validate`'s common ones). A new method is a new ro
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from eagle_train.block_train import block_objective, build_block_head, validate_block
 from eagle_train.eagle3_train import build_eagle3_head, eagle3_objective
 from eagle_train.peagle_train import build_peagle_head, peagle_objective, validate_peagle
 from eagle_train.train_config import TrainConfig
@@ -32,6 +33,18 @@ METHODS = {
         peagle_objective,
         validate_peagle,
         summary="P-EAGLE: all num_depths drafts in one forward pass, trained with sequence partitioning",
+    ),
+    "dflash": Method(
+        build_block_head,
+        block_objective,
+        validate_block,
+        summary="DFlash: a block of block_size - 1 drafts in one forward, the target's layers as keys and values",
+    ),
+    "dspark": Method(
+        build_block_head,
+        block_objective,
+        validate_block,
+        summary="DSpark: DFlash drafting from the anchor's slot too, with a Markov logit bias and a confidence head",
     ),
 }
 

@@ -18,6 +18,8 @@ from pathlib import Path
 import yaml
 
 from eagle_train.architectures import check_supported
+from eagle_train.block_loss import CONFIDENCE_WEIGHT, NUM_ANCHORS
+from eagle_train.dflash import BLOCK_SIZE
 from eagle_train.peagle import NUM_DEPTHS
 from eagle_train.store import HIDDEN_FORMAT, MANIFEST, check_store_matches, read_manifest, read_vocab_map
 from eagle_train.ttt import REJECTION_WEIGHT, TTT_DECAY, TTT_LENGTH, TV_WEIGHT
@@ -38,12 +40,14 @@ class TrainConfig:
     target: str = "smollm2-135m"  # alias, local HF dir, .gguf or hub id (must be the store's target)
     data_path: str = ""  # hidden-state store (offline) or tokenized dataset (online; a store works too)
     mode: str = "offline"  # offline: hidden states from the store; online: run the target per batch
-    method: str = "eagle3"  # a row of eagle_train.methods.METHODS: eagle3 or peagle
+    method: str = "eagle3"  # a row of eagle_train.methods.METHODS: eagle3, peagle, dflash or dspark
     # None: offline, the store's layers; online, hidden_states.default_aux_layer_ids (2, N//2, N-3 from 7 layers)
     aux_layer_ids: list[int] | None = None
     draft_vocab_size: int | None = None  # None: the data's vocab map's; else its most frequent ids (by its counts)
     init_from: str = ""  # an eagle-train head/checkpoint dir or an engine-layout EAGLE-3 dir
-    warm_start: bool = False  # a new EAGLE-3 head's norm and lm_head start as the target's (eagle_train.warm_start)
+    warm_start: bool = (
+        False  # a new head's norm and lm_head start as the target's (eagle_train.warm_start; not P-EAGLE)
+    )
     # the objective
     ttt_length: int = TTT_LENGTH
     ttt_decay: float = TTT_DECAY
@@ -57,6 +61,14 @@ class TrainConfig:
     draft_num_layers: int | None = None  # N: None -> 2 below target hidden 2048, else 4
     mask_token_id: int | None = None  # None: a spare special token the data never uses
     num_segments: int | None = None  # sequence partitioning; None -> peagle_batch.default_num_segments
+    # DFlash and DSpark (methods dflash, dspark; checked by eagle_train.block_train.validate_block); they share
+    # draft_num_layers (None: 1 below target hidden 2048, else 5) and mask_token_id with P-EAGLE
+    block_size: int = BLOCK_SIZE  # slots per block: the anchor's and the masks'; DFlash drafts block_size - 1
+    num_anchors: int = NUM_ANCHORS  # blocks per sequence and micro-batch, at random assistant positions
+    block_gamma: float | None = None  # draft j's loss weighs exp(-(j-1)/gamma); None: 4 at block 8, 7 at 16
+    causal: bool = False  # attention inside a block is causal (the engines' default: not)
+    markov_rank: int | None = None  # DSpark's Markov bias rank; None: 64 for dspark, none for dflash
+    confidence_weight: float = CONFIDENCE_WEIGHT  # DSpark: weight of the confidence head's loss
     # batching (per process): padded tokens per micro-batch; samples longer than max_length are truncated
     max_length: int | None = None  # None: the data's (the max_length it was prepared with)
     tokens_per_batch: int = 8192
@@ -281,9 +293,9 @@ def validate(cfg: TrainConfig, target_config) -> None:
     need(cfg.num_epochs >= 1, f"num_epochs must be >= 1 (max_steps > 0 overrides it), got {cfg.num_epochs}")
     need(cfg.keep_checkpoints >= 1, f"keep_checkpoints must be >= 1, got {cfg.keep_checkpoints}")
     need(
-        not cfg.warm_start or (cfg.method == "eagle3" and not cfg.init_from),
-        "warm_start starts a new EAGLE-3 head from the target's norm and lm_head: not with method peagle, "
-        "nor with init_from (that head brings its own)",
+        not cfg.warm_start or (cfg.method != "peagle" and not cfg.init_from),
+        "warm_start starts a new head from the target's norm and lm_head: not with method peagle (its own "
+        "embedding), nor with init_from (that head brings its own)",
     )
     output_dir = Path(cfg.output_dir).absolute()
     writable = next(p for p in (output_dir, *output_dir.parents) if p.exists())

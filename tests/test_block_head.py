@@ -58,8 +58,8 @@ def reference_loss(head, aux, ids, mask, final, lm_head, anchors, valid, gamma, 
                 terms.append(w * ((1 - tv_weight) * ce + tv_weight * tv))
                 weights.append(w)
                 if confidence is not None:
-                    agree = float(logits.argmax() == target.argmax())
-                    bces.append(w * F.binary_cross_entropy_with_logits(confidence, torch.tensor(agree).double()))
+                    accepted = (1 - tv).detach().clamp(0, 1)  # draft j's chance of acceptance when sampled
+                    bces.append(w * F.binary_cross_entropy_with_logits(confidence, accepted))
     total = sum(terms) / sum(weights)
     if bces:
         total = total + confidence_weight * sum(bces) / sum(weights)
@@ -88,15 +88,15 @@ def test_block_loss_equals_block_by_block_reference_with_gradients(method, causa
 
 
 def test_anchors_read_only_states_the_runtime_has():
-    """Anchors lie in [1, T-2] with an assistant token next; a block's output ignores every state from its
-    anchor on (the state at a sample's last position is zero in a vLLM store)."""
+    """Anchors lie in [1, T-2], assistant tokens with an assistant token next; a block's output ignores every
+    state from its anchor on (the state at a sample's last position is zero in a vLLM store)."""
     head = tiny_head("dflash").double()
     aux, ids, mask, *_ = random_batch(b=3, t=20)
     anchors, valid = sample_anchors(mask, 50, torch.Generator().manual_seed(0))
     for row in range(3):
         picked = anchors[row][valid[row]]
-        assert len(set(picked.tolist())) == len(picked) == int(mask[row, 2:].sum())
-        assert all(1 <= a <= 18 and mask[row, a + 1] for a in picked.tolist())
+        assert len(set(picked.tolist())) == len(picked) == int((mask[row, 1:-1] & mask[row, 2:]).sum())
+        assert all(1 <= a <= 18 and mask[row, a] and mask[row, a + 1] for a in picked.tolist())
     h = head.forward_blocks(aux, ids, anchors)
     changed = aux.clone()
     row, i = valid.nonzero()[0].tolist()

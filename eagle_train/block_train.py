@@ -1,0 +1,124 @@
+"""The block drafters' plug-ins for the shared trainer loop (`eagle_train.trainer.train`): the head builder,
+the objective (blocks at random anchors, `eagle_train.block_loss`) and the checks of their keys.
+
+`method: dflash` trains a DFlash head (block_size - 1 drafts a forward); `method: dspark` the same head with
+DSpark's options on: the anchor's slot drafts too (`sample_from_anchor`), the Markov bias of rank
+`markov_rank` and the confidence head (loss weight `confidence_weight`).
+"""
+
+import torch
+
+from eagle_train.architectures import text_config
+from eagle_train.block_loss import block_loss, default_gamma, sample_anchors
+from eagle_train.checkpoint import load_draft_head
+from eagle_train.dflash import MARKOV_RANK, BlockHead
+from eagle_train.eagle3_train import noisy_features
+from eagle_train.peagle import choose_mask_token_id
+from eagle_train.target import load_tokenizer
+from eagle_train.warm_start import warm_start_from_target
+
+
+def dspark_options(cfg) -> dict:
+    """The head options `method` implies: DSpark's on (Markov rank `markov_rank`, MARKOV_RANK when unset),
+    DFlash's off."""
+    if cfg.method == "dspark":
+        rank = MARKOV_RANK if cfg.markov_rank is None else cfg.markov_rank
+        return {"sample_from_anchor": True, "markov_rank": rank, "confidence_head": rank > 0}
+    return {"sample_from_anchor": False, "markov_rank": 0, "confidence_head": False}
+
+
+def build_block_head(cfg, target_model, vocab_map: dict | None) -> BlockHead:
+    """A new DFlash or DSpark head for the target with the data's vocab map (mask token: `cfg.mask_token_id` or a
+    spare special token the data never uses; with `warm_start`, its norm and lm_head are the target's), or the head
+    of the same method at `init_from`."""
+    if cfg.init_from:
+        head = load_draft_head(cfg.init_from, target_model)
+        if head.config.method != cfg.method:
+            raise ValueError(f"init_from {cfg.init_from} holds a {head.config.method} head, not a {cfg.method} head")
+        head.config.check_fits(target_model.config)
+        if head.config.block_size != cfg.block_size:
+            raise ValueError(
+                f"init_from {cfg.init_from} has block_size {head.config.block_size}, the run asks for "
+                f"{cfg.block_size}: set block_size={head.config.block_size}"
+            )
+        return head
+    mask_token_id = cfg.mask_token_id
+    if mask_token_id is None:
+        mask_token_id = choose_mask_token_id(load_tokenizer(cfg.target), vocab_map.get("counts"))
+    head = BlockHead.from_target(
+        target_model,
+        method=cfg.method,
+        mask_token_id=mask_token_id,
+        block_size=cfg.block_size,
+        num_hidden_layers=cfg.draft_num_layers,
+        draft_vocab_size=len(vocab_map["d2t"]),
+        aux_layer_ids=cfg.aux_layer_ids,
+        target=cfg.target,
+        causal=cfg.causal,
+        **dspark_options(cfg),
+    )
+    head.set_vocab_map(vocab_map["d2t"], vocab_map["t2d"])
+    if cfg.warm_start:
+        warm_start_from_target(head, target_model)
+    return head
+
+
+def block_objective(cfg):
+    """The trainer's objective for DFlash and DSpark, from the run's config: `num_anchors` blocks per sequence,
+    drawn from the batch's generator, one forward and backward per micro-batch (training batches with
+    `feature_noise`, as EAGLE-3's)."""
+    options = {
+        "gamma": cfg.block_gamma or default_gamma(cfg.block_size),
+        "tv_weight": cfg.tv_weight,
+        "confidence_weight": cfg.confidence_weight,
+    }
+
+    def objective(model, batch, backward):
+        aux = batch["aux_hidden"]
+        if cfg.feature_noise and torch.is_grad_enabled():
+            aux = noisy_features(aux, cfg.feature_noise, batch["generator"])
+        anchors, valid = sample_anchors(batch["loss_mask"], cfg.num_anchors, batch["generator"])
+        loss, metrics = model(
+            block_loss,
+            aux,
+            batch["input_ids"],
+            batch["loss_mask"],
+            batch["target_probs"],
+            batch["in_draft"],
+            anchors,
+            valid,
+            **options,
+        )
+        backward(loss)
+        return metrics
+
+    return objective
+
+
+def validate_block(cfg, target_config) -> None:
+    """The DFlash / DSpark keys of a TrainConfig, checked before any compute."""
+    vocab = text_config(target_config).vocab_size
+    if cfg.rejection_weight:
+        raise ValueError(f"rejection_weight weighs EAGLE-3's chain walk (method eagle3): set it to 0 for {cfg.method}")
+    if cfg.block_size < 2:
+        raise ValueError(f"block_size (the anchor's slot plus the masks) must be >= 2, got {cfg.block_size}")
+    if cfg.num_anchors < 1:
+        raise ValueError(f"num_anchors (blocks per sequence) must be >= 1, got {cfg.num_anchors}")
+    if cfg.block_gamma is not None and cfg.block_gamma <= 0:
+        raise ValueError(f"block_gamma must be > 0 (or null for the block size's default), got {cfg.block_gamma}")
+    if cfg.method == "dflash" and cfg.markov_rank:
+        raise ValueError("markov_rank is DSpark's Markov bias: use method dspark, or markov_rank null for dflash")
+    if cfg.markov_rank is not None and cfg.markov_rank < 0:
+        raise ValueError(f"markov_rank must be >= 0 (0: no Markov bias; null: {MARKOV_RANK}), got {cfg.markov_rank}")
+    if cfg.draft_num_layers is not None and cfg.draft_num_layers < 1:
+        raise ValueError(f"draft_num_layers must be >= 1 (or null for the default), got {cfg.draft_num_layers}")
+    if cfg.mask_token_id is not None and not 0 <= cfg.mask_token_id < vocab:
+        raise ValueError(
+            f"mask_token_id {cfg.mask_token_id} is outside the target vocabulary [0, {vocab}); "
+            "leave it null to pick a spare special token"
+        )
+    if cfg.aux_layer_ids is not None and min(cfg.aux_layer_ids) < 1:
+        raise ValueError(
+            f"aux_layer_ids {list(cfg.aux_layer_ids)}: a block head reads decoder layers' outputs, and layer index 0 "
+            "is the embedding's: use ids >= 1 (capture a store with --aux-layers of ids >= 1)"
+        )
