@@ -19,7 +19,7 @@ of acceptance when sampled, 1 - TV(draft, target) (DSpark's label; detached), we
 import torch
 import torch.nn.functional as F
 
-from eagle_train.ttt import TV_WEIGHT, compiled_loss_rows, loss_rows
+from eagle_train.ttt import TV_WEIGHT, chain_rounds, compiled_loss_rows, loss_rows, target_distribution
 
 NUM_ANCHORS = 32  # blocks per sequence, the default
 CONFIDENCE_WEIGHT = 1.0  # DSpark's confidence loss weight, the default
@@ -116,3 +116,33 @@ def block_loss(
 def read_at(x, at):
     """x [B, T] read at positions at [B, ...] of its row."""
     return x.gather(1, at.flatten(1)).view(at.shape)
+
+
+@torch.no_grad()
+def block_walk(head, samples, target_logits, k: int) -> tuple[int, int]:
+    """(tokens, rounds) of greedy block drafting, the first `k` drafts of each block, over the answers of
+    `samples` (`ttt.chain_walk`'s samples): a block at every answer position in one pass, then `ttt.chain_rounds`
+    over where each is right. A round whose last committed token is x_t drafts from the block anchored at the
+    pending token x_{t+1}: what `inference` runs on this text, as `chain_walk` is for EAGLE-3."""
+    dtype, device = head.lm_head.weight.dtype, head.lm_head.weight.device
+    tokens = rounds = 0
+    for sample in samples:
+        x, mask = sample["input_ids"][None].to(device), sample["loss_mask"][None].to(device).bool()
+        t = x.shape[1]
+        probs, in_draft = target_distribution(
+            sample["final_hidden"][None].to(device).float(), target_logits, head.t2d, mask
+        )
+        anchors = torch.arange(1, t - 1, device=device)[None]
+        with torch.autocast(device.type, dtype, enabled=dtype != torch.float32):
+            h = head.forward_blocks(sample["aux_hidden"][None].to(device, dtype), x, anchors)
+        h = h[:, :, head.draft_slots()[:k]]  # [1, T-2, k, H]
+        position = anchors[..., None] + torch.arange(1, h.shape[2] + 1, device=device)
+        at = position.clamp(max=t - 1)
+        supervised = (position < t) & read_at(mask, at) & read_at(in_draft, at - 1)
+        logits, _ = head.draft_logits(h, read_at(x, at - 1))
+        right = logits.float().argmax(-1) == probs[0, (at - 1)[0]].argmax(-1)[None]
+        correct = torch.zeros(1, h.shape[2], t, dtype=torch.bool)
+        correct[0, :, : t - 2] = (supervised & right)[0].T.cpu()  # EAGLE-3's anchor t = the block's a - 1
+        walked, _ = chain_rounds(correct, mask.cpu())
+        tokens, rounds = tokens + sum(a + 1 for *_, a in walked), rounds + len(walked)
+    return tokens, rounds

@@ -5,7 +5,7 @@
         --train configs/eagle3_smollm2.yaml max_steps=140
 
 A recipe is a prep YAML and a train YAML, each followed by key=value overrides, exactly as
-`eagle-prep run --config FILE key=value ...` and `scripts/train_eagle3.py --config FILE key=value ...`
+`eagle-prep run --config FILE key=value ...` and `eagle-train --config FILE key=value ...`
 take them. The harness sets the paths itself (prep out_dir, train data_path and output_dir) and the
 checkpoint interval (save_every, from --save-every). --recipe names an objective (`RECIPES`: sft, tv,
 onpolicy, tv+onpolicy) whose overrides go right after the train YAML.
@@ -13,7 +13,7 @@ onpolicy, tv+onpolicy) whose overrides go right after the train YAML.
 One run:
 1. data: `eagle-prep run` into <out>/data (or --data DIR), timed. A DIR that already holds the
    data of the same prep command is reused and charged the minutes recorded when it was made.
-2. training: scripts/train_eagle3.py in a child process writing <out>/train/checkpoint-<step>.
+2. training: `python -m eagle_train.train` (any method) in a child process writing <out>/train/checkpoint-<step>.
    Every --eval-every minutes of compute, the harness stops the trainer (SIGSTOP), evaluates the
    newest checkpoint not yet evaluated, and lets the trainer go on (SIGCONT). A point's x is the
    compute when that checkpoint was written: data minutes + the minutes the trainer had run, its
@@ -32,7 +32,8 @@ guess is, to compare runs on other targets or prompts.
 
 Five prompts of 64 tokens cannot tell heads 0.03 AL apart. So each point also walks the chain (K = --chain)
 over the target's greedy answers to the first turns of the first --walk-prompts prompts of each bench (made
-once, batched, --walk-new-tokens long, with their hidden states): `ttt.chain_walk` over the head's top-1
+once, batched, --walk-new-tokens long, with their hidden states): `ttt.chain_walk` (a block head:
+`block_loss.block_walk`) over the head's top-1
 agreement on that text runs the rounds greedy chain decoding runs there, without decoding
 (tests/test_runtime_generate.py checks it against the runtime), at ~20x the tokens in seconds.
 
@@ -60,7 +61,9 @@ from pathlib import Path
 import torch
 
 from data_prep.distil import generate_and_capture
+from eagle_train.block_loss import block_walk
 from eagle_train.checkpoint import load_draft_head
+from eagle_train.dflash import BLOCK_METHODS
 from eagle_train.hidden_states import TargetLogits
 from eagle_train.target import end_of_turn_ids, load_target
 from eagle_train.train_checkpoint import finished_at, newest_checkpoint
@@ -71,7 +74,6 @@ from inference.evaluate import BENCHES, chat_ids, load_bench, run_bench, summari
 from inference.generate import Runtime
 from inference.runtime_eval import RuntimeEngine
 
-TRAIN_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_eagle3.py"
 # --recipe: the training objective, as train overrides placed after the YAML file (later --train overrides win)
 RECIPES = {
     "sft": ["tv_weight=0", "rejection_weight=0"],  # soft cross-entropy toward the target's distribution
@@ -105,7 +107,7 @@ def parse_args(argv=None):
         nargs="+",
         required=True,
         metavar="ARG",
-        help="train YAML then its key=value overrides (scripts/train_eagle3.py), e.g. "
+        help="train YAML then its key=value overrides (eagle-train), e.g. "
         "configs/eagle3_smollm2.yaml max_steps=300 ttt_length=4",
     )
     p.add_argument(
@@ -306,7 +308,8 @@ class Evaluator:
         target_logits = TargetLogits.of(self.model, self.device, torch.float32)
         out = {}
         for bench, texts in self.walk_texts[aux].items():
-            tokens, rounds = chain_walk(head, texts, target_logits, k)
+            walk = block_walk if head.config.method in BLOCK_METHODS else chain_walk
+            tokens, rounds = walk(head, texts, target_logits, k)
             out[bench] = {"acceptance_length": tokens / max(rounds, 1), "rounds": rounds}
         return out
 
@@ -397,12 +400,11 @@ def main(argv=None):
     eval_every = args.eval_every or args.budget / 4
     train_file, *train_overrides = args.train
     cfg = load_train_config(train_file, train_overrides)  # a bad key fails before any compute
-    if cfg.method != "eagle3":
-        raise SystemExit(f"--train trains a {cfg.method} head: this harness runs scripts/train_eagle3.py")
     data_path = data_dir / ("tokenized" if cfg.mode == "online" else "store")
     train_command = [
         sys.executable,
-        str(TRAIN_SCRIPT),
+        "-m",
+        "eagle_train.train",
         "--config",
         *args.train,
         f"data_path={data_path}",
