@@ -3,6 +3,7 @@
     eagle-eval --target smollm2-135m --draft runs/eagle3/final --bench mt_bench \
         --num-prompts 20 --max-new-tokens 128 --chain 5 --out results.json
     eagle-eval --target smollm2-135m --draft ngram --chain 3 ...   # prompt lookup alone (no head)
+    eagle-eval --target smollm2-135m --draft runs/dflash/final --parallel 7 ...   # a block head's K drafts a forward
     eagle-eval --engine llamacpp --target smollm2-135m --draft head.gguf --chain 5 ...   # llama.cpp in the loop
     eagle-eval --engine all --target smollm2-135m --draft runs/eagle3/final --chain 3 ...   # every engine here
 """
@@ -43,7 +44,8 @@ def parse_args(argv=None):
         type=int,
         default=None,
         metavar="K",
-        help="P-EAGLE heads: all K drafts from one forward, verified as a chain",
+        help="P-EAGLE and block (DFlash, DSpark) heads: all K drafts from one forward, verified as a chain "
+        "(a block head: at most, and by default, its block's drafts)",
     )
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)

@@ -75,7 +75,7 @@ class EvalOptions:
     max_new_tokens: int = 256
     chain: int | None = None  # K; the drafting when neither tree nor parallel is given (default 5)
     tree: str | None = None  # "depth,topk,total"
-    parallel: int | None = None  # K of a P-EAGLE head
+    parallel: int | None = None  # K drafts from one forward: a P-EAGLE or block (DFlash, DSpark) head's
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -88,7 +88,8 @@ class EvalOptions:
 
     @property
     def depth(self) -> int:
-        """K of a chain or parallel drafting (5 unless given)."""
+        """K of a chain or parallel drafting (5 unless given; the built-in runtime drafts a block head's whole
+        block unless given)."""
         return next(k for k in (self.parallel, self.chain, 5) if k is not None)
 
     @property

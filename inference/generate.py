@@ -6,6 +6,8 @@ through the target. A round verifies [x_L, tree nodes] in one target forward (tr
 slots L..L+total), accepts a path, emits it plus one bonus/correction token, moves the path's
 cache entries to consecutive slots, and lets the drafter catch up on the accepted positions.
 
+Block heads (DFlash, DSpark; `BlockDrafter`) draft the round's chain in one forward from the pending token.
+
 Prompt lookup (`PromptLookup`, no head) goes through the same rounds: its drafts are a chain of
 up to K looked-up tokens, one-hot as draft distributions, and its catch-up only records tokens.
 
@@ -18,6 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from eagle_train.dflash import BLOCK_METHODS, num_drafts
+from inference.block_drafting import BlockDrafter
 from inference.drafting import Drafter, TreeShape
 from inference.graphs import GraphedStep
 from inference.hf_target import target_view
@@ -66,10 +70,14 @@ class Runtime:
         self.drafter = None
         if head is not None:
             use_few_row_linears(head)  # the head's 1 to K+1 rows, like the target's, on the CPU
-            shape = shape or TreeShape.chain(5)
-            step = GraphedStep(head.step) if self.use_graphs else head.step
-            drafter = ParallelDrafter if head.config.method == "peagle" else Drafter  # P-EAGLE: K drafts per pass
-            self.drafter = drafter(head, shape, sampler, step)
+            if head.config.method in BLOCK_METHODS:  # DFlash, DSpark: K drafts from one block
+                shape = shape or TreeShape.chain(num_drafts(head.config))
+                self.drafter = BlockDrafter(head, shape, sampler, graphed=self.use_graphs)
+            else:
+                shape = shape or TreeShape.chain(5)
+                step = GraphedStep(head.step) if self.use_graphs else head.step
+                drafter = ParallelDrafter if head.config.method == "peagle" else Drafter  # P-EAGLE: K drafts per pass
+                self.drafter = drafter(head, shape, sampler, step)
 
     # ---- helpers --------------------------------------------------------------------------------
 

@@ -62,21 +62,47 @@ def eval_drafters(runtime, ngram: int | None) -> dict:
     return {"spec": runtime.generate, **({"ngram": lookup} if ngram else {})}
 
 
-def precheck_head(draft, target_cfg) -> None:
-    """The config-only check of a training checkpoint / head dir (exports are checked once loaded)."""
+def precheck_head(draft, target_cfg):
+    """The config-only check of a training checkpoint / head dir: its DraftConfig (exports are checked once
+    loaded: None)."""
     from eagle_train.checkpoint import locate_head
     from eagle_train.draft_config import DraftConfig
 
     found = locate_head(draft)
-    if found.ours:
-        DraftConfig.from_dict(found.config).check_fits(target_cfg)
+    if not found.ours:
+        return None
+    cfg = DraftConfig.from_dict(found.config)
+    cfg.check_fits(target_cfg)
+    return cfg
+
+
+def drafting_shape(o: EvalOptions, cfg):
+    """The drafting eagle-eval asks of a head of config `cfg` (None: not known yet, or no head). --parallel K:
+    K drafts from one forward, a P-EAGLE or block head's; a block head drafts its whole block by default."""
+    from eagle_train.dflash import BLOCK_METHODS, num_drafts
+    from inference.block_drafting import check_block_drafts
+    from inference.drafting import TreeShape
+
+    method = cfg.method if cfg is not None else None
+    if method in BLOCK_METHODS:
+        if o.tree:
+            raise ValueError(f"{o.draft} holds a {method} head, which drafts a chain: use --parallel K, not --tree")
+        shape = TreeShape.chain(next(k for k in (o.parallel, o.chain, num_drafts(cfg)) if k is not None))
+        check_block_drafts(cfg, shape.depth)
+        return shape
+    if o.parallel and method is not None and method != "peagle":
+        raise ValueError(
+            f"--parallel drafts with a P-EAGLE or block (DFlash, DSpark) head; {o.draft} holds a {method} head "
+            "(use --chain K or --tree)"
+        )
+    return TreeShape.parse(o.tree) if o.tree else TreeShape.chain(o.depth)  # K=0 is an error, not the default
 
 
 def evaluate(options: EvalOptions) -> dict:
     """The bench through the built-in runtime: the record eagle-eval writes (its "title" is the table's)."""
     from eagle_train.checkpoint import load_draft_head
     from eagle_train.target import end_of_turn_ids, load_target, load_target_config
-    from inference.drafting import TreeShape
+    from inference.block_drafting import BLOCK_TITLES
     from inference.generate import Runtime
     from inference.sampling import Sampler
 
@@ -87,7 +113,7 @@ def evaluate(options: EvalOptions) -> dict:
     lookup_only = o.draft == "ngram"
     if lookup_only and (o.tree or o.parallel or not o.ngram):
         raise ValueError("--draft ngram evaluates prompt lookup alone, which drafts a chain: give --chain K only")
-    shape = TreeShape.parse(o.tree) if o.tree else TreeShape.chain(o.depth)  # K=0 is an error, not the default
+    shape = drafting_shape(o, None)
     sampler = Sampler(o.temperature, o.top_k, o.top_p)
     if o.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {o.max_new_tokens}")
@@ -96,19 +122,16 @@ def evaluate(options: EvalOptions) -> dict:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda but CUDA is not available")
     if not lookup_only:
-        precheck_head(o.draft, load_target_config(o.target))
+        shape = drafting_shape(o, precheck_head(o.draft, load_target_config(o.target)))
 
     model, tokenizer = load_target(o.target, dtype=o.dtype, device=device)
     head = None if lookup_only else load_draft_head(o.draft, model)
     if head is not None:
         head.config.check_fits(model.config)
-        if o.parallel and head.config.method != "peagle":
-            raise ValueError(
-                f"--parallel drafts with a P-EAGLE head; {o.draft} holds a {head.config.method} head "
-                "(use --chain K or --tree)"
-            )
+        shape = drafting_shape(o, head.config)  # an export's method is known once loaded
         head.to(device=device, dtype=model.dtype).eval()
-    parallel = head is not None and head.config.method == "peagle"
+    method = head.config.method if head is not None else None
+    parallel = method == "peagle"
     ngram = shape.depth if o.ngram else None  # prompt lookup's K: the chain's, the tree's depth
     eos = end_of_turn_ids(model, tokenizer)
     runtime = Runtime(model, head, shape, sampler, eos_token_ids=eos, cuda_graphs=o.cuda_graphs, seed=o.seed)
@@ -123,6 +146,8 @@ def evaluate(options: EvalOptions) -> dict:
     drafting = f"tree {shape.depth},{shape.topk},{shape.total}" if o.tree else f"chain K={shape.depth}"
     if parallel:
         drafting = f"parallel (P-EAGLE) K={shape.depth}"
+    if method in BLOCK_TITLES:
+        drafting = f"block ({BLOCK_TITLES[method]}) K={shape.depth}"
     if lookup_only:
         drafting = f"prompt lookup (no head) K={shape.depth}"
     dtype = str(model.dtype).replace("torch.", "")
@@ -138,6 +163,7 @@ def evaluate(options: EvalOptions) -> dict:
             "total": shape.total,
             "chain": not o.tree,
             "parallel": parallel,
+            "block": method in BLOCK_TITLES,  # K drafts from one block of a DFlash or DSpark head
             "ngram": ngram,  # K of prompt lookup ("spec" with --draft ngram, else the "ngram" row); None: skipped
         },
         "sampling": {"temperature": o.temperature, "top_p": o.top_p, "top_k": o.top_k, "seed": o.seed},
