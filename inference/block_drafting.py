@@ -81,9 +81,12 @@ class BlockDrafter(Drafter):
     def drafts(self, h, root_token):
         """(draft ids [K], draft probabilities [K, Vd] or None) of the block's outputs h [1, K, H]."""
         head = self.head
-        if self.sampler.greedy or not head.config.markov_rank:  # no draft depends on a sampled one
+        if self.sampler.greedy:  # the argmax per slot, each Markov bias reading the argmax before it
             _, logits, _ = head.greedy_drafts(h, root_token.reshape(1))
-            ids, _, probs = self.children(logits[0])
+            return logits[0].argmax(-1), None
+        if not head.config.markov_rank:  # no draft depends on a sampled one
+            logits, _ = head.draft_logits(h[0], None)
+            ids, _, probs = self.children(logits)
             return ids[:, 0], probs
         prev, ids, probs = root_token.reshape(1), [], []
         for j in range(h.shape[1]):

@@ -225,3 +225,43 @@ def test_eval_drafts_blocks(tiny_llama_dir, tiny_block_head_dir, tmp_path, more,
 def test_eval_refuses_what_a_block_head_cannot_draft(tiny_llama_dir, tiny_block_head_dir, tmp_path, args, message):
     with pytest.raises(SystemExit, match=message):
         main(eval_args(tiny_llama_dir, tiny_block_head_dir, tmp_path / "r.json", *args))
+
+
+@pytest.mark.parametrize("case,k", [("dflash", 3), ("dspark", 4)])
+def test_block_walk_over_the_greedy_text_is_what_the_runtime_accepts(case, k):
+    """On the target's own greedy text, `block_loss.block_walk` runs the rounds greedy block drafting runs: as many
+    verifications, emitting as many tokens, as `Runtime.generate` (quality.py's walk for block heads)."""
+    from eagle_train.block_loss import block_walk
+    from eagle_train.hidden_states import TargetLogits
+
+    model, head = few_token_pair(case)
+    accepted = []
+    for i in range(3):
+        prompt = torch.randint(0, V, (4 + 3 * i,), generator=torch.Generator().manual_seed(i)).tolist()
+        spec = Runtime(model, head, TreeShape.chain(k)).generate(prompt, 40)
+        seq = torch.tensor([prompt + spec.output_ids])
+        # the answer up to where the last round starts: that round's drafts may run past the 40 tokens kept
+        last_start = len(prompt) + sum(a + 1 for a in spec.accepted[:-1])
+        loss_mask = torch.zeros_like(seq, dtype=torch.bool)
+        loss_mask[0, len(prompt) : last_start + 1] = True
+        with torch.no_grad():
+            aux, final = target_hidden_states(model, seq, aux_layer_ids=head.config.aux_layer_ids)
+        sample = {"input_ids": seq[0], "loss_mask": loss_mask[0], "aux_hidden": aux[0], "final_hidden": final[0]}
+        rounds = spec.accepted[:-1]
+        assert block_walk(head, [sample], TargetLogits.of(model), k) == (sum(rounds) + len(rounds), len(rounds))
+        accepted += spec.accepted
+    assert sum(accepted) > 5 and max(accepted) == k  # drafts were accepted, whole blocks too: the walk jumped
+
+
+def few_token_pair(case):
+    """The confident target and a block head whose logits are 0 but for tokens 0 and 1 (target, head and Markov
+    bias alike): both pick among tokens 0, 1 and 2, so drafts are right about half the time and whole blocks
+    are accepted now and then."""
+    model = confident_target()
+    head = block_head(case, model)
+    with torch.no_grad():
+        for weight in [model.lm_head.weight, head.lm_head.weight] + (
+            [head.markov_head.markov_w2] if head.config.markov_rank else []
+        ):
+            weight[2:] = 0
+    return model, head
