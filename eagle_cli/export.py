@@ -19,13 +19,18 @@ EPILOG = """examples:
   eagle-export runs/eagle3/checkpoint-2000 --format eagle3 --out smollm2-eagle3 --engine vllm
   eagle-export runs/eagle3/checkpoint-2000 --format speculators --out smollm2-spec --eval-results eval.json
   eagle-export runs/eagle3/checkpoint-2000 --format gguf --out smollm2-eagle3.gguf --target smollm2-135m
+  eagle-export runs/dflash/final --format dflash --out smollm2-dflash --target smollm2-135m
+  eagle-export --check smollm2-dflash --engine vllm --target smollm2-135m
   eagle-export --check smollm2-eagle3 --engine all --target smollm2-135m
   eagle-export --check smollm2-eagle3.gguf --engine llamacpp --target smollm2-135m --source runs/eagle3/final
   eagle-export --import yuhuili/EAGLE3-LLaMA3.1-Instruct-8B-local --out ckpt --target meta-llama/Llama-3.1-8B-Instruct
 
 formats: eagle3 = the EAGLE reference layout SGLang, TensorRT-LLM, vLLM and SafeAILab EAGLE load;
 speculators = vLLM's own format (`vllm serve DIR` needs no other flag; P-EAGLE heads too); peagle =
-a P-EAGLE head for vLLM's parallel drafting; gguf = one file for llama.cpp (`llama-server -m
+a P-EAGLE head for vLLM's parallel drafting; dflash = z-lab's DFlash layout (vLLM's DFlashDraftModel,
+llama.cpp's converter); dspark = DeepSpec's DSpark layout (Qwen3DSparkModel); both ship the learnt mask
+embedding as mask_embedding.pt, and speculators writes them too (speculators_model_type dflash / dspark,
+K = the drafts a block gives); gguf = one file for llama.cpp (`llama-server -m
 TARGET.gguf -md HEAD.gguf --spec-type draft-eagle3`), which needs --target as the target's GGUF (or
 an alias shipping one) for its tokenizer. An export is then checked like --check, for --engine
 alone when given (a layer choice TensorRT-LLM cannot read from config.json fails no vLLM export).
@@ -34,7 +39,9 @@ draft worse (missing d2t, short context, wrong aux layers, RoPE or sizes that di
 weights or the target, ...). --engine llamacpp checks a head (exported first) or a .gguf live: the
 file against the target's GGUF and --source, then 4 MT-Bench first turns decoded in llama.cpp and
 in the built-in runtime; it exits 1 when llama.cpp accepts far fewer drafts, and 3 (SKIPPED, never
-a pass) without a llama.cpp build (`eagle-llamacpp build`)."""
+a pass) without a llama.cpp build (`eagle-llamacpp build`). --engine vllm with --target runs a DFlash
+head in vLLM (method dflash) beside the built-in runtime the same way; vLLM on a CPU has no DSpark, and
+says so in one line."""
 
 
 def parse_args(argv=None):
@@ -74,7 +81,8 @@ def parse_args(argv=None):
         "--speculative-tokens",
         type=int,
         default=3,
-        help="draft tokens per step vLLM uses for a speculators export (default 3)",
+        help="draft tokens per step vLLM uses for a speculators export (default 3; a DFlash / DSpark head: "
+        "the drafts its block gives)",
     )
     p.add_argument(
         "--verifier",
@@ -206,7 +214,8 @@ def run(args) -> int:
     if args.eval_results:
         provenance["eval_results"] = args.eval_results
     out = export_head(head, args.out, args.format, dtype=args.dtype, **provenance)
-    print(f"wrote {out}/config.json, model.safetensors, README.md ({args.format}, {args.dtype})\n")
+    written = ", ".join(sorted(p.name for p in out.iterdir() if p.is_file()))
+    print(f"wrote {out}/: {written} ({args.format}, {args.dtype})\n")
     return print_reports(check_directory(out, engines_asked(args.engine), tcfg))
 
 

@@ -25,6 +25,7 @@ from eagle_train.export.layouts import (
     PROVENANCE_KEY,
     detect_layout,
     draft_config_from_llama,
+    is_block,
     mask_token_ids,
 )
 from eagle_train.head import HEAD_CLASSES, head_from_state
@@ -160,6 +161,8 @@ def llama_part(config: dict, layout_name: str) -> dict:
 def is_parallel(config: dict, meta: dict) -> bool:
     """A P-EAGLE directory: a mask token id, a mask_hidden tensor, or more than one draft layer."""
     layer = config.get("transformer_layer_config") or {}
+    if is_block(config):  # a DFlash / DSpark head has a mask token too, but drafts a block (engines/block_rules.py)
+        return False
     return (
         bool(mask_token_ids(config))
         or "mask_hidden" in meta
@@ -192,6 +195,9 @@ def inspect(eng, files: DraftFiles, target_config=None) -> EngineReport:
         report.add("error", str(e))
         return report
     report = EngineReport(eng.name, lay.name, eng)
+    if is_block(config):  # engines with a block loader check these themselves (engines/block_rules.py for vLLM)
+        report.add("error", f"{eng.title} has no DFlash / DSpark loader that eagle-export checks; serve it with vLLM")
+        return report
     if lay.name not in eng.layouts:
         report.add(
             "error",

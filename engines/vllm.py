@@ -25,12 +25,13 @@ import numpy as np
 import torch
 
 from eagle_train.checkpoint import load_draft_head
+from eagle_train.dflash import BLOCK_METHODS
 from eagle_train.export.draft_files import DraftFiles
-from eagle_train.export.layouts import MASK_TOKEN_KEYS, mask_token_ids
+from eagle_train.export.layouts import MASK_TOKEN_KEYS, is_block, mask_token_ids
 from eagle_train.files import write_json
 from eagle_train.hidden_states import engine_aux_layer_ids
 from eagle_train.target import HUB_IDS, cache_dir, load_target_config, load_tokenizer
-from engines import Engine, EngineError
+from engines import Engine, EngineError, block_rules
 from engines.live import EngineFailed, LiveReport, Pooled, d2t_finding, layers_finding
 from engines.rules import LLAMA_EAGLE3_TOP, Finding
 
@@ -53,7 +54,7 @@ class VllmError(EngineError):
 class Vllm(Engine):
     name = "vllm"
     title = "vLLM"
-    layouts = ("eagle3", "speculators")
+    layouts = ("eagle3", "speculators", "dflash", "dspark")
     top = {**LLAMA_EAGLE3_TOP, "d2t": "draft_id_to_target_id", "mask_hidden": "mask_hidden"}
     unknown_tensors = "crash"
     parallel_drafting = True
@@ -166,16 +167,34 @@ class Vllm(Engine):
             '\'{"method": "eagle3", "parallel_drafting": true, ...}\'',
         )
 
+    def inspect(self, files: DraftFiles, target_config=None):
+        """Block heads (DFlash, DSpark) by their loaders' rules (engines/block_rules.py), the others by EAGLE-3's."""
+        if is_block(files.config):
+            return block_rules.inspect(self, files, target_config)
+        return super().inspect(files, target_config)
+
     def missing(self) -> str:
         return missing()
 
     def check_refusal(self, target: str | None, threads: int | None) -> str:
         return "--threads is for --engine llamacpp (vLLM binds its own threads)" if threads is not None else ""
 
+    def head_refusal(self, method: str) -> str:
+        """Why vLLM cannot draft here with a head of `method` ("" when it can)."""
+        return dspark_refusal() if method == "dspark" else ""
+
     def check_live(self, artifact, target: str, source=None, threads: int | None = None, **sizes) -> LiveReport:
         """Without vLLM the rule findings are the verdict (exit 0 when they pass), not SKIPPED: vLLM is a venv
-        of its own (`bash scripts/install_vllm.sh`), where llama.cpp's build is one command in this one."""
+        of its own (`bash scripts/install_vllm.sh`), where llama.cpp's build is one command in this one.
+        A head vLLM cannot draft with here (DSpark on a CPU) is refused in one line before anything runs."""
+        from engines.vllm_decode import head_method
+
+        method = head_method(artifact)
+        refusal = self.head_refusal(method)
+        if refusal:
+            raise ValueError(refusal)
         report = super().check_live(artifact, target, source, threads, **sizes)
+        report.engine = f"vLLM (speculative_config method {method if method in BLOCK_METHODS else 'eagle3'})"
         report.rules_stand = bool(report.skipped) and bool(self.missing())
         return report
 
@@ -218,6 +237,8 @@ class Vllm(Engine):
             spec = decode(target, prompts, n, speculative(method_of(directory), directory, k))
         except VllmError as e:
             raise EngineFailed(str(e)) from e
+        if not any(t.drafts for t in spec):  # vLLM decoded without drafting: its counters say so
+            raise EngineFailed(f"vLLM decoded {len(spec)} prompts but counted no drafts (spec_decode_num_drafts 0)")
         forwards = sum(len(rounds(t)) for t in spec)
         pooled = Pooled(forwards + sum(t.accepted for t in spec), forwards)
         return pooled, sum(t.output_ids == p.output_ids for t, p in zip(spec, plain))
@@ -251,6 +272,32 @@ def missing() -> str:
     if importlib.util.find_spec("vllm") is None:
         return f"vLLM is not installed: {INSTALL_HINT}"
     return ""
+
+
+DSPARK_ON_V1 = 'unsupported.append("dspark speculative decoding")'  # vllm/config/vllm.py, V1 runner's refusals
+
+
+def v1_runner_refuses_dspark() -> bool:
+    """Whether the installed vLLM's V1 model runner (the one its CPU worker runs) lists DSpark among what it
+    does not support, read from its source (config/vllm.py `_get_v1_model_runner_unsupported_features`) without
+    importing it; without vLLM, what vLLM TESTED does (it does)."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return True
+    source = Path(spec.submodule_search_locations[0]) / "config" / "vllm.py"
+    return source.is_file() and DSPARK_ON_V1 in source.read_text()
+
+
+def dspark_refusal() -> str:
+    """Why vLLM cannot draft with a DSpark head here, in one line ("" on CUDA, where its V2 runner does)."""
+    if torch.cuda.is_available() or not v1_runner_refuses_dspark():
+        return ""
+    return (
+        "vLLM does not draft with a DSpark head on a CPU: its CPU worker runs the V1 "
+        "model runner, which refuses 'dspark speculative decoding' (only the V2 GPU runner has DSpark); run the head "
+        "with llama.cpp (eagle-export --format gguf, --engine llamacpp) or the built-in runtime (eagle-eval --engine "
+        "builtin)"
+    )
 
 
 def installed_version() -> str | None:

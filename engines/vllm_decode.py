@@ -1,4 +1,4 @@
-"""vLLM decoding live: plain, with a head (EAGLE-3 or P-EAGLE) or n-gram drafting, greedy at batch 1,
+"""vLLM decoding live: plain, with a head (EAGLE-3, P-EAGLE, DFlash) or n-gram drafting, greedy at batch 1,
 for eagle-eval (`VllmTurns`, an engine of the bench loop `inference.evaluate.run_bench`) and the live check.
 
 vLLM takes over the process it runs in (thread binding, torch's thread count, a process group,
@@ -23,8 +23,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from eagle_train.checkpoint import load_draft_head, locate_head
+from eagle_train.dflash import BLOCK_METHODS, num_drafts
 from eagle_train.export import export_head
 from eagle_train.export.draft_files import DraftFiles
+from eagle_train.export.layouts import block_read, block_settings, is_block
 from engines import vllm as vllm_engine  # its missing() looked up when called: tests stand in for it
 from engines.rules import is_parallel
 from engines.vllm import ChildServer, VllmError
@@ -40,10 +42,13 @@ SPEC_METRICS = {
 
 
 def speculative(method: str, head_dir, k: int) -> dict:
-    """vLLM's speculative_config: an EAGLE-3 head, a P-EAGLE head (all K drafts in one pass), or
-    n-gram prompt lookup (no head; the same 2- to 4-gram lookup as the built-in runtime's)."""
+    """vLLM's speculative_config: an EAGLE-3 head, a P-EAGLE head (all K drafts in one pass), a DFlash or
+    DSpark head (K drafts from one block), or n-gram prompt lookup (no head; the same 2- to 4-gram lookup as
+    the built-in runtime's)."""
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    if method in BLOCK_METHODS:
+        return {"method": method, "model": str(head_dir), "num_speculative_tokens": k}
     config = {"method": "eagle3", "model": str(head_dir), "num_speculative_tokens": k}
     if method == "peagle":
         config["parallel_drafting"] = True
@@ -53,19 +58,40 @@ def speculative(method: str, head_dir, k: int) -> dict:
 def export_dir(draft, tmp: Path):
     """(the export directory vLLM loads for `draft`, the head when `draft` is a training checkpoint or
     None): an engine-layout directory is used as it is, a checkpoint is exported in fp32 into `tmp`
-    (eagle3, or peagle for a P-EAGLE head)."""
+    (eagle3; a P-EAGLE, DFlash or DSpark head in its own layout)."""
     found = locate_head(draft)
     if not found.ours:
         return found.path, None
     head = load_draft_head(found.path)
-    layout = "peagle" if head.config.method == "peagle" else "eagle3"
+    layout = head.config.method if head.config.method in ("peagle", *BLOCK_METHODS) else "eagle3"
     return export_head(head, Path(tmp) / "export", layout, dtype="fp32"), head
 
 
 def method_of(directory) -> str:
-    """The `speculative()` method an export directory drafts with: peagle (parallel drafting) or eagle3."""
+    """The `speculative()` method an export directory drafts with: dflash or dspark (a block head), peagle
+    (parallel drafting) or eagle3."""
     files = DraftFiles(directory)
+    if is_block(files.config):
+        return block_settings(files.config)["method"]
     return "peagle" if is_parallel(files.config, files.meta) else "eagle3"
+
+
+def head_method(draft) -> str:
+    """The method of the head at `draft`, one of ours or an export, without reading its weights."""
+    found = locate_head(draft)
+    if found.ours:
+        return found.config.get("method", "eagle3")
+    return method_of(found.path) if found.config is not None else "eagle3"
+
+
+def check_block_k(directory, k: int) -> None:
+    """Refuse, in one line, K drafts a block head cannot give (vLLM would draft them from slots it never trained)."""
+    cfg = block_read(DraftFiles(directory).config)
+    if not 1 <= k <= num_drafts(cfg):
+        raise ValueError(
+            f"a {cfg.method} head with block_size {cfg.block_size} drafts at most {num_drafts(cfg)} tokens a "
+            f"forward: use K from 1 to {num_drafts(cfg)} (got {k})"
+        )
 
 
 @dataclass
@@ -144,8 +170,8 @@ def turn_result(turn: Turn) -> TurnResult:
 
 
 class VllmTurns(TurnEngine):
-    """vLLM decoding the bench loop's turns: "spec" with the export in `head_dir` (`method`: eagle3 or
-    peagle), "ngram" with vLLM's prompt lookup, both at K = `k`; one engine per session."""
+    """vLLM decoding the bench loop's turns: "spec" with the export in `head_dir` (`method`: eagle3, peagle,
+    dflash or dspark), "ngram" with vLLM's prompt lookup, both at K = `k`; one engine per session."""
 
     def __init__(self, target: str, head_dir, method: str, k: int, ngram: bool = True, dtype: str | None = None):
         self.target, self.dtype = target, dtype
@@ -174,7 +200,7 @@ def evaluate(options: EvalOptions, answers=None) -> dict:
         raise ValueError(refusal)
     if o.tree or not o.greedy:
         raise ValueError("--engine vllm decodes greedy chains here: leave out --tree, --temperature, --top-p, --top-k")
-    reason = vllm_engine.missing()
+    reason = vllm_engine.missing() or vllm_engine.Vllm().head_refusal(head_method(o.draft))
     if reason:
         raise ValueError(reason)
     k = o.depth
@@ -184,11 +210,14 @@ def evaluate(options: EvalOptions, answers=None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         head_dir, _ = export_dir(o.draft, tmp)
         method = method_of(head_dir)
+        if method in BLOCK_METHODS:
+            check_block_k(head_dir, k)
         engine = VllmTurns(o.target, head_dir, method, k, o.ngram, o.dtype)
         results = run_bench(engine, tokenizer, prompts, o.max_new_tokens, answers, f"eagle-eval vLLM {o.bench}")
     summary = summarise_drafters(results, k, k if o.ngram else None)
     version, _, dtype = engine.engines["plain"]
-    drafting = f"{'parallel (P-EAGLE)' if method == 'peagle' else 'chain'} K={k}"
+    kinds = {"peagle": "parallel (P-EAGLE)", "dflash": "block (DFlash)", "dspark": "block (DSpark)"}
+    drafting = f"{kinds.get(method, 'chain')} K={k}"
     return {
         "engine": "vllm",
         "title": f"{o.bench}: {len(prompts)} prompts, vLLM {version}, {drafting}, greedy, {dtype}",
@@ -196,7 +225,7 @@ def evaluate(options: EvalOptions, answers=None) -> dict:
         "target": o.target,
         "draft": str(o.draft),
         "bench": o.bench,
-        "drafting": {"depth": k, "chain": True, "parallel": method == "peagle", "ngram": k if o.ngram else None},
+        "drafting": {"depth": k, "chain": True, "parallel": method != "eagle3", "ngram": k if o.ngram else None},
         "dtype": dtype,
         "max_new_tokens": o.max_new_tokens,
         "engine_init_seconds": [seconds for _, seconds, _ in engine.engines.values()],

@@ -2,7 +2,7 @@
 loaded from any of these (and from our checkpoints and GGUF files) by `eagle_train.checkpoint.load_draft_head`.
 
     export_head(head, "out/", "eagle3", dtype="bf16", data="sharegpt", steps=1000)
-    config, tensors = read_export("out/")             # any eagle3 / speculators / peagle directory
+    config, tensors = read_export("out/")             # any eagle3 / speculators / peagle / dflash / dspark directory
 
 llama.cpp's single-file GGUF is written by `eagle_train.export.gguf.export_gguf`. What each engine
 makes of a directory is the engines package's to say (`engines.check_directory`).
@@ -12,10 +12,11 @@ from pathlib import Path
 
 import torch
 
+from eagle_train.dflash import BLOCK_METHODS
 from eagle_train.draft_config import DraftConfig
 from eagle_train.export.card import write_model_card
 from eagle_train.export.draft_files import DraftFiles
-from eagle_train.export.layouts import DTYPES, INTEGER_TENSORS, LAYOUTS, detect_layout, layout
+from eagle_train.export.layouts import DTYPES, INTEGER_TENSORS, LAYOUTS, MASK_EMBEDDING_FILE, detect_layout, layout
 from eagle_train.files import write_json, write_safetensors
 from eagle_train.vocab_map import t2d_from_d2t
 
@@ -67,21 +68,52 @@ def export_head(head, out_dir, format: str = "eagle3", dtype="bf16", **provenanc
     out.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for name, t in head.saved_state_dict().items():
+        if lay.mask_file and head.config.method in BLOCK_METHODS and name in block_skipped(head.config):
+            continue
         t = t.detach().cpu()
-        tensors[lay.to_file(name)] = (t if name in INTEGER_TENSORS else t.to(dtype)).contiguous()
+        tensors[lay.to_file(name, head.config.method)] = (t if name in INTEGER_TENSORS else t.to(dtype)).contiguous()
     card_fields = {k: provenance.pop(k) for k in ("eval_results",) if k in provenance}
     config = lay.write_config(head.config, dtype, provenance)
     write_json(out / "config.json", config)
+    if lay.mask_file and "mask_embedding" in tensors:
+        write_mask_embedding(out, head.config.mask_token_id, tensors.pop("mask_embedding"))
     write_safetensors(out / "model.safetensors", tensors, metadata={"format": "pt"})
     write_model_card(out, config, lay.name, dtype, **card_fields)
     return out
 
 
+def block_skipped(cfg) -> tuple[str, ...]:
+    """Vocab-map tensors a block layout leaves out: t2d (engines skip it; it follows from d2t), and d2t for a
+    full vocabulary (vLLM's block models then have no parameter for it and the load fails)."""
+    return ("t2d", "d2t") if cfg.draft_vocab_size == cfg.vocab_size else ("t2d",)
+
+
+def write_mask_embedding(out: Path, mask_token_id: int, embedding: torch.Tensor) -> None:
+    """A block head's learnt mask embedding as the dict both engines read (vLLM's DFlash loader also takes a
+    bare tensor, llama.cpp's converter only the dict)."""
+    torch.save({"mask_token_id": int(mask_token_id), "embedding": embedding.contiguous()}, out / MASK_EMBEDDING_FILE)
+
+
+def read_mask_embedding(directory: Path) -> torch.Tensor | None:
+    """The embedding in a directory's mask_embedding.pt (dict or bare tensor), None without the file."""
+    path = Path(directory) / MASK_EMBEDDING_FILE
+    if not path.is_file():
+        return None
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    return state["embedding"] if isinstance(state, dict) else state
+
+
 def read_export(directory, target_config=None) -> tuple[DraftConfig, dict[str, torch.Tensor]]:
     """The config and tensors (under head names) of an engine-layout directory (eagle3, speculators,
-    peagle), for `eagle_train.checkpoint.load_draft_head` to build the head from. The target's config
-    is needed only when config.json does not say which target layers the head reads and the defaults
-    need the target's layer count."""
+    peagle, dflash, dspark; a block head's mask embedding from mask_embedding.pt), for
+    `eagle_train.checkpoint.load_draft_head` to build the head from. The target's config is needed only
+    when config.json does not say which target layers the head reads and the defaults need the target's
+    layer count."""
     files = DraftFiles(directory)
     lay = detect_layout(files.config)
-    return lay.read_config(files.config, target_config), {lay.from_file(n): t for n, t in files.tensors().items()}
+    cfg = lay.read_config(files.config, target_config)
+    tensors = {lay.from_file(n, cfg.method): t for n, t in files.tensors().items()}
+    mask = read_mask_embedding(files.directory) if lay.mask_file else None
+    if mask is not None:
+        tensors["mask_embedding"] = mask
+    return cfg, tensors

@@ -13,6 +13,17 @@ one. Adding a format is one more row built from the helpers below.
 - `peagle`: P-EAGLE for vLLM's parallel drafting: the eagle3 layout with N layers (`layers.1..N-1.*`),
   the trained `embed_tokens`, `mask_hidden`, the mask token id under all three names vLLM versions
   read, `parallel_drafting` true.
+- `dflash`: z-lab's DFlash layout (vLLM's `DFlashDraftModel`, llama.cpp's converter): Qwen3 keys,
+  `block_size`, `dflash_config` {mask_token_id, target_layer_ids = our aux ids - 1, causal}; tensors
+  `fc`, `hidden_norm`, `layers.{i}.*`, `norm`, `lm_head`, `d2t` (no `embed_tokens`: the target's).
+- `dspark`: DeepSpec's native DSpark layout (vLLM's `Qwen3DSparkModel`): Qwen3 keys with top-level
+  `target_layer_ids` (aux - 1), `mask_token_id`, `markov_rank`, `sample_from_anchor`, the confidence
+  head's keys; the Markov head as `markov_head.markov_w1.weight` / `markov_w2.weight`.
+- `speculators` also writes block heads (speculators_model_type dflash / dspark, the Qwen3 keys under
+  `transformer_layer_config`, `aux_hidden_state_layer_ids` = our aux ids).
+
+A block head's learnt mask embedding ships beside the weights as `mask_embedding.pt`, the dict
+{"mask_token_id", "embedding"} vLLM's DFlash loader and llama.cpp's converter read (`MASK_EMBEDDING_FILE`).
 
 Aux-layer ids are written in each engine's own convention. vLLM reads the top-level
 `eagle_aux_hidden_state_layer_ids` as Hugging Face `output_hidden_states` indices (ours); SGLang
@@ -26,6 +37,7 @@ from types import SimpleNamespace
 
 import torch
 
+from eagle_train.dflash import BLOCK_METHODS, num_drafts
 from eagle_train.draft_config import DraftConfig, target_rope
 from eagle_train.hidden_states import engine_aux_layer_ids
 from eagle_train.peagle import NUM_DEPTHS
@@ -36,6 +48,12 @@ PROVENANCE_KEY = "eagle_train"  # our own block in config.json; every engine ign
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 INTEGER_TENSORS = ("d2t", "t2d")  # vocab maps keep their dtype whatever the export dtype
+MASK_EMBEDDING_FILE = "mask_embedding.pt"  # a block head's learnt mask embedding, beside the weights
+DFLASH_ARCHITECTURE = "DFlashDraftModel"
+DSPARK_ARCHITECTURE = "Qwen3DSparkModel"
+SPECULATOR_ARCHITECTURES = {"dflash": "DFlashSpeculator", "dspark": "DSparkSpeculator"}
+# DSpark's Markov head: raw Parameters in our head, an Embedding's and a Linear's weight in the engines
+MARKOV_TENSORS = ("markov_head.markov_w1", "markov_head.markov_w2")
 
 
 def rope_scaling_for_engines(scaling: dict | None) -> dict | None:
@@ -187,6 +205,8 @@ def is_eagle3(config: dict) -> bool:
 
 
 def speculators_config(cfg: DraftConfig, dtype: torch.dtype, extra: dict) -> dict:
+    if cfg.method in BLOCK_METHODS:
+        return block_speculators_config(cfg, dtype, extra)
     extra = dict(extra)
     tokens = int(extra.pop("speculative_tokens", 3))
     verifier = extra.pop("verifier", None) or servable_target(cfg.target)
@@ -222,6 +242,8 @@ def speculators_read(config: dict, target_config=None) -> DraftConfig:
     layer = config.get("transformer_layer_config")
     if not isinstance(layer, dict):
         raise ValueError("speculators config.json has no transformer_layer_config dict")
+    if config.get("speculators_model_type") in BLOCK_METHODS:
+        return block_read(config, target_config)
     if config.get("norm_before_residual", config.get("speculators_model_type") != "peagle"):  # vLLM's defaults
         raise ValueError(
             "this speculators head applies hidden_norm before the residual "
@@ -236,7 +258,7 @@ def speculators_read(config: dict, target_config=None) -> DraftConfig:
 
 
 def is_speculators(config: dict) -> bool:
-    return config.get("speculators_model_type") in ("eagle3", "peagle")
+    return config.get("speculators_model_type") in ("eagle3", "peagle", *BLOCK_METHODS)
 
 
 # ---- peagle (vLLM parallel drafting) -------------------------------------------------------------
@@ -273,13 +295,171 @@ def peagle_config(cfg: DraftConfig, dtype: torch.dtype, extra: dict) -> dict:
     return config
 
 
+# ---- block heads: dflash (z-lab), dspark (DeepSpec), and their speculators form ---------------------
+
+
+def qwen3_keys(cfg: DraftConfig, dtype: torch.dtype) -> dict:
+    """The Qwen3 config keys the engines size a block head's layers by (Qwen3 layers: q_norm, k_norm)."""
+    return {**llama_keys(cfg, dtype), "model_type": "qwen3", "use_sliding_window": False}
+
+
+def engine_target_layer_ids(cfg: DraftConfig) -> list[int]:
+    """The target layers in DFlash's convention: decoder layer ids (our HF hidden_states index - 1)."""
+    return [i - 1 for i in cfg.aux_layer_ids]
+
+
+def dspark_keys(cfg: DraftConfig) -> dict:
+    """DSpark's own keys, as DeepSpec writes them and vLLM reads them; the confidence head always reads
+    [h; W1[prev]] (confidence_head_with_markov)."""
+    keys = {"markov_rank": cfg.markov_rank, "enable_confidence_head": cfg.confidence_head}
+    if cfg.markov_rank:
+        keys["markov_head_type"] = "vanilla"
+    if cfg.confidence_head:
+        keys["confidence_head_with_markov"] = True
+    return keys
+
+
+def block_common(cfg: DraftConfig, dtype: torch.dtype) -> dict:
+    config = {**qwen3_keys(cfg, dtype), "block_size": cfg.block_size, "draft_vocab_size": cfg.draft_vocab_size}
+    if cfg.target_hidden_size != cfg.hidden_size:
+        config["target_hidden_size"] = cfg.target_hidden_size
+    config["num_target_layers"] = cfg.target_num_layers
+    return config
+
+
+def dflash_config(cfg: DraftConfig, dtype: torch.dtype, extra: dict) -> dict:
+    config = {"architectures": [DFLASH_ARCHITECTURE], **block_common(cfg, dtype)}
+    config["dflash_config"] = {
+        "mask_token_id": cfg.mask_token_id,
+        "target_layer_ids": engine_target_layer_ids(cfg),
+        "causal": cfg.causal,
+        "sample_from_anchor": cfg.sample_from_anchor,
+    }
+    config[PROVENANCE_KEY] = provenance(cfg, extra)
+    return config
+
+
+def dspark_config(cfg: DraftConfig, dtype: torch.dtype, extra: dict) -> dict:
+    config = {"architectures": [DSPARK_ARCHITECTURE], **block_common(cfg, dtype)}
+    config.update(
+        {
+            "mask_token_id": cfg.mask_token_id,
+            "target_layer_ids": engine_target_layer_ids(cfg),
+            "sample_from_anchor": cfg.sample_from_anchor,
+            "is_causal": cfg.causal,
+            **dspark_keys(cfg),
+        }
+    )
+    config[PROVENANCE_KEY] = provenance(cfg, extra)
+    return config
+
+
+def block_speculators_config(cfg: DraftConfig, dtype: torch.dtype, extra: dict) -> dict:
+    """speculators' DFlash / DSpark config: vLLM builds the native one from it (its speculators algos).
+    K = the drafts a block gives, whatever --speculative-tokens says."""
+    extra = {k: v for k, v in extra.items() if k != "speculative_tokens"}
+    verifier = extra.pop("verifier", None) or servable_target(cfg.target)
+    config = {
+        "speculators_model_type": cfg.method,
+        "architectures": [SPECULATOR_ARCHITECTURES[cfg.method]],
+        "transformer_layer_config": qwen3_keys(cfg, dtype),
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        "block_size": cfg.block_size,
+        "mask_token_id": cfg.mask_token_id,
+        "aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
+        "sample_from_anchor": cfg.sample_from_anchor,
+        "tie_word_embeddings": False,
+        "torch_dtype": DTYPE_NAMES[dtype],
+        "speculators_config": {
+            "algorithm": cfg.method,
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": num_drafts(cfg)}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier, "architectures": list(cfg.target_architectures)},
+        },
+    }
+    if cfg.method == "dflash":
+        config["sliding_window_non_causal"] = not cfg.causal  # vLLM: dflash_config.causal = not this
+    else:
+        config.update(dspark_keys(cfg))
+    config[PROVENANCE_KEY] = provenance(cfg, extra)
+    return config
+
+
+def block_settings(config: dict) -> dict:
+    """What a block config states beyond the Qwen3 keys, whichever of the three layouts it is in, with the
+    engines' defaults for absent keys (sample_from_anchor: false for DFlash and speculators, true for native
+    DSpark): method, aux ids (ours), mask token, block size, causal, sample_from_anchor, Markov rank, confidence."""
+    dflash = config.get("dflash_config") or {}
+    if config.get("speculators_model_type") in BLOCK_METHODS:
+        method, aux = config["speculators_model_type"], config.get("aux_hidden_state_layer_ids")
+        causal = not config.get("sliding_window_non_causal", True) if method == "dflash" else config.get("is_causal")
+        from_anchor = config.get("sample_from_anchor", False)
+    elif is_dflash(config):
+        method, causal = "dflash", config.get("is_causal", dflash.get("causal"))
+        aux = [i + 1 for i in dflash["target_layer_ids"]] if dflash.get("target_layer_ids") else None
+        from_anchor = dflash.get("sample_from_anchor", False)
+    else:
+        method, causal = "dspark", config.get("is_causal")
+        aux = [i + 1 for i in config["target_layer_ids"]] if config.get("target_layer_ids") else None
+        from_anchor = config.get("sample_from_anchor", True)
+    return {
+        "method": method,
+        "aux_layer_ids": aux,
+        "mask_token_id": dflash.get("mask_token_id", config.get("mask_token_id")),
+        "block_size": config.get("block_size") or dflash.get("block_size"),
+        "causal": bool(causal),
+        "sample_from_anchor": bool(from_anchor),
+        "markov_rank": int(config.get("markov_rank") or 0),
+        "confidence_head": bool(config.get("enable_confidence_head")),
+    }
+
+
+def block_read(config: dict, target_config=None) -> DraftConfig:
+    layer = config.get("transformer_layer_config") if "speculators_model_type" in config else config
+    settings = block_settings(config)
+    if settings["mask_token_id"] is None or not settings["block_size"]:
+        raise ValueError(f"{settings['method']} config.json names no mask_token_id or block_size")
+    cfg = draft_config_from_llama(layer, config, target_config, aux_layer_ids=settings.pop("aux_layer_ids"))
+    cfg.target_num_layers = cfg.target_num_layers or config.get("num_target_layers") or 0
+    for key, value in settings.items():
+        setattr(cfg, key, value)
+    return cfg
+
+
+def is_dflash(config: dict) -> bool:
+    return DFLASH_ARCHITECTURE in (config.get("architectures") or []) and "speculators_model_type" not in config
+
+
+def is_dspark(config: dict) -> bool:
+    return DSPARK_ARCHITECTURE in (config.get("architectures") or []) and "speculators_model_type" not in config
+
+
+def is_block(config: dict) -> bool:
+    """A DFlash or DSpark config, in any of the three layouts."""
+    return is_dflash(config) or is_dspark(config) or config.get("speculators_model_type") in BLOCK_METHODS
+
+
+def markov_to_file(name: str, method: str = "") -> str:
+    return name + ".weight" if name in MARKOV_TENSORS else name
+
+
+def markov_from_file(name: str, method: str = "") -> str:
+    return name.removesuffix(".weight") if name.removesuffix(".weight") in MARKOV_TENSORS else name
+
+
+def by_method(eagle: Callable[[str, str], str], block: Callable[[str, str], str]) -> Callable[[str, str], str]:
+    """A name map for a layout holding both kinds of heads: `block`'s for DFlash / DSpark, else `eagle`'s."""
+    return lambda name, method="": (block if method in BLOCK_METHODS else eagle)(name, method)
+
+
 # ---- the table -----------------------------------------------------------------------------------
 
 
-def rename(prefixes: list[tuple[str, str]]) -> Callable[[str], str]:
-    """Name map replacing the first matching prefix (old, new)."""
+def rename(prefixes: list[tuple[str, str]]) -> Callable[[str, str], str]:
+    """Name map replacing the first matching prefix (old, new), for heads of any method."""
 
-    def apply(name: str) -> str:
+    def apply(name: str, method: str = "") -> str:
         for old, new in prefixes:
             if name.startswith(old):
                 return new + name[len(old) :]
@@ -294,9 +474,10 @@ class Layout:
     engines: tuple[str, ...]  # the engines `eagle-export --check` checks by default
     write_config: Callable[[DraftConfig, torch.dtype, dict], dict]
     read_config: Callable[[dict, object], DraftConfig]
-    to_file: Callable[[str], str]  # head tensor name -> file tensor name
-    from_file: Callable[[str], str]  # file tensor name -> head tensor name
+    to_file: Callable[[str, str], str]  # (head tensor name, head method) -> file tensor name
+    from_file: Callable[[str, str], str]  # (file tensor name, head method) -> head tensor name
     matches: Callable[[dict], bool]
+    mask_file: bool = False  # a block head's mask_embedding goes to MASK_EMBEDDING_FILE, not the weights
 
 
 LAYOUTS: dict[str, Layout] = {
@@ -308,13 +489,18 @@ LAYOUTS: dict[str, Layout] = {
         ("vllm",),
         speculators_config,
         speculators_read,
-        rename([("midlayer.", "layers.0.")]),
-        rename([("layers.0.", "midlayer.")]),
+        by_method(rename([("midlayer.", "layers.0.")]), markov_to_file),
+        by_method(rename([("layers.0.", "midlayer.")]), markov_from_file),
         is_speculators,
+        mask_file=True,
     ),
     # On disk a P-EAGLE directory is the eagle3 layout plus keys, so it is read (and detected) as that
     # row, whose reader sees the mask token; this row only writes.
     "peagle": Layout("peagle", ("vllm",), peagle_config, eagle3_read, rename([]), rename([]), lambda config: False),
+    "dflash": Layout("dflash", ("vllm",), dflash_config, block_read, rename([]), rename([]), is_dflash, mask_file=True),
+    "dspark": Layout(
+        "dspark", ("vllm",), dspark_config, block_read, markov_to_file, markov_from_file, is_dspark, mask_file=True
+    ),
 }
 
 
@@ -325,7 +511,8 @@ def detect_layout(config: dict) -> Layout:
             return layout
     raise ValueError(
         'config.json is in no known draft layout (expected architectures ["LlamaForCausalLMEagle3"], '
-        f'or speculators_model_type "eagle3" / "peagle"; known layouts: {", ".join(LAYOUTS)})'
+        f'["{DFLASH_ARCHITECTURE}"] or ["{DSPARK_ARCHITECTURE}"], or speculators_model_type "eagle3", "peagle", '
+        f'"dflash" or "dspark"; known layouts: {", ".join(LAYOUTS)})'
     )
 
 

@@ -1,0 +1,170 @@
+"""Block heads (DFlash, DSpark) exported: the z-lab `dflash` layout, DeepSpec's `dspark` layout and the speculators
+form of both read back as the same head; vLLM's rules catch what its loaders would get wrong; a DSpark head asked of
+vLLM on a CPU is refused in one line (no vLLM needed: engines/block_rules.py, engines/vllm.py)."""
+
+import json
+
+import pytest
+import torch
+from conftest import tiny_head
+from safetensors.torch import load_file, save_file
+
+from eagle_train.checkpoint import load_draft_head
+from eagle_train.dflash import num_drafts
+from eagle_train.export import export_head, read_export
+from eagle_train.export.layouts import MASK_EMBEDDING_FILE
+from eagle_train.target import SMOLLM2
+from engines import ENGINES, check_directory
+from engines import vllm as vllm_engine
+from engines.block_rules import restated_hf_config
+
+CASES = [  # (method, layout, config changes)
+    ("dflash", "dflash", {}),
+    ("dflash", "dflash", {"causal": True}),
+    ("dflash", "speculators", {}),
+    ("dspark", "dspark", {}),
+    ("dspark", "dspark", {"sample_from_anchor": False, "confidence_head": False}),
+    ("dspark", "speculators", {}),
+]
+SETTINGS = ("method", "aux_layer_ids", "mask_token_id", "block_size", "causal", "sample_from_anchor", "markov_rank")
+
+
+def export(tmp_path, method="dflash", layout=None, **changes):
+    head = tiny_head(method, **changes)
+    return head, export_head(head, tmp_path / (layout or method), layout or method, dtype="fp32")
+
+
+@pytest.mark.parametrize("method, layout, changes", CASES)
+def test_each_layout_reads_back_as_the_same_head(tmp_path, method, layout, changes):
+    head, out = export(tmp_path, method, layout, **changes)
+    back = load_draft_head(out)
+    for key in (*SETTINGS, "confidence_head", "draft_vocab_size", "hidden_size", "num_hidden_layers", "rope_theta"):
+        assert getattr(back.config, key) == getattr(head.config, key), key
+    want, got = head.saved_state_dict(), back.saved_state_dict()
+    assert set(got) == set(want)
+    for name, t in want.items():
+        assert torch.equal(got[name], t), name
+
+
+def test_dflash_layout_is_z_labs(tmp_path):
+    head, out = export(tmp_path)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    assert config["dflash_config"] == {
+        "mask_token_id": head.config.mask_token_id,
+        "target_layer_ids": [i - 1 for i in head.config.aux_layer_ids],
+        "causal": False,
+        "sample_from_anchor": False,
+    }
+    assert config["block_size"] == head.config.block_size and config["draft_vocab_size"] == head.config.draft_vocab_size
+    names = set(load_file(out / "model.safetensors"))
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "lm_head.weight", "d2t"} <= names
+    assert not names & {"embed_tokens.weight", "t2d", "mask_embedding"}  # the target's; follows from d2t; its own file
+    mask = torch.load(out / MASK_EMBEDDING_FILE, weights_only=True)
+    assert mask["mask_token_id"] == head.config.mask_token_id and torch.equal(mask["embedding"], head.mask_embedding)
+
+
+def test_dspark_layout_is_deepspecs_with_the_engines_markov_names(tmp_path):
+    head, out = export(tmp_path, "dspark")
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3DSparkModel"]
+    assert config["target_layer_ids"] == [i - 1 for i in head.config.aux_layer_ids]
+    assert (config["markov_rank"], config["markov_head_type"], config["sample_from_anchor"]) == (4, "vanilla", True)
+    assert config["enable_confidence_head"] and config["confidence_head_with_markov"]
+    tensors = load_file(out / "model.safetensors")
+    assert torch.equal(tensors["markov_head.markov_w1.weight"], head.markov_head.markov_w1.detach())
+    assert tensors["markov_head.markov_w2.weight"].shape == (head.config.draft_vocab_size, 4)
+    assert tensors["confidence_head.proj.weight"].shape == (1, head.config.hidden_size + 4)
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_speculators_block_config_is_what_vllms_speculators_reader_wants(tmp_path, method):
+    head, out = export(tmp_path, method, "speculators")
+    config = json.loads((out / "config.json").read_text())
+    assert config["speculators_model_type"] == method
+    assert config["aux_hidden_state_layer_ids"] == list(head.config.aux_layer_ids)
+    assert config["sample_from_anchor"] is head.config.sample_from_anchor
+    tokens = config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+    assert tokens == num_drafts(head.config)
+    hf = restated_hf_config(config)
+    layers = hf["dflash_config"]["target_layer_ids"] if method == "dflash" else hf["target_layer_ids"]
+    assert [i + 1 for i in layers] == list(head.config.aux_layer_ids)
+
+
+def test_a_bare_tensor_mask_embedding_is_read_too(tmp_path):
+    head, out = export(tmp_path)
+    torch.save(head.mask_embedding.detach() * 2, out / MASK_EMBEDDING_FILE)  # vLLM's loader takes this form too
+    _, tensors = read_export(out)
+    assert torch.equal(tensors["mask_embedding"], head.mask_embedding.detach() * 2)
+
+
+def test_a_good_dflash_export_passes_vllms_rules(tmp_path):
+    _, out = export(tmp_path)
+    (report,) = check_directory(out).values()
+    assert report.ok, report.render()
+    assert report.loads["model.mask_embedding"] == [MASK_EMBEDDING_FILE]
+    assert report.loads["model.layers.0.self_attn.qkv_proj.weight"] == [
+        f"layers.0.self_attn.{p}_proj.weight" for p in "qkv"
+    ]
+
+
+def errors(out) -> list[str]:
+    (report,) = check_directory(out, ["vllm"]).values()
+    return [f.message for f in report.findings if f.severity == "error"]
+
+
+def rewrite_config(out, change):
+    config = json.loads((out / "config.json").read_text())
+    change(config)
+    (out / "config.json").write_text(json.dumps(config))
+
+
+def test_vllms_rules_catch_broken_dflash_exports(tmp_path):
+    _, out = export(tmp_path)
+    (out / MASK_EMBEDDING_FILE).unlink()
+    assert any("no mask_embedding.pt" in e for e in errors(out))
+
+    _, out = export(tmp_path / "layers")
+    rewrite_config(out, lambda c: c["dflash_config"].update(target_layer_ids=[2, 4, 5]))  # ours, not ours - 1
+    assert any("would capture target layers [3, 5, 6]" in e for e in errors(out))
+
+    _, out = export(tmp_path / "tensor")
+    tensors = load_file(out / "model.safetensors")
+    del tensors["layers.1.mlp.up_proj.weight"]
+    save_file(tensors, out / "model.safetensors")
+    assert any("no layers.1.mlp.up_proj.weight" in e for e in errors(out))
+
+    _, out = export(tmp_path / "mask-id")
+    rewrite_config(out, lambda c: c["dflash_config"].update(mask_token_id=3))
+    assert any("is for mask_token_id 49, config.json says 3" in e for e in errors(out))
+
+    _, out = export(tmp_path / "anchor")
+    rewrite_config(out, lambda c: c["dflash_config"].update(sample_from_anchor=True))
+    assert any("sample_from_anchor true" in e for e in errors(out))
+
+
+def test_vllms_dspark_ignores_the_mask_embedding_and_other_engines_have_no_block_loader(tmp_path):
+    _, out = export(tmp_path, "dspark")
+    assert any("never reads mask_embedding.pt" in e for e in errors(out))
+    for name in ("sglang", "trtllm"):
+        (report,) = check_directory(out, [name]).values()
+        assert not report.ok and "no DFlash / DSpark loader" in report.findings[0].message
+
+
+def test_dspark_asked_of_vllm_on_a_cpu_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    from eagle_cli.evaluate import main as eval_main
+    from eagle_cli.export import main as export_main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    _, out = export(tmp_path, "dspark")
+    with pytest.raises(SystemExit) as done:
+        export_main(["--check", str(out), "--engine", "vllm", "--target", SMOLLM2])
+    said = capsys.readouterr().err.strip()
+    assert done.value.code == 2 and len(said.splitlines()) == 1
+    assert "does not draft with a DSpark head on a CPU" in said and "llama.cpp" in said and "built-in" in said
+    monkeypatch.setattr(vllm_engine, "missing", lambda: "")  # eagle-eval says first when vLLM is not installed
+    with pytest.raises(SystemExit, match="does not draft with a DSpark head on a CPU"):
+        eval_main(["--engine", "vllm", "--target", SMOLLM2, "--draft", str(out), "--out", str(tmp_path / "r.json")])
+    assert ENGINES["vllm"].head_refusal("dflash") == ""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert vllm_engine.dspark_refusal() == ""  # vLLM's V2 GPU runner drafts DSpark
