@@ -1,24 +1,33 @@
 #!/usr/bin/env bash
 # The main job on the embedded default, sized for a CPU:
 # SmolLM2-135M-Instruct answers ShareGPT first turns itself -> self-distilled hidden-state store with loss
-# masks and draft vocab (configs/smollm2_sharegpt.yaml) -> EAGLE-3 head with training-time test
-# (configs/eagle3_smollm2.yaml, cut to $STEPS steps) -> engine-exact export, checked -> acceptance-length
-# table on MT-Bench, speculative against plain decoding, at chain K=$K (default 1: the K at which a head
-# this small pays off on a CPU, where each draft step costs about a fifth of a target step). The head is
-# trained for that K (ttt_length=K): training-time-test steps beyond K are never drafted, and each costs
-# about as much as the first.
+# masks and draft vocab (configs/smollm2_sharegpt.yaml) -> a draft head (DRAFTER, configs/<drafter>_smollm2.yaml,
+# cut to $STEPS steps) -> engine-exact export, checked -> acceptance-length table on MT-Bench, speculative against
+# plain decoding and n-gram drafting.
+#
+# DRAFTER=eagle3 (default): an EAGLE-3 head trained with training-time test, drafting a chain of K=$K (default 1:
+#   the K at which a head this small pays off on a CPU, where each draft step costs about a fifth of a target
+#   step); it is trained for that K (ttt_length=K): steps beyond K are never drafted.
+# DRAFTER=dflash | dspark: a block head drafting all its tokens (7 or 8) in one forward, exported in the z-lab
+#   (vLLM) or DeepSpec layout.
 #
 # SCALE=smoke runs every step at toy size (a few conversations, steps and tokens) into runs/smoke:
 # what CI runs to prove the job finishes, not a head worth measuring.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+DRAFTER=${DRAFTER:-eagle3}
+case "$DRAFTER" in
+  eagle3) DRAFTING=(--chain "${K:-1}"); METHOD=(ttt_length="${K:-1}") ;;
+  dflash|dspark) DRAFTING=(); METHOD=() ;;   # the whole block: block_size - 1 (DFlash) or block_size (DSpark) drafts
+  *) echo "DRAFTER=$DRAFTER: choose eagle3, dflash or dspark" >&2; exit 2 ;;
+esac
 if [ "${SCALE:-full}" = smoke ]; then
-  RUN=runs/smoke; HEAD=runs/smoke/eagle3
+  RUN=runs/smoke; HEAD=runs/smoke/$DRAFTER
   PREP=(out_dir="$RUN" prep.num_conversations=6 prep.max_length=256 prep.distil.max_new_tokens=16 prep.vocab_fill.conversations=50)
   TRAIN=(tokens_per_batch=512 max_steps=2 warmup_steps=1 save_every=1)   # max_length: the store's, 256
   EVAL=(--num-prompts 1 --max-new-tokens 8)
 else
-  RUN=runs/smollm2_sharegpt; HEAD=runs/eagle3_smollm2   # the configs' out_dir and output_dir
+  RUN=runs/smollm2_sharegpt; HEAD=runs/${DRAFTER}_smollm2   # the configs' out_dir and output_dir
   PREP=()
   TRAIN=(max_steps="${STEPS:-240}" save_every=40)
   EVAL=(--num-prompts 5 --max-new-tokens 64)
@@ -26,8 +35,8 @@ fi
 
 eagle-prep run --config smollm2_sharegpt "${PREP[@]}"   # resumes a killed run; a finished one is kept
 accelerate launch --num_processes 1 --num_cpu_threads_per_process "$(nproc)" --num_machines 1 --mixed_precision no \
-    --dynamo_backend no -m eagle_train.train --config eagle3_smollm2 \
-    data_path="$RUN/store" output_dir="$HEAD" resume=auto ttt_length="${K:-1}" "${TRAIN[@]}"
-eagle-export "$HEAD/final" --format eagle3 --out "$HEAD/export" --target smollm2-135m
-eagle-eval --target smollm2-135m --draft "$HEAD/export" --bench mt_bench --chain "${K:-1}" \
+    --dynamo_backend no -m eagle_train.train --config "${DRAFTER}_smollm2" \
+    data_path="$RUN/store" output_dir="$HEAD" resume=auto "${METHOD[@]}" "${TRAIN[@]}"
+eagle-export "$HEAD/final" --format "$DRAFTER" --out "$HEAD/export" --target smollm2-135m
+eagle-eval --target smollm2-135m --draft "$HEAD/export" --bench mt_bench "${DRAFTING[@]}" \
     --out "$HEAD/eval_mt_bench.json" "${EVAL[@]}"
