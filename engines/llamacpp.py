@@ -10,7 +10,8 @@ version; EAGLE_LLAMACPP_BIN points at another build's bin directory instead.
     eagle-llamacpp where
 
 `run_plain`, `run_head` and `run_ngram` decode one chat-templated prompt greedily and return what
-llama.cpp measured. How its counters become forwards: every round of llama-speculative-simple runs
+llama.cpp measured; a head GGUF drafts as its file says (`drafting`): EAGLE-3 chains (draft-eagle3) or a
+DFlash / DSpark block a round (draft-dflash, draft-dspark: K at most the block's drafts). How its counters become forwards: every round of llama-speculative-simple runs
 [last token, drafts...] through the target in one forward and adds the tokens it keeps (accepted
 drafts + the target's own) to n_predict and the accepted drafts to n_accept, so
 forwards = n_predict - n_accept. The prompt but its last token is decoded before the loop and
@@ -34,10 +35,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGMLQuantizationType, GGUFReader
 
 from eagle_train.checkpoint import GGUF, load_draft_head, locate_head
-from eagle_train.export.gguf import export_gguf, field_value, read_gguf, read_target
+from eagle_train.export.gguf import BLOCK_ARCH, MASK_KEY, export_gguf, field_value, read_gguf, read_target
 from eagle_train.target import cache_dir, load_tokenizer, target_gguf
 from engines import Engine, EngineError
 from engines.live import EngineFailed, Pooled, d2t_finding, layers_finding
@@ -330,9 +331,45 @@ def run_speculative(target, prompt: str, n: int, spec: list, threads: int | None
     return parse_speculative(*run_tool("llama-speculative-simple", args, prompt, threads), prompt)
 
 
+@dataclass
+class Drafting:
+    """How llama-speculative-simple drafts with a head GGUF: its --spec-type and the most drafts a round."""
+
+    spec_type: str
+    max_drafts: int | None  # a block head's drafts per block (None: EAGLE-3 chains of any length)
+
+    def flags(self, k: int) -> list:
+        return ["--spec-type", self.spec_type, "--spec-draft-n-max", min(k, self.max_drafts or k)]
+
+
+def drafting(head) -> Drafting:
+    """What the file says it is: a dflash file drafts as draft-dspark where it has the Markov head or drafts
+    from the anchor's slot (llama.cpp's default for DSpark when the key is absent), up to block_size drafts,
+    else as draft-dflash, up to block_size - 1 (the anchor's slot drafts nothing). A file that does not read
+    as a GGUF goes as draft-eagle3, and llama.cpp says why it cannot load it."""
+    try:
+        reader = GGUFReader(head)
+        arch = field_value(reader.fields["general.architecture"]).decode()
+    except (OSError, ValueError, KeyError, IndexError):
+        return Drafting("draft-eagle3", None)
+    if arch != BLOCK_ARCH:
+        return Drafting("draft-eagle3", None)
+
+    def key(name, default):
+        found = reader.fields.get(f"{BLOCK_ARCH}.{name}")
+        return field_value(found) if found is not None else default
+
+    markov = any(t.name == "markov_w1.weight" for t in reader.tensors)
+    block_size, from_anchor = key("block_size", 16), key("sample_from_anchor", markov)
+    if markov or from_anchor:
+        return Drafting("draft-dspark", block_size if from_anchor else block_size - 1)
+    return Drafting("draft-dflash", block_size - 1)
+
+
 def run_head(target, head, prompt: str, n: int, k: int, threads: int | None = None) -> Run:
-    """Speculative decoding with an EAGLE-3 head GGUF drafting chains of up to `k` tokens."""
-    spec = ["-md", head, "--spec-type", "draft-eagle3", "--spec-draft-n-max", k]
+    """Speculative decoding with a head GGUF drafting up to `k` tokens a round (`drafting`: EAGLE-3 chains,
+    or a DFlash or DSpark block, `k` clamped to its drafts per block)."""
+    spec = ["-md", head, *drafting(head).flags(k)]
     return run_speculative(target, prompt, n, spec, threads)
 
 
@@ -389,6 +426,8 @@ def static_findings(file: Path, target: str, source_head) -> list[Finding]:
         head, target_key("rope.freq_base", 10000.0), target_key("block_count"), target_key("embedding_length")
     )
     findings += gguf_size_findings(head, tgt)
+    if head.arch == BLOCK_ARCH:
+        findings += block_findings(head)
     if source_head is not None:
         with tempfile.TemporaryDirectory() as tmp:
             expected = read_gguf(export_gguf(source_head, Path(tmp) / "expected.gguf", target))
@@ -443,26 +482,35 @@ def gguf_size_findings(head, tgt) -> list[Finding]:
 
 
 def gguf_target_findings(head, target_theta: float, n_layer: int, width: int) -> list[Finding]:
-    keys, findings = head.keys, []
+    keys, findings, arch = head.keys, [], head.arch
     theta = keys["rope.freq_base"]
     if not np.isclose(theta, target_theta, rtol=1e-6):
         findings.append(
             Finding(
                 "error",
-                f"eagle3.rope.freq_base is {theta:g}, the target's {target_theta:g}: llama.cpp rotates the draft's "
-                "queries and keys at frequencies the head was not trained with (EAGLE-3 heads use the target's "
+                f"{arch}.rope.freq_base is {theta:g}, the target's {target_theta:g}: llama.cpp rotates the draft's "
+                "queries and keys at frequencies the head was not trained with (our heads use the target's "
                 "RoPE; a converter that leaves the key out gets llama.cpp's default 10000)",
                 cause=f"a wrong RoPE base ({theta:g} instead of {target_theta:g})",
             )
         )
     layers = list(keys.get("target_layers", []))
-    if len(layers) != 3:
+    fc = head.tensors.get("fc.weight")
+    if arch != BLOCK_ARCH and len(layers) != 3:
         findings.append(Finding("error", f"eagle3.target_layers is {layers}: llama.cpp needs exactly three ids"))
+    elif arch == BLOCK_ARCH and (fc is None or fc.shape[1] != len(layers) * keys.get("embedding_length", 0)):
+        findings.append(
+            Finding(
+                "error",
+                f"dflash.target_layers {layers} gives fc {len(layers)} x {keys.get('embedding_length')} inputs, "
+                f"fc.weight takes {None if fc is None else fc.shape[1]}: llama.cpp refuses the file",
+            )
+        )
     elif any(not 0 <= i <= n_layer for i in layers):
         findings.append(
             Finding(
                 "error",
-                f"eagle3.target_layers {layers} reaches outside the target's layer inputs 0..{n_layer} "
+                f"{arch}.target_layers {layers} reaches outside the target's layer inputs 0..{n_layer} "
                 f"(a {n_layer}-layer target; llama.cpp aborts): the head was made for another target",
                 cause="target_layers of another target",
             )
@@ -471,17 +519,74 @@ def gguf_target_findings(head, target_theta: float, n_layer: int, width: int) ->
         findings.append(
             Finding(
                 "warning",
-                f"eagle3.target_layers {layers} is not in increasing order: EAGLE-3 heads read a low, a middle "
-                "and a high layer in that order, so it may be reversed",
+                f"{arch}.target_layers {layers} is not in increasing order: our heads read their layers from low "
+                "to high, so it may be reversed",
             )
         )
-    for key in ("embedding_length", "target_hidden_size"):
+    widths = ("embedding_length", "target_hidden_size") if arch != BLOCK_ARCH else ("embedding_length",)
+    for key in widths:
         if keys.get(key) != width:
             findings.append(
                 Finding(
                     "error",
-                    f"eagle3.{key} is {keys.get(key)}, the target's embedding_length {width}: "
-                    "made for another target (llama.cpp borrows the target's embeddings and layer inputs)",
+                    f"{arch}.{key} is {keys.get(key)}, the target's embedding_length {width}: "
+                    "made for another target (llama.cpp reads the target's layer inputs at the draft's width"
+                    + (" and borrows the target's embeddings)" if arch != BLOCK_ARCH else ")"),
+                )
+            )
+    return findings
+
+
+def block_findings(head) -> list[Finding]:
+    """What llama.cpp's dflash loader and drafting need of a block head's file beyond the target's sizes."""
+    keys, tensors, findings = head.keys, head.tensors, []
+    if keys.get("block_size", 0) < 2:
+        findings.append(
+            Finding(
+                "error",
+                f"dflash.block_size is {keys.get('block_size')}: llama.cpp drafts block_size - 1 tokens a block "
+                "(DSpark's Markov head asserts the key)",
+            )
+        )
+    mask = head.mask_token_id
+    if mask is None or not 0 <= mask < head.n_vocab:
+        findings.append(
+            Finding(
+                "error",
+                f"{MASK_KEY} is {mask}: llama.cpp embeds the block's masks by this token's row of token_embd, "
+                f"so it must be a token of the {head.n_vocab}-token vocabulary",
+            )
+        )
+    elif "embed_tokens.weight" not in tensors:
+        findings.append(
+            Finding(
+                "warning",
+                "the file has no token_embd.weight: llama.cpp embeds the masks by the target's row "
+                f"{mask}, not the head's learnt mask embedding",
+                cause="no mask embedding",
+            )
+        )
+    norms = [f"layers.{i}.self_attn.{n}_norm.weight" for i in range(keys.get("block_count", 0)) for n in "qk"]
+    absent = [n for n in norms if n not in tensors]
+    if absent:
+        findings.append(Finding("error", f"the file lacks {absent}: llama.cpp's dflash loader requires them"))
+    w1, w2 = tensors.get("markov_head.markov_w1"), tensors.get("markov_head.markov_w2")
+    lm_head = tensors.get("lm_head.weight")
+    if (w1 is None) != (w2 is None):
+        findings.append(Finding("error", "the file holds one of markov_w1 and markov_w2: llama.cpp needs both"))
+    elif w1 is not None:
+        rank = w1.shape[1]
+        want = {"markov_w1": [head.n_vocab, rank], "markov_w2": [len(lm_head) if lm_head is not None else 0, rank]}
+        for name, got in (("markov_w1", w1), ("markov_w2", w2)):
+            if list(got.shape) != want[name]:
+                findings.append(Finding("error", f"{name} is {list(got.shape)}, llama.cpp's loader wants {want[name]}"))
+        conf = tensors.get("confidence_head.proj.weight")
+        if conf is not None and list(conf.shape) != [1, keys["embedding_length"] + rank]:
+            findings.append(
+                Finding(
+                    "error",
+                    f"conf_proj.weight is {list(conf.shape)}, llama.cpp reads [hidden state; markov_w1 row]: "
+                    f"[1, {keys['embedding_length'] + rank}]",
                 )
             )
     return findings
@@ -489,23 +594,33 @@ def gguf_target_findings(head, target_theta: float, n_layer: int, width: int) ->
 
 def gguf_source_findings(head, expected, covered: set[str]) -> list[Finding]:
     """Where the file differs from export_gguf's file for the source head; `covered` causes are not repeated."""
+    if head.arch != expected.arch:
+        return [
+            Finding("error", f"the file is a {head.arch!r} draft, export_gguf writes the head as {expected.arch!r}")
+        ]
     findings = []
+    if head.mask_token_id != expected.mask_token_id:
+        findings.append(
+            Finding("error", f"{MASK_KEY} is {head.mask_token_id}, the head's mask token is {expected.mask_token_id}")
+        )
     for key in sorted(set(head.keys) | set(expected.keys)):
         got, want = head.keys.get(key), expected.keys.get(key)
         if key == "target_layers" and list(got or []) != list(want):
-            findings.append(layers_finding(list(got or []), list(want), "llama.cpp", "eagle3.target_layers"))
+            findings.append(layers_finding(list(got or []), list(want), "llama.cpp", f"{head.arch}.target_layers"))
         elif key == "rope.freq_base" and not np.isclose(got, want, rtol=1e-6):
             findings.append(
                 Finding(
                     "error",
-                    f"eagle3.rope.freq_base is {got:g}, the head was trained with {want:g}",
+                    f"{head.arch}.rope.freq_base is {got:g}, the head was trained with {want:g}",
                     cause=f"a wrong RoPE base ({got:g} instead of {want:g})",
                 )
             )
         elif key not in ("target_layers", "rope.freq_base") and got != want:
             findings.append(
                 Finding(
-                    "error", f"eagle3.{key} is {got}, export_gguf writes {want} for the source head", f"eagle3.{key}"
+                    "error",
+                    f"{head.arch}.{key} is {got}, export_gguf writes {want} for the source head",
+                    f"{head.arch}.{key}",
                 )
             )
     missing = sorted(set(expected.tensors) - set(head.tensors))
@@ -550,7 +665,7 @@ def head_gguf(draft, target, out: Path):
 class LlamaCpp(Engine):
     name = "llamacpp"
     title = "llama.cpp"
-    live_title = "llama.cpp (--spec-type draft-eagle3)"
+    live_title = "llama.cpp (llama-speculative-simple -md HEAD.gguf)"
     decodes_live = True
 
     def missing(self) -> str:
@@ -584,6 +699,9 @@ class LlamaCpp(Engine):
 
         tokenizer = load_tokenizer(target)
         texts = [chat_text(tokenizer, [{"role": "user", "content": q}]) for q in questions]
+        # a block head drafts its whole block: llama.cpp's block is n_max (+ 1) tokens, and a shorter one than the
+        # head was trained on changes every draft of a non-causal head
+        k = drafting(file).max_drafts or k
         try:
             runs = measure(target_gguf(target), file, texts, k, n, threads)
         except LlamaCppError as e:
@@ -641,18 +759,22 @@ class LlamaCppTurns(TurnEngine):
 
 
 def evaluate(options: EvalOptions, answers=None) -> dict:
-    """The bench through llama.cpp: plain, head and n-gram drafting on the same templated prompts."""
+    """The bench through llama.cpp: plain, head and n-gram drafting on the same templated prompts. A block head
+    (DFlash, DSpark) drafts its whole block a round unless --parallel or --chain K asks for fewer drafts, which
+    llama.cpp makes from a block of K (+ 1) tokens."""
     o = options
     builtin_only = {
         "--tree": o.tree,
-        "--parallel": o.parallel,
         "--device": o.device,
         "--dtype": o.dtype,
         "--no-cuda-graphs": not o.cuda_graphs,
     }
     given = [flag for flag, value in builtin_only.items() if value]
     if given:
-        raise ValueError(f"{', '.join(given)}: the built-in runtime's; --engine llamacpp drafts chains (--chain K)")
+        raise ValueError(
+            f"{', '.join(given)}: the built-in runtime's; --engine llamacpp drafts chains (--chain K) "
+            "or a DFlash or DSpark head's blocks (--parallel K)"
+        )
     if not o.greedy:
         raise ValueError("--engine llamacpp decodes greedily: leave out --temperature, --top-p and --top-k")
     k = o.depth
@@ -667,19 +789,27 @@ def evaluate(options: EvalOptions, answers=None) -> dict:
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         head, _ = head_gguf(o.draft, gguf, Path(tmp) / "head.gguf")
+        block = drafting(head).max_drafts
+        if o.parallel and block is None:
+            raise ValueError(
+                "--parallel K drafts a DFlash or DSpark head's block; an EAGLE-3 head drafts chains: --chain K"
+            )
+        if block:
+            k = min(k if o.parallel or o.chain else block, block)
         engine = LlamaCppTurns(gguf, head, tokenizer, k, o.threads, o.ngram)
         results = run_bench(engine, tokenizer, prompts, o.max_new_tokens, answers, f"eagle-eval llama.cpp {o.bench}")
     summary = summarise_drafters(results, k, k if o.ngram else None)
     return {
         "engine": "llamacpp",
-        "title": f"{o.bench}: {len(prompts)} prompts, {summary['turns']} turns, llama.cpp greedy, chain K={k}, "
+        "title": f"{o.bench}: {len(prompts)} prompts, {summary['turns']} turns, llama.cpp greedy, "
+        f"{'block' if block else 'chain'} K={k}, "
         f"{o.threads or 'default'} threads",
         "llamacpp_bin": str(bin_dir),
         "target": o.target,
         "target_gguf": str(gguf),
         "draft": str(o.draft),
         "bench": o.bench,
-        "drafting": {"depth": k, "chain": True, "parallel": False, "ngram": k if o.ngram else None},
+        "drafting": {"depth": k, "chain": not block, "parallel": bool(block), "ngram": k if o.ngram else None},
         "threads": o.threads,
         "max_new_tokens": o.max_new_tokens,
         "wall_seconds": time.time() - t0,

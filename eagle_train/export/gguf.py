@@ -6,6 +6,12 @@ tokenizer copied in, and d2t as absolute target ids (docs/design.md section 6.6)
 does not know the architecture yet, so its own keys are spelled out here. llama.cpp checks every
 key's type exactly and refuses a file holding a tensor it did not ask for, so nothing else is written.
 
+Block heads (DFlash, DSpark: `--spec-type draft-dflash|draft-dspark`) are architecture "dflash":
+Qwen3 keys plus `dflash.*`, Qwen3 layer tensors under `blk.{i}.*` in Hugging Face's RoPE row order
+(llama.cpp rotates this architecture NeoX-style, as we do), the Markov and confidence heads, and
+the learnt mask embedding as the row `tokenizer.ggml.mask_token_id` of a token embedding that is
+otherwise the target's (what llama.cpp's converter makes of mask_embedding.pt).
+
     export_gguf(head, "head.gguf", "target.gguf", outtype="q8_0")
     cfg, tensors = read_gguf_head("head.gguf", target_config)  # the inverse (eagle_train.checkpoint.load_draft_head)
 """
@@ -26,6 +32,7 @@ from gguf import (
 )
 from gguf.quants import dequantize, quantize
 
+from eagle_train.dflash import BLOCK_METHODS
 from eagle_train.draft_config import DraftConfig
 from eagle_train.export import check_vocab_map
 from eagle_train.layers import rope_inv_freq
@@ -33,6 +40,8 @@ from eagle_train.target import target_gguf
 from eagle_train.unreadable import HEAD_FIX, open_gguf
 
 ARCH = "eagle3"
+BLOCK_ARCH = "dflash"  # llama.cpp's architecture for DFlash and DSpark heads
+ARCHS = (ARCH, BLOCK_ARCH)
 # The head's matmul weights under llama.cpp's names; they take the export type.
 MATMUL_TENSORS = {
     "fc.weight": "fc.weight",
@@ -61,6 +70,36 @@ OUTTYPES = {
     "f16": (GGMLQuantizationType.F16, LlamaFileType.MOSTLY_F16),
     "q8_0": (GGMLQuantizationType.Q8_0, LlamaFileType.MOSTLY_Q8_0),
 }
+# A block head's tensors: those outside the layers, then one layer's (`layers.{i}.` <-> `blk.{i}.`).
+BLOCK_MATMULS = {
+    "fc.weight": "fc.weight",
+    "lm_head.weight": "output.weight",  # over the draft vocabulary, scattered to target ids by d2t
+    "markov_head.markov_w1": "markov_w1.weight",  # [V, R], read at target ids
+    "markov_head.markov_w2": "markov_w2.weight",  # [Vd, R]
+}
+BLOCK_SMALL = {  # 1-D or one-row tensors, always f32
+    "hidden_norm.weight": "enc.output_norm.weight",
+    "norm.weight": "output_norm.weight",
+    "confidence_head.proj.weight": "conf_proj.weight",
+    "confidence_head.proj.bias": "conf_proj.bias",
+}
+BLOCK_LAYER_MATMULS = {
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+BLOCK_LAYER_NORMS = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+}
+MASK_EMBEDDING = "mask_embedding"  # written as row mask_token_id of token_embd.weight
+MASK_KEY = "tokenizer.ggml.mask_token_id"
 # Array item types GGUFWriter infers from Python values (gguf 0.13 cannot be told one).
 COPYABLE_ITEM_TYPES = (GGUFValueType.STRING, GGUFValueType.FLOAT32, GGUFValueType.INT32, GGUFValueType.BOOL)
 
@@ -84,16 +123,32 @@ def read_target(target) -> GGUFReader:
     return open_gguf(path, "target GGUF", "re-download it")
 
 
+def block_names(n_layers: int) -> tuple[dict[str, str], dict[str, str]]:
+    """A block head's (matmul, f32) tensors: head name -> llama.cpp name."""
+    matmuls, small = dict(BLOCK_MATMULS), dict(BLOCK_SMALL)
+    for i in range(n_layers):
+        matmuls.update({f"layers.{i}.{k}": f"blk.{i}.{v}" for k, v in BLOCK_LAYER_MATMULS.items()})
+        small.update({f"layers.{i}.{k}": f"blk.{i}.{v}" for k, v in BLOCK_LAYER_NORMS.items()})
+    return matmuls, small
+
+
 def check_head(head, target: GGUFReader) -> None:
-    """Refuse heads llama.cpp's eagle3 model cannot hold, or that were trained for another target."""
+    """Refuse heads llama.cpp's eagle3 or dflash model cannot hold, or that were trained for another target."""
     cfg = head.config
-    if cfg.method != "eagle3":
+    names = set(head.saved_state_dict()) - {EMBEDDING[0]}
+    if cfg.method in BLOCK_METHODS:
+        unplaced = names - {"d2t", "t2d", MASK_EMBEDDING} - set().union(*block_names(cfg.num_hidden_layers))
+        if unplaced:
+            raise ValueError(f"llama.cpp's dflash model has no place for the head's tensors {sorted(unplaced)}")
+        if not 0 <= cfg.mask_token_id < cfg.vocab_size:
+            raise ValueError(f"the head's mask_token_id {cfg.mask_token_id} is outside the vocabulary")
+    elif cfg.method != "eagle3":
         raise ValueError(
             f"a {cfg.method} head cannot be written as a llama.cpp GGUF: llama.cpp drafts with "
-            "EAGLE-3 heads only (serve P-EAGLE heads with vLLM: --format peagle or speculators)"
+            "chains with EAGLE-3 heads only, blocks with DFlash and DSpark heads (serve P-EAGLE heads with vLLM: "
+            "--format peagle or speculators)"
         )
-    names = set(head.saved_state_dict()) - {EMBEDDING[0]}
-    if names != HEAD_TENSORS:
+    elif names != HEAD_TENSORS:
         raise ValueError(
             f"llama.cpp's eagle3 model has no place for the head's tensors {sorted(names - HEAD_TENSORS)} "
             f"and needs {sorted(HEAD_TENSORS - names)}"
@@ -130,12 +185,13 @@ def rope_pairs_halves(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
-def add_keys(writer: GGUFWriter, cfg, file_type: LlamaFileType, name: str) -> None:
+def add_model_keys(writer: GGUFWriter, cfg, file_type: LlamaFileType, name: str, n_layers: int) -> None:
+    """The keys every draft architecture shares, under the writer's architecture."""
     writer.add_name(name)
     writer.add_file_type(file_type)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
-    writer.add_block_count(1)
+    writer.add_block_count(n_layers)
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
@@ -148,6 +204,10 @@ def add_keys(writer: GGUFWriter, cfg, file_type: LlamaFileType, name: str) -> No
     if (cfg.rope_scaling or {}).get("rope_type") == "linear":
         writer.add_rope_scaling_type(RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(cfg.rope_scaling["factor"])
+
+
+def add_keys(writer: GGUFWriter, cfg, file_type: LlamaFileType, name: str) -> None:
+    add_model_keys(writer, cfg, file_type, name, 1)
     # Our aux ids index target layer inputs (HF hidden_states), as llama.cpp reads them; fc's input order.
     writer.add_key_value(f"{ARCH}.target_layers", [int(i) for i in cfg.aux_layer_ids], GGUFValueType.ARRAY)
     writer.add_uint32(f"{ARCH}.target_hidden_size", cfg.target_hidden_size)
@@ -156,16 +216,44 @@ def add_keys(writer: GGUFWriter, cfg, file_type: LlamaFileType, name: str) -> No
     writer.add_bool(f"{ARCH}.norm_before_fc", False)
 
 
-def copy_tokenizer(target: GGUFReader, writer: GGUFWriter) -> None:
-    """Every `tokenizer.*` key of the target, with its value type."""
+def add_block_keys(writer: GGUFWriter, cfg, file_type: LlamaFileType, name: str) -> None:
+    """A block head's keys: Qwen3's, its target layers (layer inputs, as ours), its block and options."""
+    add_model_keys(writer, cfg, file_type, name, cfg.num_hidden_layers)
+    writer.add_key_value(f"{BLOCK_ARCH}.target_layers", [int(i) for i in cfg.aux_layer_ids], GGUFValueType.ARRAY)
+    writer.add_uint32(f"{BLOCK_ARCH}.block_size", cfg.block_size)
+    writer.add_bool(f"{BLOCK_ARCH}.attention.causal", cfg.causal)
+    writer.add_bool(f"{BLOCK_ARCH}.sample_from_anchor", cfg.sample_from_anchor)
+    writer.add_bool(f"{BLOCK_ARCH}.has_confidence_head", cfg.confidence_head)
+
+
+def copy_tokenizer(target: GGUFReader, writer: GGUFWriter, skip: tuple[str, ...] = ()) -> None:
+    """Every `tokenizer.*` key of the target but `skip`, with its value type."""
     for key, field in target.fields.items():
-        if not key.startswith("tokenizer."):
+        if not key.startswith("tokenizer.") or key in skip:
             continue
         vtype = field.types[0]
         if vtype == GGUFValueType.ARRAY and (len(field.types) != 2 or field.types[1] not in COPYABLE_ITEM_TYPES):
             items = "/".join(t.name for t in field.types[1:])
             raise ValueError(f"the target GGUF's {key} is an array of {items}, which cannot be copied with its type")
         writer.add_key_value(key, field_value(field), vtype)
+
+
+def add_matrix(writer: GGUFWriter, gguf_name: str, w: np.ndarray, qtype: GGMLQuantizationType, name: str) -> None:
+    block = GGML_QUANT_SIZES[qtype][0]
+    if w.shape[1] % block:
+        raise ValueError(f"{name} has {w.shape[1]} columns, not a multiple of {block}: export it as f16 or f32")
+    writer.add_tensor(gguf_name, quantize(np.ascontiguousarray(w), qtype), raw_dtype=qtype)
+
+
+def add_common_tensors(writer: GGUFWriter, cfg, state: dict) -> None:
+    """d2t as absolute target ids, and llama3 RoPE's frequency factors."""
+    writer.add_tensor("d2t", (torch.arange(cfg.draft_vocab_size) + state["d2t"]).numpy().astype(np.int64))
+    if (cfg.rope_scaling or {}).get("rope_type") == "llama3":
+        # llama.cpp divides each RoPE frequency by its factor
+        factors = rope_inv_freq(cfg.head_dim, cfg.rope_theta, None) / rope_inv_freq(
+            cfg.head_dim, cfg.rope_theta, cfg.rope_scaling
+        )
+        writer.add_tensor("rope_freqs.weight", factors.numpy().astype(np.float32))
 
 
 def add_tensors(writer: GGUFWriter, head, qtype: GGMLQuantizationType) -> None:
@@ -180,19 +268,53 @@ def add_tensors(writer: GGUFWriter, head, qtype: GGMLQuantizationType) -> None:
         w = state[name].float().numpy()
         if name in rope_heads:
             w = rope_pairs_adjacent(w, rope_heads[name])
-        block = GGML_QUANT_SIZES[qtype][0]
-        if w.shape[1] % block:
-            raise ValueError(f"{name} has {w.shape[1]} columns, not a multiple of {block}: export it as f16 or f32")
-        writer.add_tensor(gguf_name, quantize(np.ascontiguousarray(w), qtype), raw_dtype=qtype)
+        add_matrix(writer, gguf_name, w, qtype, name)
     for name, gguf_name in NORM_TENSORS.items():
         writer.add_tensor(gguf_name, state[name].float().numpy())
-    writer.add_tensor("d2t", (torch.arange(cfg.draft_vocab_size) + state["d2t"]).numpy().astype(np.int64))
-    if (cfg.rope_scaling or {}).get("rope_type") == "llama3":
-        # llama.cpp divides each RoPE frequency by its factor
-        factors = rope_inv_freq(cfg.head_dim, cfg.rope_theta, None) / rope_inv_freq(
-            cfg.head_dim, cfg.rope_theta, cfg.rope_scaling
-        )
-        writer.add_tensor("rope_freqs.weight", factors.numpy().astype(np.float32))
+    add_common_tensors(writer, cfg, state)
+
+
+def target_embedding(target: GGUFReader, cfg) -> np.ndarray:
+    """The target GGUF's token embedding [V, H] in f32 (dequantized)."""
+    found = [t for t in target.tensors if t.name == EMBEDDING[1]]
+    if not found:
+        raise ValueError(f"the target GGUF has no {EMBEDDING[1]}, which a block head's file carries its mask row in")
+    t = found[0]
+    try:
+        w = dequantize(t.data, t.tensor_type)
+    except NotImplementedError as e:
+        raise ValueError(
+            f"the target GGUF's {EMBEDDING[1]} is {t.tensor_type.name}, which gguf cannot read back: "
+            "give the target as an f32, f16, q8_0 or q4 GGUF"
+        ) from e
+    return np.array(w, dtype=np.float32).reshape(cfg.vocab_size, cfg.hidden_size)
+
+
+def add_block_tensors(writer: GGUFWriter, head, qtype: GGMLQuantizationType, target: GGUFReader) -> None:
+    """A block head's tensors; the token embedding (the target's, or the head's own) gets the mask embedding
+    as row mask_token_id: llama.cpp embeds the block's masks by that token's row."""
+    cfg = head.config
+    state = {k: v.detach().cpu() for k, v in head.saved_state_dict().items()}
+    own = state[EMBEDDING[0]].float().numpy() if EMBEDDING[0] in state else None
+    embedding = np.array(target_embedding(target, cfg) if own is None else own, dtype=np.float32)  # row replaced
+    embedding[cfg.mask_token_id] = state[MASK_EMBEDDING].float().numpy()
+    add_matrix(writer, EMBEDDING[1], embedding, qtype, EMBEDDING[0])
+    matmuls, small = block_names(cfg.num_hidden_layers)
+    for name, gguf_name in matmuls.items():
+        if name in state:
+            add_matrix(writer, gguf_name, state[name].float().numpy(), qtype, name)
+    for name, gguf_name in small.items():
+        if name in state:
+            writer.add_tensor(gguf_name, state[name].float().numpy())
+    add_common_tensors(writer, cfg, state)
+
+
+def spec_type(cfg) -> str:
+    """llama.cpp's `--spec-type` for a head: draft-dspark where it has the Markov head or drafts from the
+    anchor's slot (llama.cpp's draft-dflash reads the masks' slots only), else draft-dflash or draft-eagle3."""
+    if cfg.method not in BLOCK_METHODS:
+        return "draft-eagle3"
+    return "draft-dspark" if cfg.markov_rank or cfg.sample_from_anchor else "draft-dflash"
 
 
 def export_gguf(head, out_path, target, outtype: str = "f32") -> Path:
@@ -200,7 +322,8 @@ def export_gguf(head, out_path, target, outtype: str = "f32") -> Path:
 
     `target` is the target's `.gguf` file (or an alias shipping one): its tokenizer is copied in and
     its sizes are checked against the head's. `outtype` (f32, f16, q8_0) applies to the matmul
-    weights and an own embedding; norms stay f32 and d2t int64.
+    weights and an own embedding; norms stay f32 and d2t int64. A block head (DFlash, DSpark) also
+    takes the target's token embedding, its mask row replaced by the head's mask embedding.
     """
     if outtype not in OUTTYPES:
         raise ValueError(f"unknown gguf outtype {outtype!r}; choose one of {', '.join(OUTTYPES)}")
@@ -209,10 +332,19 @@ def export_gguf(head, out_path, target, outtype: str = "f32") -> Path:
     check_head(head, reader)
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    writer = GGUFWriter(out, arch=ARCH)
-    add_keys(writer, head.config, file_type, f"{head.config.target or Path(str(target)).stem} EAGLE-3 draft")
-    copy_tokenizer(reader, writer)
-    add_tensors(writer, head, qtype)
+    cfg = head.config
+    name = cfg.target or Path(str(target)).stem
+    if cfg.method in BLOCK_METHODS:
+        writer = GGUFWriter(out, arch=BLOCK_ARCH)
+        add_block_keys(writer, cfg, file_type, f"{name} {cfg.method} draft")
+        copy_tokenizer(reader, writer, skip=(MASK_KEY,))
+        writer.add_uint32(MASK_KEY, cfg.mask_token_id)
+        add_block_tensors(writer, head, qtype, reader)
+    else:
+        writer = GGUFWriter(out, arch=ARCH)
+        add_keys(writer, cfg, file_type, f"{name} EAGLE-3 draft")
+        copy_tokenizer(reader, writer)
+        add_tensors(writer, head, qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -228,43 +360,55 @@ GGUF_NAMES = {
 GGUF_NAMES["rope_freqs.weight"] = "rope_freqs.weight"  # llama3 RoPE: no head tensor, kept under its own name
 
 
+def block_gguf_names(n_layers: int) -> dict[str, str]:
+    """llama.cpp name -> head name in a dflash file of `n_layers` layers (the embedding under its own)."""
+    names = {gguf_name: name for part in block_names(n_layers) for name, gguf_name in part.items()}
+    return {**names, EMBEDDING[1]: EMBEDDING[0], "rope_freqs.weight": "rope_freqs.weight"}
+
+
 @dataclass
 class HeadFile:
-    """A head GGUF as llama.cpp reads it: its `eagle3.*` keys (prefix dropped, llama.cpp's defaults
+    """A head GGUF as llama.cpp reads it: its `<arch>.*` keys (prefix dropped, llama.cpp's defaults
     filled in), the tokenizer's size, and its tensors under the head's names in fp32 and Hugging
-    Face's RoPE row order, d2t as the absolute ids the file holds."""
+    Face's RoPE row order, d2t as the absolute ids the file holds (a dflash file's token embedding
+    whole, as `embed_tokens.weight`)."""
 
     keys: dict
     n_vocab: int
     tensors: dict[str, torch.Tensor]
     types: dict[str, GGMLQuantizationType]
-    foreign: list[str]  # tensors export_gguf never writes (enc.output_norm, ...)
+    foreign: list[str]  # tensors export_gguf never writes (enc.output_norm in an eagle3 file, ...)
+    arch: str = ARCH
+    mask_token_id: int | None = None  # tokenizer.ggml.mask_token_id
 
 
 def read_gguf(path) -> HeadFile:
     reader = open_gguf(path, "draft head GGUF", HEAD_FIX)
     arch = field_value(reader.fields["general.architecture"]).decode()
-    if arch != ARCH:
-        raise ValueError(f"{path} is a {arch!r} GGUF, not an {ARCH!r} draft head")
-    keys = {k.removeprefix(f"{ARCH}."): field_value(f) for k, f in reader.fields.items() if k.startswith(f"{ARCH}.")}
+    if arch not in ARCHS:
+        raise ValueError(f"{path} is a {arch!r} GGUF, not a draft head ({' or '.join(map(repr, ARCHS))})")
+    keys = {k.removeprefix(f"{arch}."): field_value(f) for k, f in reader.fields.items() if k.startswith(f"{arch}.")}
     keys.setdefault("attention.head_count_kv", keys.get("attention.head_count"))
     keys.setdefault("rope.freq_base", 10000.0)  # llama.cpp's default when the key is absent
+    names = GGUF_NAMES if arch == ARCH else block_gguf_names(keys.get("block_count", 0))
     tensors, types, foreign = {}, {}, []
     for t in reader.tensors:
         if t.name == "d2t":
             tensors["d2t"] = torch.from_numpy(np.array(t.data, dtype=np.int64))
-        elif t.name in GGUF_NAMES:
-            tensors[GGUF_NAMES[t.name]] = torch.from_numpy(dequantize(t.data, t.tensor_type).astype(np.float32))
+        elif t.name in names:
+            tensors[names[t.name]] = torch.from_numpy(dequantize(t.data, t.tensor_type).astype(np.float32))
         else:
             foreign.append(t.name)
             continue
-        types[GGUF_NAMES.get(t.name, t.name)] = t.tensor_type
-    for name, heads in (("q_proj", "attention.head_count"), ("k_proj", "attention.head_count_kv")):
-        name = f"midlayer.self_attn.{name}.weight"
-        if name in tensors and keys.get(heads):
-            tensors[name] = torch.from_numpy(rope_pairs_halves(tensors[name].numpy(), keys[heads]))
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    return HeadFile(keys, len(tokens.data) if tokens else 0, tensors, types, foreign)
+        types[names.get(t.name, t.name)] = t.tensor_type
+    if arch == ARCH:
+        for name, heads in (("q_proj", "attention.head_count"), ("k_proj", "attention.head_count_kv")):
+            name = f"midlayer.self_attn.{name}.weight"
+            if name in tensors and keys.get(heads):
+                tensors[name] = torch.from_numpy(rope_pairs_halves(tensors[name].numpy(), keys[heads]))
+    tokens, mask = reader.fields.get("tokenizer.ggml.tokens"), reader.fields.get(MASK_KEY)
+    n_vocab = len(tokens.data) if tokens else 0
+    return HeadFile(keys, n_vocab, tensors, types, foreign, arch, field_value(mask) if mask else None)
 
 
 def read_gguf_head(path, target_config) -> tuple[DraftConfig, dict[str, torch.Tensor]]:
@@ -272,6 +416,8 @@ def read_gguf_head(path, target_config) -> tuple[DraftConfig, dict[str, torch.Te
     what llama.cpp runs, for `eagle_train.checkpoint.load_draft_head` to rebuild when the head it came
     from is not at hand. The target's config gives what the file does not carry (its layer count)."""
     file = read_gguf(path)
+    if file.arch == BLOCK_ARCH:
+        return read_block_head(path, file, target_config)
     keys = file.keys
     scaling = keys.get("rope.scaling.type")
     unreadable = [
@@ -285,26 +431,77 @@ def read_gguf_head(path, target_config) -> tuple[DraftConfig, dict[str, torch.Te
     missing = sorted(HEAD_TENSORS - {"t2d"} - set(file.tensors))
     if missing:
         raise ValueError(f"{path} lacks the tensors {missing}")
-    head_dim = keys.get("attention.key_length", keys["embedding_length"] // keys["attention.head_count"])
-    cfg = DraftConfig(
+    cfg = file_config(file, target_config, target_hidden_size=keys["target_hidden_size"])
+    return cfg, {**{k: v for k, v in file.tensors.items() if k != "d2t"}, "d2t": d2t_offsets(path, file, cfg)}
+
+
+def file_config(file: HeadFile, target_config, **extra) -> DraftConfig:
+    """The DraftConfig of a head file's keys; the target's config gives its layer count."""
+    keys = file.keys
+    scaling = keys.get("rope.scaling.type")
+    lm_head = file.tensors.get("lm_head.weight")
+    return DraftConfig(
         hidden_size=keys["embedding_length"],
         num_attention_heads=keys["attention.head_count"],
         num_key_value_heads=keys["attention.head_count_kv"],
-        head_dim=head_dim,
+        head_dim=keys.get("attention.key_length", keys["embedding_length"] // keys["attention.head_count"]),
         intermediate_size=keys["feed_forward_length"],
         vocab_size=file.n_vocab,
-        draft_vocab_size=len(file.tensors["d2t"]),
+        draft_vocab_size=len(file.tensors["d2t"]) if "d2t" in file.tensors else len(lm_head),
         rms_norm_eps=keys["attention.layer_norm_rms_epsilon"],
         rope_theta=keys["rope.freq_base"],
         rope_scaling={"rope_type": "linear", "factor": keys["rope.scaling.factor"]} if scaling == b"linear" else None,
         max_position_embeddings=keys["context_length"],
-        target_hidden_size=keys["target_hidden_size"],
         target_num_layers=target_config.num_hidden_layers,
         aux_layer_ids=tuple(keys["target_layers"]),
         target=str(getattr(target_config, "name_or_path", "")),
+        **extra,
     )
+
+
+def d2t_offsets(path, file: HeadFile, cfg: DraftConfig) -> torch.Tensor:
+    """The file's absolute d2t ids as the head's offsets (target id - draft id)."""
     ids = file.tensors["d2t"]
     if ids.min() < 0 or ids.max() >= cfg.vocab_size:
         raise ValueError(f"{path}: d2t holds ids outside the target vocabulary [0, {cfg.vocab_size})")
-    d2t = ids - torch.arange(cfg.draft_vocab_size)
-    return cfg, {**{k: v for k, v in file.tensors.items() if k != "d2t"}, "d2t": d2t}
+    return ids - torch.arange(cfg.draft_vocab_size)
+
+
+def read_block_head(path, file: HeadFile, target_config) -> tuple[DraftConfig, dict[str, torch.Tensor]]:
+    """A dflash file's head: DSpark where it has the Markov head or drafts from the anchor's slot (the two
+    methods differ in nothing else), its mask embedding the token embedding's row mask_token_id."""
+    keys, tensors = file.keys, dict(file.tensors)
+    scaling = keys.get("rope.scaling.type")
+    unreadable = [
+        *file.foreign,
+        *(["rope_freqs.weight (llama3 RoPE)"] if "rope_freqs.weight" in tensors else []),
+        *([f"rope.scaling.type {scaling.decode()}"] if scaling not in (None, b"linear") else []),
+    ]
+    if unreadable:
+        raise ValueError(f"{path} holds what the head cannot be rebuilt from: {', '.join(unreadable)}")
+    matmuls, small = block_names(keys.get("block_count", 0))
+    optional = {"markov_head.markov_w1", "markov_head.markov_w2", "confidence_head.proj.weight"}
+    optional |= {"confidence_head.proj.bias"}
+    missing = sorted({*matmuls, *small, EMBEDDING[0]} - optional - set(tensors))
+    if missing or file.mask_token_id is None:
+        raise ValueError(f"{path} lacks the tensors {missing}" + ("" if missing else f" and the key {MASK_KEY}"))
+    markov = tensors.get("markov_head.markov_w1")
+    sample_from_anchor = bool(keys.get("sample_from_anchor", markov is not None))  # llama.cpp's default for DSpark
+    cfg = file_config(
+        file,
+        target_config,
+        target_hidden_size=keys["embedding_length"],  # llama.cpp reads target layers as wide as the head
+        num_hidden_layers=keys["block_count"],
+        method="dspark" if markov is not None or sample_from_anchor else "dflash",
+        mask_token_id=file.mask_token_id,
+        block_size=keys.get("block_size", 16),  # llama.cpp's default
+        causal=bool(keys.get("attention.causal", False)),
+        sample_from_anchor=sample_from_anchor,
+        markov_rank=markov.shape[1] if markov is not None else 0,
+        confidence_head="confidence_head.proj.weight" in tensors,
+    )
+    state = {k: v for k, v in tensors.items() if k not in ("d2t", EMBEDDING[0])}
+    state[MASK_EMBEDDING] = tensors[EMBEDDING[0]][cfg.mask_token_id]
+    if "d2t" in tensors:
+        state["d2t"] = d2t_offsets(path, file, cfg)
+    return cfg, state
