@@ -3,8 +3,12 @@ and reads back into the same head; with a real build (EAGLE_LLAMACPP_BIN or `eag
 heads decode plain decoding's text, and llama.cpp's first block of drafts is the head's own, candidate for candidate.
 """
 
+import json
+import os
 import re
 import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -215,3 +219,72 @@ def test_random_smollm2_head_decodes_as_plain_with_the_heads_own_drafts(smollm2,
     tokens, probs = first_block(head, model, ids)
     assert [t for _, t, _ in logged] == [t for row in tokens for t in row]
     assert [p for _, _, p in logged] == pytest.approx([p for row in probs for p in row], abs=2e-3)
+
+
+def test_dspark_equals_what_llama_cpps_converter_writes(smollm2, tmp_path):
+    """A DSpark head through `--format dspark` (DeepSpec's layout + mask_embedding.pt) and llama.cpp's converter
+    gives byte-identical tensors (token_embd with the mask row included) and the same keys but for optional ones.
+    (Its DFlashDraftModel class cannot take a reduced vocabulary: "Can not map tensor 'model.d2t'"; the loader
+    can, which the live test above runs.)"""
+    from eagle_train.export import export_head
+    from eagle_train.export.gguf import field_value
+    from eagle_train.target import SMOLLM2, resolve_target
+
+    script = llamacpp.converter_script()
+    if script is None:
+        pytest.skip("no llama.cpp build with its converter: `eagle-llamacpp build` keeps one")
+    head = random_block_head(smollm2[0], "dspark")
+    ours = GGUFReader(export_gguf(head, tmp_path / "ours.gguf", SMOLLM2))
+    layout = export_head(head, tmp_path / "dspark", "dspark", dtype="fp32")
+    target = tmp_path / "target"  # config, tokenizer.json and the weights the mask row's embedding comes from
+    target.mkdir()
+    for f in Path(resolve_target(SMOLLM2)).iterdir():
+        if f.suffix in (".json", ".jinja", ".safetensors"):
+            (target / f.name).symlink_to(f)
+    out = tmp_path / "theirs.gguf"
+    env = {**os.environ, "PYTHONPATH": str(script.parent / "gguf-py"), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, script, layout, "--target-model-dir", target, "--outtype", "f32", "--outfile", out]
+    done = subprocess.run([str(c) for c in cmd], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    theirs = GGUFReader(out)
+
+    def keys(reader):  # the tokenizer is ours from the target's GGUF, theirs from tokenizer.json
+        skip = ("GGUF.", "general.", "tokenizer.")
+        return {k for k in reader.fields if not k.startswith(skip)} | {"tokenizer.ggml.mask_token_id"}
+
+    optional = {"dflash.attention.key_length", "dflash.attention.value_length"}  # head_dim = hidden / heads
+    assert keys(ours) - {"dflash.rope.dimension_count"} == keys(theirs) - optional
+    for k in keys(ours) & keys(theirs):
+        assert ours.fields[k].types == theirs.fields[k].types, k
+        assert field_value(ours.fields[k]) == field_value(theirs.fields[k]), k
+    a, b = {t.name: t for t in ours.tensors}, {t.name: t for t in theirs.tensors}
+    assert set(a) == set(b)
+    for name in a:
+        assert a[name].tensor_type == b[name].tensor_type, name
+        assert np.array_equal(np.array(a[name].data), np.array(b[name].data)), name
+
+
+def test_eval_drafts_a_block_heads_whole_block_unless_told(tmp_path, target, monkeypatch):
+    """eagle-eval --engine llamacpp on the fake tools: a block head's file drafts its block (K = its drafts, or
+    --parallel K below that); --parallel on an EAGLE-3 file is refused."""
+    from test_llamacpp import fake_tools
+
+    from eagle_cli.evaluate import main
+
+    args = fake_tools(tmp_path, monkeypatch)
+    head = export_gguf(tiny_head("dflash"), tmp_path / "head.gguf", target)
+    base = ["--engine", "llamacpp", "--target", "smollm2-135m", "--bench", "mt_bench", "--num-prompts", "1"]
+    for extra, k in (([], 3), (["--parallel", "2"], 2)):
+        out = tmp_path / f"r{k}.json"
+        main([*base, "--draft", str(head), "--max-new-tokens", "4", "--no-ngram", *extra, "--out", str(out)])
+        spec = args("llama-speculative-simple")
+
+        def last(flag, spec=spec):  # the latest run's value: the fake tools append every run's arguments
+            return spec[len(spec) - spec[::-1].index(flag)]
+
+        assert (last("--spec-type"), last("--spec-draft-n-max")) == ("draft-dflash", str(k))
+        drafting = json.loads(out.read_text())["drafting"]
+        assert (drafting["depth"], drafting["parallel"], drafting["chain"]) == (k, True, False)
+    eagle3 = export_gguf(tiny_head(), tmp_path / "eagle3.gguf", target)
+    with pytest.raises(SystemExit, match="--parallel K drafts a DFlash or DSpark head's block"):
+        main([*base, "--draft", str(eagle3), "--parallel", "2", "--out", str(tmp_path / "e.json")])
