@@ -11,7 +11,8 @@ version; EAGLE_LLAMACPP_BIN points at another build's bin directory instead.
 
 `run_plain`, `run_head` and `run_ngram` decode one chat-templated prompt greedily and return what
 llama.cpp measured; a head GGUF drafts as its file says (`drafting`): EAGLE-3 chains (draft-eagle3) or a
-DFlash / DSpark block a round (draft-dflash, draft-dspark: K at most the block's drafts). How its counters become forwards: every round of llama-speculative-simple runs
+DFlash / DSpark block a round (draft-dflash, draft-dspark: K at most the block's drafts). How its
+counters become forwards: every round of llama-speculative-simple runs
 [last token, drafts...] through the target in one forward and adds the tokens it keeps (accepted
 drafts + the target's own) to n_predict and the accepted drafts to n_accept, so
 forwards = n_predict - n_accept. The prompt but its last token is decoded before the loop and
