@@ -7,7 +7,7 @@ from pathlib import Path
 
 from eagle_train.checkpoint import load_draft_head
 from eagle_train.export import LAYOUTS, export_head
-from eagle_train.export.gguf import OUTTYPES, export_gguf
+from eagle_train.export.gguf import OUTTYPES, export_gguf, spec_type
 from eagle_train.target import load_target_config
 from eagle_train.train_checkpoint import checkpoint_step, read_state
 from engines import DIRECTORY_ENGINES, ENGINES, check_directory
@@ -25,23 +25,22 @@ EPILOG = """examples:
   eagle-export --check smollm2-eagle3.gguf --engine llamacpp --target smollm2-135m --source runs/eagle3/final
   eagle-export --import yuhuili/EAGLE3-LLaMA3.1-Instruct-8B-local --out ckpt --target meta-llama/Llama-3.1-8B-Instruct
 
-formats: eagle3 = the EAGLE reference layout SGLang, TensorRT-LLM, vLLM and SafeAILab EAGLE load;
-speculators = vLLM's own format (`vllm serve DIR` needs no other flag; P-EAGLE heads too); peagle =
-a P-EAGLE head for vLLM's parallel drafting; dflash = z-lab's DFlash layout (vLLM's DFlashDraftModel,
-llama.cpp's converter); dspark = DeepSpec's DSpark layout (Qwen3DSparkModel); both ship the learnt mask
-embedding as mask_embedding.pt, and speculators writes them too (speculators_model_type dflash / dspark,
-K = the drafts a block gives); gguf = one file for llama.cpp (`llama-server -m
-TARGET.gguf -md HEAD.gguf --spec-type draft-eagle3`), which needs --target as the target's GGUF (or
-an alias shipping one) for its tokenizer. An export is then checked like --check, for --engine
-alone when given (a layer choice TensorRT-LLM cannot read from config.json fails no vLLM export).
---check exits 1 when an engine would fail to load the directory or would load it and silently
-draft worse (missing d2t, short context, wrong aux layers, RoPE or sizes that disagree with the
-weights or the target, ...). --engine llamacpp checks a head (exported first) or a .gguf live: the
-file against the target's GGUF and --source, then 4 MT-Bench first turns decoded in llama.cpp and
-in the built-in runtime; it exits 1 when llama.cpp accepts far fewer drafts, and 3 (SKIPPED, never
-a pass) without a llama.cpp build (`eagle-llamacpp build`). --engine vllm with --target runs a DFlash
-head in vLLM (method dflash) beside the built-in runtime the same way; vLLM on a CPU has no DSpark, and
-says so in one line."""
+formats: eagle3 = the EAGLE reference layout SGLang, TensorRT-LLM, vLLM and SafeAILab EAGLE load; speculators
+= vLLM's own format (`vllm serve DIR` needs no other flag; P-EAGLE heads too); peagle = a P-EAGLE head for
+vLLM's parallel drafting; dflash = z-lab's DFlash layout (vLLM's DFlashDraftModel, llama.cpp's converter);
+dspark = DeepSpec's DSpark layout (Qwen3DSparkModel); both ship the learnt mask embedding as
+mask_embedding.pt, and speculators writes them too (speculators_model_type dflash / dspark, K = the drafts a
+block gives); gguf = one file for llama.cpp (`llama-server -m TARGET.gguf -md HEAD.gguf --spec-type
+draft-eagle3`, or draft-dflash / draft-dspark for block heads), which needs --target as the target's GGUF (or
+an alias shipping one) for its tokenizer. An export is then checked like --check, for --engine alone when
+given (a layer choice TensorRT-LLM cannot read from config.json fails no vLLM export). --check exits 1 when an
+engine would fail to load the directory or would load it and silently draft worse (missing d2t, short context,
+wrong aux layers, RoPE or sizes that disagree with the weights or the target, ...). --engine llamacpp checks a
+head (exported first) or a .gguf live: the file against the target's GGUF and --source, then 4 MT-Bench first
+turns decoded in llama.cpp and in the built-in runtime; it exits 1 when llama.cpp accepts far fewer drafts,
+and 3 (SKIPPED, never a pass) without a llama.cpp build (`eagle-llamacpp build`). --engine vllm with --target
+runs a DFlash head in vLLM (method dflash) beside the built-in runtime the same way; vLLM on a CPU has no
+DSpark, and says so in one line."""
 
 
 def parse_args(argv=None):
@@ -177,8 +176,12 @@ def print_reports(reports) -> int:
 
 def run_gguf(args) -> int:
     outtype = args.outtype or "f32"
-    out = export_gguf(load_draft_head(Path(args.checkpoint)), args.out, args.target, outtype)
-    print(f"wrote {out} (gguf, {outtype}); serve with: llama-server -m TARGET.gguf -md {out} --spec-type draft-eagle3")
+    head = load_draft_head(Path(args.checkpoint))
+    out = export_gguf(head, args.out, args.target, outtype)
+    print(
+        f"wrote {out} (gguf, {outtype}); serve with: llama-server -m TARGET.gguf -md {out} "
+        f"--spec-type {spec_type(head.config)}"
+    )
     return 0
 
 
