@@ -1,4 +1,4 @@
-"""The on-disk sample formats (docs/design.md section 7): hidden-state stores and tokenized datasets.
+"""The on-disk sample formats (docs/design.md section 8): hidden-state stores and tokenized datasets.
 
 Both are directories of a few large safetensors shards, each holding many samples concatenated
 along the token axis, plus a `manifest.json` and a `vocab_map.safetensors`:

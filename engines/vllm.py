@@ -121,7 +121,7 @@ class Vllm(Engine):
         )
 
     def check_parallel(self, report, files, cfg):
-        """vLLM's P-EAGLE (parallel_drafting) rules, docs/design.md section 6."""
+        """vLLM's P-EAGLE (parallel_drafting) rules, docs/design.md section 7."""
         config, meta = files.config, files.meta
         if "mask_hidden" not in meta:
             report.add(

@@ -232,7 +232,7 @@ def test_a_head_for_a_shallow_target_states_its_distinct_aux_ids_and_engines_cap
 
 
 def test_check_flags_a_peagle_export_without_mask_hidden(tmp_path):
-    """A P-EAGLE directory laid out by hand as docs/design.md section 6 describes it (eagle3 config + the
+    """A P-EAGLE directory laid out by hand as docs/design.md section 7 describes it (eagle3 config + the
     mask token ids, midlayer.* then layers.1.*, own embed_tokens, mask_hidden), from a PEagleHead."""
     head = tiny_head("peagle", mask_token_id=7, num_depths=3)
     cfg = head.config

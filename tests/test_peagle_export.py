@@ -1,4 +1,4 @@
-"""P-EAGLE export: the `peagle` layout (docs/design.md section 6) and speculators "peagle" round-trip
+"""P-EAGLE export: the `peagle` layout (docs/design.md section 7) and speculators "peagle" round-trip
 through vLLM's loading rules and our importer to the same logits, with the three mask-token keys
 and mask_hidden [1, 1, 3H]."""
 

@@ -2,7 +2,7 @@
 
 llama.cpp (`--spec-type draft-eagle3`) loads an EAGLE-3 head as a model of its own, architecture
 "eagle3": Llama keys under `eagle3.*`, the head's tensors under llama.cpp names, the target's
-tokenizer copied in, and d2t as absolute target ids (docs/design.md section 6.6). PyPI gguf
+tokenizer copied in, and d2t as absolute target ids (docs/design.md section 7.6). PyPI gguf
 does not know the architecture yet, so its own keys are spelled out here. llama.cpp checks every
 key's type exactly and refuses a file holding a tensor it did not ask for, so nothing else is written.
 

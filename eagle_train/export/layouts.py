@@ -287,7 +287,7 @@ def as_peagle(cfg: DraftConfig, config: dict, num_depths=None) -> DraftConfig:
 
 def peagle_config(cfg: DraftConfig, dtype: torch.dtype, extra: dict) -> dict:
     """The EAGLE-3 layout with N layers, the mask token id under all three names and
-    `parallel_drafting` (docs/design.md section 6); `attention_bias` false comes with llama_keys."""
+    `parallel_drafting` (docs/design.md section 7); `attention_bias` false comes with llama_keys."""
     config = eagle3_config(cfg, dtype, extra)
     config.update({k: cfg.mask_token_id for k in MASK_TOKEN_KEYS})
     config["parallel_drafting"] = True
