@@ -411,6 +411,32 @@ TOLERANCE = {
     GGMLQuantizationType.Q8_0: 1e-2,
 }
 REEXPORT = "re-export it: eagle-export HEAD --format gguf --out FILE.gguf --target {target}"
+# The target architectures (general.architecture) whose llama.cpp graph exposes its layer inputs (res->t_layer_inp,
+# src/models/*.cpp of llama-cpp-python VERSION's vendor/llama.cpp), which EAGLE-3 and DFlash / DSpark drafting read
+# through llama_set_embeddings_layer_inp; on any other target llama.cpp aborts ("layer input tensor is null").
+LAYER_INPUT_ARCHS = frozenset(
+    {
+        "bailingmoe3", "deepseek4", "gemma4", "gpt-oss", "hunyuan_vl", "lfm2", "llama", "mimo2", "minimax-01",
+        "minimax-m2", "muse-glimmer", "nanbeige", "nemotron_h", "qwen3", "qwen35", "qwen35moe", "qwen3moe",
+        "qwen3next", "qwen4exp",
+    }
+)  # fmt: skip
+
+
+def target_arch_finding(target_arch: str, head_arch: str) -> list[Finding]:
+    """llama.cpp drafts from a target's layer inputs only where its graph for the target exposes them."""
+    if target_arch in LAYER_INPUT_ARCHS:
+        return []
+    kind = "DFlash / DSpark" if head_arch == BLOCK_ARCH else "EAGLE-3"
+    return [
+        Finding(
+            "error",
+            f"llama.cpp {VERSION} drafts no {kind} head on a {target_arch!r} target: its graph for that architecture "
+            "exposes no layer inputs (it aborts with 'layer input tensor is null'); evaluate the head with the "
+            "built-in runtime (eagle-eval --engine builtin) or serve it with another engine",
+            f"a target llama.cpp drafts no {kind} head on ({target_arch})",
+        )
+    ]
 
 
 def static_findings(file: Path, target: str, source_head) -> list[Finding]:
@@ -436,7 +462,7 @@ def static_findings(file: Path, target: str, source_head) -> list[Finding]:
     for f in findings:
         if f.severity == "error":
             f.message += f"; {REEXPORT.format(target=target)}"
-    return findings
+    return target_arch_finding(arch, head.arch) + findings
 
 
 def gguf_size_findings(head, tgt) -> list[Finding]:

@@ -249,18 +249,20 @@ class Vllm(Engine):
         return evaluate(options, answers)
 
     def check_target_architecture(self, report, target_config) -> None:
+        """EAGLE-3 heads and block heads alike: both read the target's aux hidden states (`block_targets`)."""
+        kind = "DFlash / DSpark" if report.config is not None and report.config.method in BLOCK_METHODS else "EAGLE-3"
         architecture = (getattr(target_config, "architectures", None) or [None])[0]
         if architecture is None:
-            report.add("info", "the target's config names no architecture: vLLM's EAGLE-3 support not checked")
+            report.add("info", f"the target's config names no architecture: vLLM's {kind} support not checked")
             return
-        served, source = eagle3_targets()
+        served, source = block_targets() if kind != "EAGLE-3" else eagle3_targets()
         if architecture not in served:
             report.add(
                 "error",
-                f"{source} serves no EAGLE-3 head on a {architecture} target (its model class does not implement "
+                f"{source} serves no {kind} head on a {architecture} target (its model class does not implement "
                 "SupportsEagle3; vLLM stops with 'Model does not support EAGLE3 interface'): evaluate the head with "
                 "the built-in runtime (eagle-eval --engine builtin) or serve it with another engine",
-                cause=f"a target vLLM serves no EAGLE-3 head on ({architecture})",
+                cause=f"a target vLLM serves no {kind} head on ({architecture})",
             )
 
 
@@ -326,6 +328,14 @@ def eagle3_targets() -> tuple[set[str], str]:
         if listing.returncode != 0:
             raise VllmError(f"listing vLLM's EAGLE-3 targets failed: {error_lines(listing.stderr)}")
     return set(json.loads(cached.read_text())["architectures"]), f"vLLM {version} (installed)"
+
+
+def block_targets() -> tuple[set[str], str]:
+    """(the target architectures vLLM drafts DFlash / DSpark blocks for, where that was read): `eagle3_targets`, since
+    its block drafters read the target's aux hidden states through the same SupportsEagle3 interface (the model
+    runner turns on aux hidden-state outputs for dflash and dspark, and its `_setup_eagle3_aux_hidden_state_outputs`
+    stops a target model without that interface)."""
+    return eagle3_targets()
 
 
 def list_eagle3_targets(path) -> None:

@@ -7,7 +7,10 @@ window of 8 where the type has one, so that verification runs past it):
 - greedy speculative decoding (a random head's tree, prompt lookup's chain) is HF greedy decoding;
 - data -> train -> export -> built-in eval: self-distilled store, a few training steps, the eagle3 export
   checked for vLLM (which serves EAGLE-3 heads on some of these architectures only), every evaluated turn
-  identical to plain decoding (4 types by default, all with -m slow).
+  identical to plain decoding (4 types by default, all with -m slow);
+- tokenized data -> train -> export -> built-in eval for a DFlash head on every type: a few online training steps,
+  the dflash export checked for vLLM (whose DFlash needs the same target interface as its EAGLE-3) and read back by
+  eagle-eval, every turn identical to plain decoding.
 
 Each test adds its figure to the matrix printed at the end of the run (tests/conftest.py, MATRIX).
 """
@@ -235,5 +238,74 @@ def test_data_train_export_and_evaluate_lossless(target, conversations_jsonl, tm
     turns = summary["turns"]
     assert turns == 2 and summary["turns_identical_to_plain"] == turns
     MATRIX[model_type]["distil, train, export, built-in eval"] = (
+        f"AL {summary['acceptance_length']:.2f}, {summary['turns_identical_to_plain']}/{turns} turns = plain"
+    )
+
+
+@pytest.fixture(scope="module")
+def tokenized(tmp_path_factory, conversations_jsonl):
+    """The conversations tokenized with SmolLM2's tokenizer (every tiny target's), the whole vocabulary drafted: a
+    random target's next tokens are not the data's frequent ones."""
+    from data_prep.dataset import tokenize_dataset
+    from eagle_train.target import SMOLLM2, load_tokenizer
+
+    path = tmp_path_factory.mktemp("tokenized")
+    tokenize_dataset(
+        str(conversations_jsonl),
+        path,
+        SMOLLM2,
+        max_length=96,
+        draft_vocab_size=SIZES["vocab_size"],
+        tokenizer=load_tokenizer(SMOLLM2),
+    )
+    return path
+
+
+def test_dflash_train_export_and_evaluate_lossless(target, tokenized, tmp_path):
+    """A DFlash head on each architecture: a few online training steps, eagle-export in the dflash layout checked for
+    vLLM (exit 0 where vLLM drafts DFlash blocks for the target, 1 where it refuses it), eagle-eval in the built-in
+    runtime reading the export back, every turn identical to plain."""
+    import json
+
+    from eagle_cli.evaluate import main as evaluate
+    from eagle_cli.export import main as export
+    from eagle_train.architectures import refusal
+    from eagle_train.methods import method_of, objective_for
+    from eagle_train.target import SMOLLM2, load_tokenizer
+    from eagle_train.train_config import load_train_config
+    from eagle_train.trainer import train
+    from engines.vllm import block_targets
+
+    model_type, model = target
+    directory, run, out = (tmp_path / name for name in ("target", "run", "export"))
+    model.save_pretrained(directory)
+    load_tokenizer(SMOLLM2).save_pretrained(directory)
+    overrides = ["method=dflash", "mode=online", f"target={directory}", f"data_path={tokenized}", f"output_dir={run}"]
+    overrides += ["max_steps=2", "block_size=4", "num_anchors=4", "tokens_per_batch=96", "max_length=96"]
+    overrides += ["warmup_steps=1", "eval_fraction=0", "report_to=none"]
+    cfg = load_train_config(None, overrides)
+    result = train(cfg, method_of(cfg).build_head, objective_for(cfg))
+    assert all(torch.isfinite(torch.tensor(m["loss"])) for m in result["history"])
+    served, source = block_targets()
+    vllm_serves = type(model).__name__ in served
+    with pytest.raises(SystemExit) as exported:
+        export(
+            [str(run / "final"), "--format", "dflash", "--out", str(out), "--target", str(directory)]
+            + ["--dtype", "fp32", "--engine", "vllm"]
+        )
+    assert exported.value.code == (0 if vllm_serves else 1)  # the export itself is written either way
+    MATRIX[model_type][f"vLLM DFlash ({source.split(' (')[0]})"] = "serves" if vllm_serves else "refuses the target"
+    why = refusal(model.config, "runtime")
+    if why is not None:
+        MATRIX[model_type]["DFlash: train, export, built-in eval"] = f"runtime refuses: {why}"
+        pytest.skip(why)
+    evaluate(
+        ["--target", str(directory), "--draft", str(out), "--bench", "mt_bench", "--num-prompts", "1"]
+        + ["--max-new-tokens", "12", "--out", str(tmp_path / "eval.json")]
+    )
+    summary = json.loads((tmp_path / "eval.json").read_text())["summary"]
+    turns = summary["turns"]
+    assert turns == 2 and summary["turns_identical_to_plain"] == turns
+    MATRIX[model_type]["DFlash: train, export, built-in eval"] = (
         f"AL {summary['acceptance_length']:.2f}, {summary['turns_identical_to_plain']}/{turns} turns = plain"
     )

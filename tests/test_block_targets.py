@@ -1,0 +1,37 @@
+"""Which targets the engines draft block heads (DFlash, DSpark) for: vLLM's read the target's aux hidden states
+through SupportsEagle3, as its EAGLE-3 does; llama.cpp's read the target graph's layer inputs, which only some of
+its architectures expose. Each refuses another target in one line naming the head and the architecture."""
+
+import pytest
+from conftest import TINY_TARGET, tiny_head
+from transformers import LlamaConfig, MixtralConfig
+
+from eagle_train.export import export_head
+from eagle_train.export.draft_files import DraftFiles
+from eagle_train.export.gguf import ARCH, BLOCK_ARCH
+from engines import ENGINES
+from engines.llamacpp import target_arch_finding
+from engines.vllm import block_targets, eagle3_targets
+
+
+def vllm_errors(out, target_config) -> list[str]:
+    report = ENGINES["vllm"].inspect(DraftFiles(out), target_config)
+    return [f.message for f in report.findings if f.severity == "error"]
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_vllm_drafts_blocks_for_the_targets_it_serves_eagle3_heads_on(method, tmp_path):
+    out = export_head(tiny_head(method), tmp_path / method, method, dtype="fp32")
+    assert block_targets() == eagle3_targets()
+    llama = LlamaConfig(**TINY_TARGET, architectures=["LlamaForCausalLM"])
+    mixtral = MixtralConfig(**TINY_TARGET, architectures=["MixtralForCausalLM"])
+    (refused,) = set(vllm_errors(out, mixtral)) - set(vllm_errors(out, llama))  # DSpark's own errors stand on both
+    assert "serves no DFlash / DSpark head on a MixtralForCausalLM target" in refused
+
+
+@pytest.mark.parametrize("head_arch, kind", [(BLOCK_ARCH, "DFlash / DSpark"), (ARCH, "EAGLE-3")])
+def test_llamacpp_drafts_only_on_targets_whose_graph_exposes_layer_inputs(head_arch, kind):
+    assert target_arch_finding("llama", head_arch) == target_arch_finding("qwen3", head_arch) == []
+    (refused,) = target_arch_finding("qwen2", head_arch)
+    assert refused.severity == "error"
+    assert refused.message.startswith(f"llama.cpp 0.3.36 drafts no {kind} head on a 'qwen2' target")
