@@ -80,7 +80,7 @@ def test_a_training_script_implies_its_method_and_refuses_another():
     assert config_from_command_line(["--config", "peagle_smollm2"]).method == "peagle"
     with pytest.raises(SystemExit, match=r"^error: method=eagle3: this script trains peagle heads") as err:
         config_from_command_line(["--config", str(REPO / "configs" / "eagle3_smollm2.yaml")], method="peagle")
-    with pytest.raises(SystemExit, match=r"^error: method 'medusa' is not one of eagle3, peagle$"):
+    with pytest.raises(SystemExit, match=r"^error: method 'medusa' is not one of eagle3, peagle, dflash, dspark$"):
         config_from_command_line(["method=medusa"])
     assert "\n" not in str(err.value)
 
