@@ -8,7 +8,7 @@ from pathlib import Path
 from eagle_train.checkpoint import load_draft_head
 from eagle_train.export import LAYOUTS, export_head
 from eagle_train.export.gguf import OUTTYPES, export_gguf, spec_type
-from eagle_train.target import load_target_config
+from eagle_train.target import load_target, load_target_config
 from eagle_train.train_checkpoint import checkpoint_step, read_state
 from engines import DIRECTORY_ENGINES, ENGINES, check_directory
 
@@ -28,7 +28,8 @@ EPILOG = """examples:
 formats: eagle3 = the EAGLE reference layout SGLang, TensorRT-LLM, vLLM and SafeAILab EAGLE load; speculators
 = vLLM's own format (`vllm serve DIR` needs no other flag; P-EAGLE heads too); peagle = a P-EAGLE head for
 vLLM's parallel drafting; dflash = z-lab's DFlash layout (vLLM's DFlashDraftModel, llama.cpp's converter);
-dspark = DeepSpec's DSpark layout (Qwen3DSparkModel); both ship the learnt mask embedding as
+dspark = DeepSpec's DSpark layout (Qwen3DSparkModel; needs --target: it ships the target's embed_tokens with the
+mask token's row learnt, which vLLM embeds the mask slots by); both ship the learnt mask embedding as
 mask_embedding.pt, and speculators writes them too (speculators_model_type dflash / dspark, K = the drafts a
 block gives); gguf = one file for llama.cpp (`llama-server -m TARGET.gguf -md HEAD.gguf --spec-type
 draft-eagle3`, or draft-dflash / draft-dspark for block heads), which needs --target as the target's GGUF (or
@@ -117,6 +118,8 @@ def parse_args(argv=None):
         p.error("export needs --format and --out")
     if args.format == "gguf" and not args.target:
         p.error("--format gguf needs --target TARGET.gguf (the target's GGUF, whose tokenizer the head copies)")
+    if args.format == "dspark" and not args.target:
+        p.error("--format dspark needs --target TARGET (its token embedding ships with the mask row learnt)")
     if args.outtype and args.format != "gguf":
         p.error("--outtype is for --format gguf (other formats take --dtype)")
     if args.import_dir and not args.out:
@@ -216,7 +219,10 @@ def run(args) -> int:
             provenance["verifier"] = args.verifier
     if args.eval_results:
         provenance["eval_results"] = args.eval_results
-    out = export_head(head, args.out, args.format, dtype=args.dtype, **provenance)
+    embedding = None  # dspark ships the target's, its mask row the head's: what vLLM embeds the mask slots by
+    if args.format == "dspark":
+        embedding = load_target(args.target)[0].get_input_embeddings().weight
+    out = export_head(head, args.out, args.format, dtype=args.dtype, target_embedding=embedding, **provenance)
     written = ", ".join(sorted(p.name for p in out.iterdir() if p.is_file()))
     print(f"wrote {out}/: {written} ({args.format}, {args.dtype})\n")
     return print_reports(check_directory(out, engines_asked(args.engine), tcfg))

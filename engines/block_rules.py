@@ -6,7 +6,8 @@ every file tensor but `lm_head` and `d2t` is loaded as `model.` + its name, `d2t
 `draft_id_to_target_id` (a parameter only for a reduced vocabulary), `t2d` is skipped, a tensor with no
 parameter stops the load. The target layers it captures are `target_layer_ids` + 1 (under `dflash_config`
 for DFlash, top level for DSpark). The mask slots: DFlash replaces the embedding row of `mask_token_id` by
-mask_embedding.pt when the directory has one; DSpark never reads that file and embeds the row itself.
+mask_embedding.pt when the directory has one; DSpark never reads that file and embeds the row of
+`embed_tokens.weight` when shipped (else of the target's embedding), so a DSpark export ships that row learnt.
 
 A speculators config is turned into the config vLLM builds by vLLM's own functions when vLLM is installed
 here (`SpeculatorsConfig`), else by the same mapping restated (`restated_hf_config`).
@@ -18,8 +19,10 @@ import importlib.util
 import torch
 
 from eagle_train.dflash import num_drafts
+from eagle_train.export import read_mask_embedding
 from eagle_train.export.draft_files import DraftFiles
 from eagle_train.export.layouts import (
+    EMBEDDING_TENSOR,
     MARKOV_TENSORS,
     MASK_EMBEDDING_FILE,
     PROVENANCE_KEY,
@@ -275,13 +278,7 @@ def check_mask_embedding(report, title, files, cfg, settings) -> None:
     mask_id = settings["mask_token_id"]
     path = files.directory / MASK_EMBEDDING_FILE
     if settings["method"] == "dspark":
-        report.add(
-            "error",
-            f"{title} never reads {MASK_EMBEDDING_FILE} (qwen3_dspark.py: 'DSpark masks via the vocab row'): its mask "
-            f"slots get the target's embedding of token {mask_id}, not the head's learnt mask embedding, and it "
-            "drafts worse than trained; serve a DSpark head with llama.cpp (eagle-export --format gguf) or the "
-            "built-in runtime",
-        )
+        check_dspark_mask_row(report, title, files, cfg, mask_id)
         return
     if not path.is_file():
         report.add(
@@ -302,3 +299,44 @@ def check_mask_embedding(report, title, files, cfg, settings) -> None:
         report.add("error", f"{MASK_EMBEDDING_FILE} holds a {list(state.shape)} tensor, {title} needs [hidden_size]")
     else:
         report.loads.setdefault("model.mask_embedding", []).append(MASK_EMBEDDING_FILE)
+
+
+def check_dspark_mask_row(report, title, files, cfg, mask_id) -> None:
+    """vLLM's DSpark never reads mask_embedding.pt (qwen3_dspark.py: 'DSpark masks via the vocab row'): the mask
+    slots get row `mask_id` of the shipped embed_tokens, which must be [V, H] and hold the learnt embedding."""
+    fix = "re-export with eagle-export --format dspark --target TARGET (the target's embedding, its mask row learnt)"
+    if mask_id is None:
+        return
+    if EMBEDDING_TENSOR not in files.meta:
+        report.add(
+            "error",
+            f"no {EMBEDDING_TENSOR}: {title} never reads {MASK_EMBEDDING_FILE} and embeds the mask slots with the "
+            f"target's row of token {mask_id}, not the head's learnt mask embedding, so it drafts worse than "
+            f"trained; {fix}",
+        )
+        return
+    shape = tuple(files.meta[EMBEDDING_TENSOR][0])
+    if shape != (cfg.vocab_size, cfg.hidden_size):
+        report.add(
+            "error",
+            f"{EMBEDDING_TENSOR} has shape {list(shape)}, {title} needs [vocab_size, hidden_size] = "
+            f"[{cfg.vocab_size}, {cfg.hidden_size}]; {fix}",
+        )
+        return
+    learnt = read_mask_embedding(files.directory)
+    if learnt is None:
+        report.add(
+            "warning",
+            f"no {MASK_EMBEDDING_FILE}: {title} embeds the mask slots with row {mask_id} of {EMBEDDING_TENSOR}, "
+            "which cannot be checked against the learnt mask embedding (llama.cpp's converter needs the file)",
+        )
+        return
+    row = files.tensor(EMBEDDING_TENSOR)[mask_id]
+    if tuple(learnt.shape) != (cfg.hidden_size,) or not torch.equal(row, learnt.to(row.dtype)):
+        report.add(
+            "error",
+            f"row {mask_id} (mask_token_id) of {EMBEDDING_TENSOR} is not the learnt mask embedding in "
+            f"{MASK_EMBEDDING_FILE}: {title} embeds the mask slots by that row and drafts worse than trained; {fix}",
+        )
+        return
+    report.add("info", f"the mask slots: row {mask_id} of {EMBEDDING_TENSOR}, the learnt mask embedding")

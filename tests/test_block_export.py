@@ -1,6 +1,7 @@
-"""Block heads (DFlash, DSpark) exported: the z-lab `dflash` layout, DeepSpec's `dspark` layout and the speculators
-form of both read back as the same head; vLLM's rules catch what its loaders would get wrong; a DSpark head asked of
-vLLM on a CPU is refused in one line (no vLLM needed: engines/block_rules.py, engines/vllm.py)."""
+"""Block heads (DFlash, DSpark) exported: the z-lab `dflash` layout, DeepSpec's `dspark` layout (with the target's
+embed_tokens, its mask row the learnt one) and the speculators form of both read back as the same head; vLLM's rules
+catch what its loaders would get wrong; a DSpark head asked of vLLM on a CPU is refused in one line (no vLLM needed:
+engines/block_rules.py, engines/vllm.py)."""
 
 import json
 
@@ -29,9 +30,16 @@ CASES = [  # (method, layout, config changes)
 SETTINGS = ("method", "aux_layer_ids", "mask_token_id", "block_size", "causal", "sample_from_anchor", "markov_rank")
 
 
-def export(tmp_path, method="dflash", layout=None, **changes):
+def target_embedding(head) -> torch.Tensor:
+    """A stand-in for the target's token embedding (the tiny heads have no target)."""
+    return torch.randn(head.config.vocab_size, head.config.hidden_size, generator=torch.Generator().manual_seed(1))
+
+
+def export(tmp_path, method="dflash", layout=None, dtype="fp32", **changes):
     head = tiny_head(method, **changes)
-    return head, export_head(head, tmp_path / (layout or method), layout or method, dtype="fp32")
+    layout = layout or method
+    embedding = target_embedding(head) if layout == "dspark" else None
+    return head, export_head(head, tmp_path / layout, layout, dtype=dtype, target_embedding=embedding)
 
 
 @pytest.mark.parametrize("method, layout, changes", CASES)
@@ -143,9 +151,64 @@ def test_vllms_rules_catch_broken_dflash_exports(tmp_path):
     assert any("sample_from_anchor true" in e for e in errors(out))
 
 
-def test_vllms_dspark_ignores_the_mask_embedding_and_other_engines_have_no_block_loader(tmp_path):
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_dspark_ships_the_targets_embedding_with_the_learnt_mask_row_and_passes_vllms_rules(tmp_path, dtype):
+    head, out = export(tmp_path, "dspark", dtype=dtype)
+    shipped, mask_id = load_file(out / "model.safetensors")["embed_tokens.weight"], head.config.mask_token_id
+    want = target_embedding(head).to(shipped.dtype)
+    want[mask_id] = head.mask_embedding.detach().to(shipped.dtype)
+    assert torch.equal(shipped, want)  # vLLM's DSpark embeds the mask slots by this row
+    mask = torch.load(out / MASK_EMBEDDING_FILE, weights_only=True)  # still there: llama.cpp's converter reads it
+    assert torch.equal(mask["embedding"], head.mask_embedding.detach().to(shipped.dtype))
+    (report,) = check_directory(out).values()
+    assert report.engine == "vllm" and report.ok, report.render()
+    assert report.loads["model.embed_tokens.weight"] == ["embed_tokens.weight"]
+
+
+def test_dspark_reads_back_without_the_shipped_embedding_and_its_mask_from_the_row_without_the_file(tmp_path):
+    head, out = export(tmp_path, "dspark")
+    _, tensors = read_export(out)
+    assert "embed_tokens.weight" not in tensors  # the target's: the head borrows it
+    (out / MASK_EMBEDDING_FILE).unlink()
+    back = load_draft_head(out)
+    assert torch.equal(back.mask_embedding, head.mask_embedding)
+    assert torch.equal(back.markov_head.markov_w1, head.markov_head.markov_w1)
+
+
+def test_a_dspark_export_needs_the_targets_embedding(tmp_path, capsys):
+    from eagle_cli.export import main as export_main
+
+    with pytest.raises(ValueError) as refused:
+        export_head(tiny_head("dspark"), tmp_path / "no-target", "dspark")
+    assert len(str(refused.value).splitlines()) == 1 and "target_embedding" in str(refused.value)
+    assert not (tmp_path / "no-target").exists()
+    with pytest.raises(ValueError, match=r"the target embedding is \[3, 4\]"):
+        export_head(tiny_head("dspark"), tmp_path / "wrong", "dspark", target_embedding=torch.zeros(3, 4))
+    with pytest.raises(SystemExit) as done:
+        export_main(["head-dir", "--format", "dspark", "--out", str(tmp_path / "cli")])
+    said = capsys.readouterr().err.strip().splitlines()[-1]
+    assert done.value.code == 2 and "--format dspark needs --target" in said
+
+
+def test_vllms_rules_catch_a_dspark_export_whose_mask_row_is_not_learnt(tmp_path):
+    head, out = export(tmp_path / "row", "dspark")
+    tensors = load_file(out / "model.safetensors")
+    tensors["embed_tokens.weight"][head.config.mask_token_id] = target_embedding(head)[head.config.mask_token_id]
+    save_file(tensors, out / "model.safetensors")
+    assert any("is not the learnt mask embedding" in e and "--target" in e for e in errors(out))
+
+    _, out = export(tmp_path / "none", "dspark")
+    tensors = load_file(out / "model.safetensors")
+    del tensors["embed_tokens.weight"]
+    save_file(tensors, out / "model.safetensors")
+    assert any("no embed_tokens.weight" in e and "never reads mask_embedding.pt" in e for e in errors(out))
+
+    _, out = export(tmp_path / "spec", "dspark", "speculators")  # speculators ships no embed_tokens
+    assert any("no embed_tokens.weight" in e for e in errors(out))
+
+
+def test_other_engines_have_no_block_loader(tmp_path):
     _, out = export(tmp_path, "dspark")
-    assert any("never reads mask_embedding.pt" in e for e in errors(out))
     for name in ("sglang", "trtllm"):
         (report,) = check_directory(out, [name]).values()
         assert not report.ok and "no DFlash / DSpark loader" in report.findings[0].message

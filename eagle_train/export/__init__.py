@@ -2,6 +2,7 @@
 loaded from any of these (and from our checkpoints and GGUF files) by `eagle_train.checkpoint.load_draft_head`.
 
     export_head(head, "out/", "eagle3", dtype="bf16", data="sharegpt", steps=1000)
+    export_head(head, "out/", "dspark", target_embedding=target.get_input_embeddings().weight)
     config, tensors = read_export("out/")             # any eagle3 / speculators / peagle / dflash / dspark directory
 
 llama.cpp's single-file GGUF is written by `eagle_train.export.gguf.export_gguf`. What each engine
@@ -16,7 +17,15 @@ from eagle_train.dflash import BLOCK_METHODS
 from eagle_train.draft_config import DraftConfig
 from eagle_train.export.card import write_model_card
 from eagle_train.export.draft_files import DraftFiles
-from eagle_train.export.layouts import DTYPES, INTEGER_TENSORS, LAYOUTS, MASK_EMBEDDING_FILE, detect_layout, layout
+from eagle_train.export.layouts import (
+    DTYPES,
+    EMBEDDING_TENSOR,
+    INTEGER_TENSORS,
+    LAYOUTS,
+    MASK_EMBEDDING_FILE,
+    detect_layout,
+    layout,
+)
 from eagle_train.files import write_json, write_safetensors
 from eagle_train.vocab_map import t2d_from_d2t
 
@@ -49,12 +58,13 @@ def check_vocab_map(head) -> None:
         )
 
 
-def export_head(head, out_dir, format: str = "eagle3", dtype="bf16", **provenance) -> Path:
+def export_head(head, out_dir, format: str = "eagle3", dtype="bf16", target_embedding=None, **provenance) -> Path:
     """Write `head` to `out_dir` as config.json + model.safetensors (+ README.md) in `format`.
 
     Floating tensors are cast to `dtype`; d2t stays int64 and t2d bool. `provenance` (e.g. data,
     steps, eval_results, speculative_tokens for speculators) goes into config.json's "eagle_train"
-    block and the model card.
+    block and the model card. `target_embedding` (the target's input embedding, [V, H]) is required by
+    the layouts that ship it (dspark): a head's own `embed_tokens` is only the target's once attached.
     """
     lay = layout(format)
     dtype = resolve_dtype(dtype)
@@ -64,6 +74,8 @@ def export_head(head, out_dir, format: str = "eagle3", dtype="bf16", **provenanc
             f"(use --format {head.config.method} or --format speculators)"
         )
     check_vocab_map(head)
+    if lay.ships_embedding:
+        check_target_embedding(head.config, target_embedding, lay.name)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {}
@@ -75,10 +87,37 @@ def export_head(head, out_dir, format: str = "eagle3", dtype="bf16", **provenanc
     card_fields = {k: provenance.pop(k) for k in ("eval_results",) if k in provenance}
     config = lay.write_config(head.config, dtype, provenance)
     write_json(out / "config.json", config)
+    if lay.ships_embedding:
+        tensors[EMBEDDING_TENSOR] = embedding_with_mask(
+            target_embedding, head.config.mask_token_id, tensors["mask_embedding"], dtype
+        )
     if lay.mask_file and "mask_embedding" in tensors:
         write_mask_embedding(out, head.config.mask_token_id, tensors.pop("mask_embedding"))
     write_safetensors(out / "model.safetensors", tensors, metadata={"format": "pt"})
     write_model_card(out, config, lay.name, dtype, **card_fields)
+    return out
+
+
+def check_target_embedding(cfg, embedding, layout_name: str) -> None:
+    """A layout shipping the target's embedding needs it, and of the head's target's size."""
+    if embedding is None:
+        raise ValueError(
+            f"the {layout_name} layout ships the target's token embedding with the mask row set to the learnt "
+            "mask embedding (vLLM's DSpark embeds the mask slots by that row): pass target_embedding "
+            "(eagle-export --target TARGET)"
+        )
+    if tuple(embedding.shape) != (cfg.vocab_size, cfg.hidden_size):
+        raise ValueError(
+            f"the target embedding is {list(embedding.shape)}, the head needs [{cfg.vocab_size}, {cfg.hidden_size}]"
+            f" (vocab_size, hidden_size): pass the embedding of the target the head was trained on ({cfg.target})"
+        )
+
+
+def embedding_with_mask(embedding, mask_token_id: int, mask: torch.Tensor, dtype) -> torch.Tensor:
+    """The target's token embedding in `dtype` with row `mask_token_id` the head's mask embedding: what vLLM's
+    DSpark embeds the block's mask slots with."""
+    out = embedding.detach().cpu().to(dtype, copy=True).contiguous()
+    out[mask_token_id] = mask.to(dtype)
     return out
 
 
@@ -105,7 +144,8 @@ def read_mask_embedding(directory: Path) -> torch.Tensor | None:
 
 def read_export(directory, target_config=None) -> tuple[DraftConfig, dict[str, torch.Tensor]]:
     """The config and tensors (under head names) of an engine-layout directory (eagle3, speculators,
-    peagle, dflash, dspark; a block head's mask embedding from mask_embedding.pt), for
+    peagle, dflash, dspark; a block head's mask embedding from mask_embedding.pt, else from the mask row of a
+    dspark directory's embed_tokens, which is the target's and is dropped), for
     `eagle_train.checkpoint.load_draft_head` to build the head from. The target's config is needed only
     when config.json does not say which target layers the head reads and the defaults need the target's
     layer count."""
@@ -114,6 +154,9 @@ def read_export(directory, target_config=None) -> tuple[DraftConfig, dict[str, t
     cfg = lay.read_config(files.config, target_config)
     tensors = {lay.from_file(n, cfg.method): t for n, t in files.tensors().items()}
     mask = read_mask_embedding(files.directory) if lay.mask_file else None
+    if lay.ships_embedding and EMBEDDING_TENSOR in tensors:  # the target's copy: the head borrows the target's
+        shipped = tensors.pop(EMBEDDING_TENSOR)
+        mask = shipped[cfg.mask_token_id] if mask is None else mask
     if mask is not None:
         tensors["mask_embedding"] = mask
     return cfg, tensors

@@ -18,7 +18,9 @@ one. Adding a format is one more row built from the helpers below.
   `fc`, `hidden_norm`, `layers.{i}.*`, `norm`, `lm_head`, `d2t` (no `embed_tokens`: the target's).
 - `dspark`: DeepSpec's native DSpark layout (vLLM's `Qwen3DSparkModel`): Qwen3 keys with top-level
   `target_layer_ids` (aux - 1), `mask_token_id`, `markov_rank`, `sample_from_anchor`, the confidence
-  head's keys; the Markov head as `markov_head.markov_w1.weight` / `markov_w2.weight`.
+  head's keys; the Markov head as `markov_head.markov_w1.weight` / `markov_w2.weight`; and `embed_tokens.weight`,
+  the target's token embedding with row `mask_token_id` the head's mask embedding (vLLM's DSpark embeds the
+  mask slots by that row and never reads mask_embedding.pt; DeepSpec's checkpoints ship embed_tokens too).
 - `speculators` also writes block heads (speculators_model_type dflash / dspark, the Qwen3 keys under
   `transformer_layer_config`, `aux_hidden_state_layer_ids` = our aux ids).
 
@@ -49,6 +51,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 INTEGER_TENSORS = ("d2t", "t2d")  # vocab maps keep their dtype whatever the export dtype
 MASK_EMBEDDING_FILE = "mask_embedding.pt"  # a block head's learnt mask embedding, beside the weights
+EMBEDDING_TENSOR = "embed_tokens.weight"  # the token embedding a dspark export ships (Layout.ships_embedding)
 DFLASH_ARCHITECTURE = "DFlashDraftModel"
 DSPARK_ARCHITECTURE = "Qwen3DSparkModel"
 SPECULATOR_ARCHITECTURES = {"dflash": "DFlashSpeculator", "dspark": "DSparkSpeculator"}
@@ -478,6 +481,7 @@ class Layout:
     from_file: Callable[[str, str], str]  # (file tensor name, head method) -> head tensor name
     matches: Callable[[dict], bool]
     mask_file: bool = False  # a block head's mask_embedding goes to MASK_EMBEDDING_FILE, not the weights
+    ships_embedding: bool = False  # EMBEDDING_TENSOR: the target's, row mask_token_id the mask embedding
 
 
 LAYOUTS: dict[str, Layout] = {
@@ -499,7 +503,15 @@ LAYOUTS: dict[str, Layout] = {
     "peagle": Layout("peagle", ("vllm",), peagle_config, eagle3_read, rename([]), rename([]), lambda config: False),
     "dflash": Layout("dflash", ("vllm",), dflash_config, block_read, rename([]), rename([]), is_dflash, mask_file=True),
     "dspark": Layout(
-        "dspark", ("vllm",), dspark_config, block_read, markov_to_file, markov_from_file, is_dspark, mask_file=True
+        "dspark",
+        ("vllm",),
+        dspark_config,
+        block_read,
+        markov_to_file,
+        markov_from_file,
+        is_dspark,
+        mask_file=True,
+        ships_embedding=True,
     ),
 }
 
