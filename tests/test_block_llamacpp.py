@@ -235,7 +235,8 @@ def test_dspark_equals_what_llama_cpps_converter_writes(smollm2, tmp_path):
         pytest.skip("no llama.cpp build with its converter: `eagle-llamacpp build` keeps one")
     head = random_block_head(smollm2[0], "dspark")
     ours = GGUFReader(export_gguf(head, tmp_path / "ours.gguf", SMOLLM2))
-    layout = export_head(head, tmp_path / "dspark", "dspark", dtype="fp32")
+    embedding = smollm2[0].get_input_embeddings().weight
+    layout = export_head(head, tmp_path / "dspark", "dspark", dtype="fp32", target_embedding=embedding)
     target = tmp_path / "target"  # config, tokenizer.json and the weights the mask row's embedding comes from
     target.mkdir()
     for f in Path(resolve_target(SMOLLM2)).iterdir():

@@ -3,6 +3,7 @@ through SupportsEagle3, as its EAGLE-3 does; llama.cpp's read the target graph's
 its architectures expose. Each refuses another target in one line naming the head and the architecture."""
 
 import pytest
+import torch
 from conftest import TINY_TARGET, tiny_head
 from transformers import LlamaConfig, MixtralConfig
 
@@ -21,11 +22,13 @@ def vllm_errors(out, target_config) -> list[str]:
 
 @pytest.mark.parametrize("method", ["dflash", "dspark"])
 def test_vllm_drafts_blocks_for_the_targets_it_serves_eagle3_heads_on(method, tmp_path):
-    out = export_head(tiny_head(method), tmp_path / method, method, dtype="fp32")
+    head = tiny_head(method)
+    embedding = torch.zeros(head.config.vocab_size, head.config.hidden_size) if method == "dspark" else None
+    out = export_head(head, tmp_path / method, method, dtype="fp32", target_embedding=embedding)
     assert block_targets() == eagle3_targets()
     llama = LlamaConfig(**TINY_TARGET, architectures=["LlamaForCausalLM"])
     mixtral = MixtralConfig(**TINY_TARGET, architectures=["MixtralForCausalLM"])
-    (refused,) = set(vllm_errors(out, mixtral)) - set(vllm_errors(out, llama))  # DSpark's own errors stand on both
+    (refused,) = set(vllm_errors(out, mixtral)) - set(vllm_errors(out, llama))
     assert "serves no DFlash / DSpark head on a MixtralForCausalLM target" in refused
 
 
