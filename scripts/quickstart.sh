@@ -18,7 +18,7 @@ cd "$(dirname "$0")/.."
 DRAFTER=${DRAFTER:-eagle3}
 case "$DRAFTER" in
   eagle3) DRAFTING=(--chain "${K:-1}"); METHOD=(ttt_length="${K:-1}") ;;
-  dflash|dspark) DRAFTING=(); METHOD=() ;;   # the whole block: block_size - 1 (DFlash) or block_size (DSpark) drafts
+  dflash|dspark) DRAFTING=(--parallel "${K:-1}"); METHOD=() ;;   # the first K of a block's drafts (7 DFlash, 8 DSpark)
   *) echo "DRAFTER=$DRAFTER: choose eagle3, dflash or dspark" >&2; exit 2 ;;
 esac
 if [ "${SCALE:-full}" = smoke ]; then
