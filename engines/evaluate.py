@@ -47,7 +47,8 @@ def evaluate(options: EvalOptions, engine: str, out) -> dict:
         records = {engine: run_engine(engine, options)}
     summaries = {name: r["summary"] for name, r in records.items()}
     if len(records) > 1:
-        title = f"{options.bench}: {len(records['builtin']['prompts'])} prompts, greedy, K={options.depth}"
+        depth = records["builtin"]["drafting"]["depth"]  # what the built-in runtime drafted (a block head: its block)
+        title = f"{options.bench}: {len(records['builtin']['prompts'])} prompts, greedy, K={depth}"
         print(format_engines(summaries, title))
         written = records
     else:
