@@ -13,8 +13,7 @@ from eagle_train.block_loss import block_loss, default_gamma, sample_anchors
 from eagle_train.checkpoint import load_draft_head
 from eagle_train.dflash import MARKOV_RANK, BlockHead
 from eagle_train.eagle3_train import noisy_features
-from eagle_train.peagle import choose_mask_token_id
-from eagle_train.target import load_tokenizer
+from eagle_train.peagle_train import check_layers_and_mask, mask_token_for
 from eagle_train.warm_start import warm_start_from_target
 
 
@@ -42,9 +41,7 @@ def build_block_head(cfg, target_model, vocab_map: dict | None) -> BlockHead:
                 f"{cfg.block_size}: set block_size={head.config.block_size}"
             )
         return head
-    mask_token_id = cfg.mask_token_id
-    if mask_token_id is None:
-        mask_token_id = choose_mask_token_id(load_tokenizer(cfg.target), vocab_map.get("counts"))
+    mask_token_id = mask_token_for(cfg, vocab_map)
     head = BlockHead.from_target(
         target_model,
         method=cfg.method,
@@ -110,13 +107,7 @@ def validate_block(cfg, target_config) -> None:
         raise ValueError("markov_rank is DSpark's Markov bias: use method dspark, or markov_rank null for dflash")
     if cfg.markov_rank is not None and cfg.markov_rank < 0:
         raise ValueError(f"markov_rank must be >= 0 (0: no Markov bias; null: {MARKOV_RANK}), got {cfg.markov_rank}")
-    if cfg.draft_num_layers is not None and cfg.draft_num_layers < 1:
-        raise ValueError(f"draft_num_layers must be >= 1 (or null for the default), got {cfg.draft_num_layers}")
-    if cfg.mask_token_id is not None and not 0 <= cfg.mask_token_id < vocab:
-        raise ValueError(
-            f"mask_token_id {cfg.mask_token_id} is outside the target vocabulary [0, {vocab}); "
-            "leave it null to pick a spare special token"
-        )
+    check_layers_and_mask(cfg, vocab)
     if cfg.aux_layer_ids is not None and min(cfg.aux_layer_ids) < 1:
         raise ValueError(
             f"aux_layer_ids {list(cfg.aux_layer_ids)}: a block head reads decoder layers' outputs, and layer index 0 "

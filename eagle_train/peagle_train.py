@@ -43,9 +43,7 @@ def build_peagle_head(cfg, target_model, vocab_map: dict | None) -> PEagleHead:
                 f"num_depths={cfg.num_depths}: set num_depths={head.config.num_depths}"
             )
         return head
-    mask_token_id = cfg.mask_token_id
-    if mask_token_id is None:
-        mask_token_id = choose_mask_token_id(load_tokenizer(cfg.target), vocab_map.get("counts"))
+    mask_token_id = mask_token_for(cfg, vocab_map)
     head = PEagleHead.from_target(
         target_model,
         mask_token_id=mask_token_id,
@@ -75,6 +73,18 @@ def validate_peagle(cfg, target_config) -> None:
             f"P-EAGLE runs one backward per sequence segment ({segments_for(cfg)} here) and DeepSpeed steps its "
             "optimizer inside every backward: set num_segments=1, or train with DDP or FSDP"
         )
+    check_layers_and_mask(cfg, vocab)
+
+
+def mask_token_for(cfg, vocab_map: dict) -> int:
+    """`cfg.mask_token_id`, or a spare special token the data (its vocab map's counts) never uses."""
+    if cfg.mask_token_id is not None:
+        return cfg.mask_token_id
+    return choose_mask_token_id(load_tokenizer(cfg.target), vocab_map.get("counts"))
+
+
+def check_layers_and_mask(cfg, vocab: int) -> None:
+    """The keys P-EAGLE and the block drafters share: `draft_num_layers` and `mask_token_id`."""
     if cfg.draft_num_layers is not None and cfg.draft_num_layers < 1:
         raise ValueError(f"draft_num_layers must be >= 1 (or null for the default), got {cfg.draft_num_layers}")
     if cfg.mask_token_id is not None and not 0 <= cfg.mask_token_id < vocab:
