@@ -19,7 +19,7 @@ of acceptance when sampled, 1 - TV(draft, target) (DSpark's label; detached), we
 import torch
 import torch.nn.functional as F
 
-from eagle_train.ttt import TV_WEIGHT, chain_rounds, compiled_loss_rows, loss_rows, target_distribution
+from eagle_train.ttt import TV_WEIGHT, chain_rounds, loss_rows_on, target_distribution
 
 NUM_ANCHORS = 32  # blocks per sequence, the default
 CONFIDENCE_WEIGHT = 1.0  # DSpark's confidence loss weight, the default
@@ -71,19 +71,14 @@ def block_loss(
     `count_chain_tokens` (over those, 1 + the drafts accepted before the first miss: the trainer's chain_al is
     the AL greedy block drafting gets at a random anchor); with a confidence head `confidence_bce`.
     """
-    t = input_ids.shape[1]
     h = head.forward_blocks(aux_hidden, input_ids, anchors)[:, :, head.draft_slots()]  # [B, n, D, H]
     d = h.shape[2]
-    position = anchors[..., None] + torch.arange(1, d + 1, device=anchors.device)  # x_{a+j}'s position
-    inside = position < t
-    at = position.clamp(max=t - 1)
-    supervised = valid[..., None] & inside & read_at(loss_mask.bool(), at) & read_at(in_draft, at - 1)
-    prev = read_at(input_ids, at - 1)  # x_{a+j-1}
+    at, supervised, prev = draft_targets(anchors, d, input_ids, loss_mask, in_draft)
+    supervised = supervised & valid[..., None]
     where = supervised.nonzero(as_tuple=True)
     logits, confidence = head.draft_logits(h[where], prev[where])
     probs = target_probs[where[0], at[where] - 1]
-    rows = compiled_loss_rows() if logits.device.type == "cpu" else loss_rows
-    losses, agree = rows(logits, probs, tv_weight)
+    losses, agree = loss_rows_on(logits.device)(logits, probs, tv_weight)
     weight = torch.exp(-where[2].float() / gamma)
     total_weight = weight.sum().clamp(min=1e-12)
     loss = (weight * losses).sum() / total_weight
@@ -113,6 +108,17 @@ def block_loss(
     return loss, metrics
 
 
+def draft_targets(anchors, d: int, input_ids, loss_mask, in_draft):
+    """For drafts j = 1..d of the blocks at `anchors` [B, n]: (the position whose target distribution draft j is
+    trained toward, plus one: x_{a+j}'s, clamped into the sequence [B, n, d]; whether draft j is supervised; the
+    token before it, x_{a+j-1}, which DSpark's Markov bias reads)."""
+    t = input_ids.shape[1]
+    position = anchors[..., None] + torch.arange(1, d + 1, device=anchors.device)
+    at = position.clamp(max=t - 1)
+    supervised = (position < t) & read_at(loss_mask.bool(), at) & read_at(in_draft, at - 1)
+    return at, supervised, read_at(input_ids, at - 1)
+
+
 def read_at(x, at):
     """x [B, T] read at positions at [B, ...] of its row."""
     return x.gather(1, at.flatten(1)).view(at.shape)
@@ -136,10 +142,8 @@ def block_walk(head, samples, target_logits, k: int) -> tuple[int, int]:
         with torch.autocast(device.type, dtype, enabled=dtype != torch.float32):
             h = head.forward_blocks(sample["aux_hidden"][None].to(device, dtype), x, anchors)
         h = h[:, :, head.draft_slots()[:k]]  # [1, T-2, k, H]
-        position = anchors[..., None] + torch.arange(1, h.shape[2] + 1, device=device)
-        at = position.clamp(max=t - 1)
-        supervised = (position < t) & read_at(mask, at) & read_at(in_draft, at - 1)
-        logits, _ = head.draft_logits(h, read_at(x, at - 1))
+        at, supervised, prev = draft_targets(anchors, h.shape[2], x, mask, in_draft)
+        logits, _ = head.draft_logits(h, prev)
         right = logits.float().argmax(-1) == probs[0, (at - 1)[0]].argmax(-1)[None]
         correct = torch.zeros(1, h.shape[2], t, dtype=torch.bool)
         correct[0, :, : t - 2] = (supervised & right)[0].T.cpu()  # EAGLE-3's anchor t = the block's a - 1

@@ -77,9 +77,12 @@ def step_loss(head, h, target_probs, tv_weight: float = TV_WEIGHT):
     bool [N] (`loss_rows` of the head's logits). h [N, H] are the supervised positions only: the lm_head (the
     head's largest matmul) and the [N, Vd] logits are then paid for supervised positions alone."""
     logits = head.logits(h)
-    if logits.device.type == "cpu":
-        return compiled_loss_rows()(logits, target_probs, tv_weight)
-    return loss_rows(logits, target_probs, tv_weight)
+    return loss_rows_on(logits.device)(logits, target_probs, tv_weight)
+
+
+def loss_rows_on(device):
+    """`loss_rows` as it runs best on `device`: compiled on the CPU (`compiled_loss_rows`), eager elsewhere."""
+    return compiled_loss_rows() if device.type == "cpu" else loss_rows
 
 
 def loss_rows(logits, target_probs, tv_weight: float = TV_WEIGHT):
