@@ -30,7 +30,7 @@ from torch import nn
 
 from eagle_train.architectures import text_config
 from eagle_train.draft_config import DraftConfig
-from eagle_train.head import HEAD_CLASSES, DraftHead, KVCache
+from eagle_train.head import HEAD_CLASSES, DraftHead, KVCache, LayerCaches
 from eagle_train.layers import MLP, Attention, RMSNorm
 
 BLOCK_METHODS = ("dflash", "dspark")
@@ -92,14 +92,6 @@ class ConfidenceHead(nn.Module):
 
     def forward(self, normed, low):
         return self.proj(torch.cat([normed, low.to(normed.dtype)], dim=-1)).squeeze(-1)
-
-
-class BlockCache(nn.Module):
-    """One static KVCache per draft layer; slot s of every layer holds position s (context or block)."""
-
-    def __init__(self, caches: list[KVCache]):
-        super().__init__()
-        self.layers = nn.ModuleList(caches)
 
 
 @HEAD_CLASSES.register("dspark")
@@ -212,14 +204,14 @@ class BlockHead(DraftHead):
 
     # ---- the runtime: one block over static caches --------------------------------------------
 
-    def new_cache(self, batch: int, max_len: int, dtype=None, device=None) -> BlockCache:
+    def new_cache(self, batch: int, max_len: int, dtype=None, device=None) -> LayerCaches:
         c = self.config
         dtype, device = dtype or self.fc.weight.dtype, device or self.fc.weight.device
-        return BlockCache(
+        return LayerCaches(
             [KVCache(batch, c.num_key_value_heads, max_len, c.head_dim, dtype, device) for _ in self.layers]
         )
 
-    def write_context(self, cache: BlockCache, aux, position_ids, slots):
+    def write_context(self, cache: LayerCaches, aux, position_ids, slots):
         """Write the context keys and values of target states `aux` [B, n, 3H_t] at `position_ids` [B, n]
         into every layer's cache at `slots` [n]."""
         ctx = self.context(aux)
@@ -227,7 +219,7 @@ class BlockHead(DraftHead):
         for layer, layer_cache in zip(self.layers, cache.layers):
             layer_cache.write(slots, *layer.self_attn.kv(ctx, cos, sin))
 
-    def draft_block(self, cache: BlockCache, anchor_ids, position_ids, slots, mask):
+    def draft_block(self, cache: LayerCaches, anchor_ids, position_ids, slots, mask):
         """One block: anchor_ids [B], the block's position_ids [B, block_size], written into the caches at
         `slots` [block_size], attending to the entries `mask` [B or 1, 1, block_size, S] shows. Returns the
         pre-norm outputs at the draft slots [B, D, H]."""

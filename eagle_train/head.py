@@ -35,6 +35,15 @@ class KVCache(nn.Module):
         return self.k, self.v
 
 
+class LayerCaches(nn.Module):
+    """One static KVCache per draft layer of a multi-layer head (P-EAGLE, DFlash, DSpark); slot s of every layer
+    belongs to the same token."""
+
+    def __init__(self, caches: list[KVCache]):
+        super().__init__()
+        self.layers = nn.ModuleList(caches)
+
+
 class DecoderLayer(nn.Module):
     """A Llama decoder layer; with `fused_input` its attention reads
     cat(input_layernorm(embedding), hidden_norm(hidden)) and the residual is the hidden input."""

@@ -23,7 +23,7 @@ from torch import nn
 
 from eagle_train.architectures import text_config
 from eagle_train.draft_config import DraftConfig
-from eagle_train.head import HEAD_CLASSES, DecoderLayer, DraftHead, KVCache
+from eagle_train.head import HEAD_CLASSES, DecoderLayer, DraftHead, KVCache, LayerCaches
 
 NUM_DEPTHS = 7  # K, drafts per forward: the default, and the published P-EAGLE heads' K
 
@@ -63,14 +63,6 @@ def compiled_flex_attention():
     from torch.nn.attention.flex_attention import flex_attention
 
     return torch.compile(flex_attention, dynamic=True)
-
-
-class PEagleCache(nn.Module):
-    """One static KVCache per draft layer; slot s of every layer belongs to the same token."""
-
-    def __init__(self, caches: list[KVCache]):
-        super().__init__()
-        self.layers = nn.ModuleList(caches)
 
 
 @HEAD_CLASSES.register("peagle")
@@ -167,9 +159,9 @@ class PEagleHead(DraftHead):
         """Draft logits [B, E, Vd] of `hidden_states`."""
         return self.logits(self.hidden_states(aux, is_mask, input_ids, position_ids, mask))
 
-    def new_cache(self, batch: int, max_len: int, dtype=None, device=None) -> PEagleCache:
+    def new_cache(self, batch: int, max_len: int, dtype=None, device=None) -> LayerCaches:
         c = self.config
-        return PEagleCache(
+        return LayerCaches(
             [
                 KVCache(
                     batch,
@@ -183,7 +175,7 @@ class PEagleHead(DraftHead):
             ]
         )
 
-    def step(self, hidden, input_ids, position_ids, cache: PEagleCache, slots, mask):
+    def step(self, hidden, input_ids, position_ids, cache: LayerCaches, slots, mask):
         """The runtime's draft step through every layer: new tokens [B, n] at `position_ids`,
         written at `slots` of each layer's cache, attending to the entries `mask`
         [B or 1, 1, n, S] shows. `hidden` is fc(aux) or fc(mask_hidden) per token.
