@@ -1,5 +1,6 @@
 """scripts/bench/quality.py at toy scale: the trainer's clock leaves out its pauses, one evaluation
-point on the tiny random Llama is lossless and complete, and the curve is drawn."""
+point on the tiny random Llama is lossless and complete, the curve is drawn, and a tree asked of a block
+drafter is refused before any compute."""
 
 import subprocess
 import sys
@@ -22,6 +23,14 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench" / "quality.py
 @pytest.fixture(scope="module")
 def quality():
     return load_script("bench/quality.py")
+
+
+def test_a_block_drafter_refuses_a_tree_before_any_compute(quality, tmp_path):
+    argv = ["--budget", "1", "--out", str(tmp_path / "run"), "--prep", "configs/smollm2_sharegpt.yaml"]
+    train = ["--train", str(SCRIPT.parents[2] / "configs" / "dspark_smollm2.yaml")]
+    with pytest.raises(SystemExit, match="a dspark head drafts a chain only"):
+        quality.main([*argv, *train, "--tree", "3,2,4"])
+    assert not (tmp_path / "run").exists()
 
 
 def process_state(pid: int) -> str:

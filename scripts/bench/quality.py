@@ -159,9 +159,10 @@ def parse_args(argv=None):
     p.add_argument("--walk-new-tokens", type=int, default=128, help="their answers' length (default 128)")
     p.add_argument(
         "--tree",
-        default="3,2,4",
+        default=None,
         metavar="DEPTH,TOPK,TOTAL",
-        help="EAGLE-2 tree verified alongside the chain (default 3,2,4: 4 drafts per round); none: skip",
+        help="EAGLE-2 tree verified alongside the chain (default 3,2,4: 4 drafts per round; none for the block "
+        "drafters, which draft chains only); none: skip",
     )
     p.add_argument("--device", default=None, help="evaluation device (default: cuda when available, else cpu)")
     p.add_argument("--name", default=None, help="label of the curve (default: the --out directory's name)")
@@ -391,15 +392,19 @@ def main(argv=None):
     train_dir = out / "train"
     if (out / "quality.json").exists() or train_dir.exists():
         raise SystemExit(f"{out} holds an earlier run: choose a new --out (--data can share its data)")
+    train_file, *train_overrides = args.train
+    cfg = load_train_config(train_file, train_overrides)  # a bad key fails before any compute
+    block = cfg.method in BLOCK_METHODS
+    if block and args.tree not in (None, "none"):
+        raise SystemExit(f"--tree {args.tree}: a {cfg.method} head drafts a chain only; drop --tree")
+    tree = args.tree or ("none" if block else "3,2,4")
     shapes = {f"chain K={args.chain}": TreeShape.chain(args.chain)}
-    if args.tree.lower() != "none":
-        shape = TreeShape.parse(args.tree)
+    if tree.lower() != "none":
+        shape = TreeShape.parse(tree)
         shapes[f"tree {shape.depth},{shape.topk},{shape.total}"] = shape
     for bench in args.bench:
         load_bench(bench, args.num_prompts)  # a bad bench fails before any compute
     eval_every = args.eval_every or args.budget / 4
-    train_file, *train_overrides = args.train
-    cfg = load_train_config(train_file, train_overrides)  # a bad key fails before any compute
     data_path = data_dir / ("tokenized" if cfg.mode == "online" else "store")
     train_command = [
         sys.executable,
