@@ -395,11 +395,11 @@ def main(argv=None):
     train_file, *train_overrides = args.train
     cfg = load_train_config(train_file, train_overrides)  # a bad key fails before any compute
     block = cfg.method in BLOCK_METHODS
-    if block and args.tree not in (None, "none"):
+    tree = (args.tree or ("none" if block else "3,2,4")).lower()
+    if block and tree != "none":
         raise SystemExit(f"--tree {args.tree}: a {cfg.method} head drafts a chain only; drop --tree")
-    tree = args.tree or ("none" if block else "3,2,4")
     shapes = {f"chain K={args.chain}": TreeShape.chain(args.chain)}
-    if tree.lower() != "none":
+    if tree != "none":
         shape = TreeShape.parse(tree)
         shapes[f"tree {shape.depth},{shape.topk},{shape.total}"] = shape
     for bench in args.bench:
