@@ -76,3 +76,25 @@ def test_tree_candidates_are_distinct_and_hold_the_token_unless_wrong():
     held = sum(7 in r for r in rows) / len(rows)
     assert 0.4 < held < 0.6
     assert {r.index(7) for r in rows if 7 in r} == {0, 1, 2, 3}  # off the first branch too
+
+
+@pytest.mark.parametrize("method", ["eagle3", "peagle", "dflash", "dspark"])
+def test_at_a_heads_cost_the_head_drafts_every_round_and_the_oracle_decides(decoded, method):
+    """A random head of each method's shipped config: its drafter runs each round (the cost measured), yet what
+    is accepted is the oracle's: every draft at p = 0, none at p = 1, and the tokens are plain decoding's."""
+    _, prompts, plains = decoded
+    model = tiny_target(**TARGET)
+    head = oracle.random_head(method, model, "tiny", draft_vocab_size=12)
+    k = 3
+    runtime = Runtime(model, head, oracle.TreeShape.chain(k))
+    drafts = []
+    draft = runtime.drafter.draft
+    runtime.drafter.draft = lambda *a: drafts.append(1) or draft(*a)
+    for p, accepted in ((0.0, k), (1.0, 0)):
+        drafts.clear()
+        results = oracle.oracle_runs(runtime, prompts, plains, k, p)
+        assert [r.output_ids for r in results] == [plain.output_ids for plain in plains]
+        assert all(r.accepted[:-1] == [accepted] * (r.forwards - 1) for r in results)
+        assert len(drafts) == sum(r.forwards for r in results)
+    with pytest.raises(ValueError, match="not a chain of K=2"):
+        oracle.oracle_runs(runtime, prompts, plains, 2, 0.0)

@@ -13,6 +13,13 @@ probability 1 - p, so AL is a chain's at the cost of verifying K*W nodes (and of
 when the accepted path leaves the first branch). "AL set" is the expected AL (the measured one falls
 short of it by the last round's truncation). Tokens/s are over whole generate calls, prefill
 included, after one warm-up of each. Every row checks that its tokens equal plain decoding's.
+
+--drafters names what drafting costs: `free` (the oracle alone), or a head of a training method (eagle3,
+peagle, dflash, dspark) with random weights, shaped for the target as the method's shipped config shapes
+one: the runtime's drafter for that head runs every forward it would (catch-up, the chain's steps, the
+block), and its chain's tokens are then replaced by the oracle's. So speedup / AL at p = 0 is what a
+perfect head of that shape would reach in this runtime, P-EAGLE's and the block drafters' one-pass chains
+beside EAGLE-3's K sequential steps. A head drafts chains only (--widths 1).
 """
 
 import argparse
@@ -22,7 +29,12 @@ import random
 
 import torch
 
+from eagle_train.architectures import text_config
+from eagle_train.config_files import config_file
+from eagle_train.methods import METHODS
 from eagle_train.target import load_target
+from eagle_train.train_config import load_train_config
+from eagle_train.vocab_map import top_k_vocab_map
 from inference.drafting import DraftTree, TreeShape
 from inference.evaluate import chat_ids, load_bench
 from inference.generate import GenerationResult, Runtime
@@ -86,16 +98,47 @@ class OracleDrafter:
         )
 
 
+class AtHeadCost:
+    """The oracle's chain at a head's cost: the runtime's own drafter for its head catches up and drafts
+    as it would (every forward it runs), then its chain's tokens are replaced by the oracle's (all but
+    those past the continuation's end, which the round's emitted tokens never reach)."""
+
+    def __init__(self, drafter, oracle: OracleDrafter):
+        self.drafter, self.oracle, self.shape = drafter, oracle, drafter.shape
+        self.catch_up, self.catch_up_padded = drafter.catch_up, drafter.catch_up_padded
+
+    def draft(self, root_token: torch.Tensor, h_root, logits_root, length: int):
+        tree = self.drafter.draft(root_token, h_root, logits_root, length)
+        tokens = self.oracle.draft(root_token, None, None, length).tokens
+        tree.tokens = torch.cat([tokens, tree.tokens[len(tokens) :]])
+        return tree
+
+
+def random_head(method: str, model, target: str, draft_vocab_size: int):
+    """A head of `method` with random weights for `model`, built by the method's own builder from its shipped
+    config (`{method}_smollm2`: its layers, block size, K), over the target's first `draft_vocab_size` ids."""
+    overrides = [f"target={target}", "data_path=", "mask_token_id=0", f"draft_vocab_size={draft_vocab_size}"]
+    cfg = load_train_config(config_file(f"{method}_smollm2"), overrides)
+    vocab_size = text_config(model.config).vocab_size
+    vocab_map = top_k_vocab_map(torch.arange(vocab_size, 0, -1), draft_vocab_size)
+    head = METHODS[method].build_head(cfg, model, vocab_map)
+    return head.to(device=model.device, dtype=model.dtype).eval()
+
+
 def oracle_runs(runtime: Runtime, prompts, plains, k: int, p: float, seed=0, width=1) -> list[GenerationResult]:
-    """Speculative decoding of each prompt with the oracle over its plain output (one seeded rng for all)."""
+    """Speculative decoding of each prompt with the oracle over its plain output (one seeded rng for all);
+    on a runtime with a head, at that head's cost (its drafter must draft a chain of `k`)."""
     rng = random.Random(seed)
     vocab_size = runtime.target.config.vocab_size
-    return [
-        runtime.generate(
-            q, len(plain.output_ids), OracleDrafter(len(q), plain.output_ids, k, p, vocab_size, rng, width)
-        )
-        for q, plain in zip(prompts, plains)
-    ]
+    head = runtime.drafter
+    if head is not None and (head.shape.depth, head.shape.topk, width) != (k, 1, 1):
+        raise ValueError(f"this runtime's head drafts {head.shape}, not a chain of K={k}: build it with that chain")
+
+    def drafter(q, plain):
+        oracle = OracleDrafter(len(q), plain.output_ids, k, p, vocab_size, rng, width)
+        return oracle if head is None else AtHeadCost(head, oracle)
+
+    return [runtime.generate(q, len(plain.output_ids), drafter(q, plain)) for q, plain in zip(prompts, plains)]
 
 
 def tokens_per_s(results: list[GenerationResult]) -> float:
@@ -113,6 +156,14 @@ def main(argv=None):
         "--widths", type=int, nargs="+", default=[1], help="candidates per depth: 1 = a chain, W > 1 = a K x W tree"
     )
     p.add_argument("--p", type=float, nargs="+", default=[0.0, 0.3, 0.6], help="probabilities of a wrong draft")
+    p.add_argument(
+        "--drafters",
+        nargs="+",
+        default=["free"],
+        choices=["free", *METHODS],
+        help="what drafting costs: free (the oracle alone) or a random head of that method (chains only)",
+    )
+    p.add_argument("--draft-vocab-size", type=int, default=32000, help="a random head's (capped at the target's)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default bf16 on CUDA, fp32 on a CPU")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--no-graphs", action="store_true", help="CUDA: decode without CUDA graphs")
@@ -121,6 +172,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     if any(not 0.0 <= x <= 1.0 for x in args.p):
         p.error(f"--p takes probabilities in [0, 1], got {args.p}")
+    if args.widths != [1] and args.drafters != ["free"]:
+        p.error("a head drafts chains: give --widths 1 with --drafters other than free")
 
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -129,21 +182,34 @@ def main(argv=None):
         chat_ids(tokenizer, [{"role": "user", "content": q["turns"][0]}])
         for q in load_bench(args.bench, args.num_prompts)
     ]
-    runtime = Runtime(model, eos_token_ids=[tokenizer.eos_token_id], cuda_graphs=not args.no_graphs)
+    eos, use_graphs = [tokenizer.eos_token_id], not args.no_graphs
+    runtime = Runtime(model, eos_token_ids=eos, cuda_graphs=use_graphs)
+    vocab = text_config(model.config).vocab_size
+    draft_vocab_size = min(args.draft_vocab_size, vocab)
+    heads = {m: random_head(m, model, args.target, draft_vocab_size) for m in args.drafters if m != "free"}
+    runtimes = {  # built before any timing: a K a head cannot draft is refused at once
+        (m, k): runtime
+        if m == "free"
+        else Runtime(model, heads[m], TreeShape.chain(k), eos_token_ids=eos, cuda_graphs=use_graphs)
+        for m in args.drafters
+        for k in args.ks
+    }
 
     runtime.generate_plain(prompts[0], 8)  # warm-up (and graph capture)
     plains = [runtime.generate_plain(q, args.max_new_tokens) for q in prompts]
     plain_tps = tokens_per_s(plains)
     rows = []
-    for k, width in itertools.product(args.ks, args.widths):
-        oracle_runs(runtime, prompts[:1], [runtime.generate_plain(prompts[0], 8)], k, 0.0, width=width)  # warm-up
+    for drafter, k, width in itertools.product(args.drafters, args.ks, args.widths):
+        spec = runtimes[drafter, k]
+        oracle_runs(spec, prompts[:1], [runtime.generate_plain(prompts[0], 8)], k, 0.0, width=width)  # warm-up
         for prob in args.p:
-            results = oracle_runs(runtime, prompts, plains, k, prob, args.seed, width)
+            results = oracle_runs(spec, prompts, plains, k, prob, args.seed, width)
             forwards = sum(r.forwards for r in results)
             al = sum(sum(r.emitted) for r in results) / forwards
             tps = tokens_per_s(results)
             rows.append(
                 dict(
+                    drafter=drafter,
                     k=k,
                     width=width,
                     p=prob,
@@ -162,13 +228,13 @@ def main(argv=None):
         f"{args.target} on {device.type} {str(dtype).replace('torch.', '')} ({graphs}), torch {torch.__version__}: "
         f"{args.bench}, {len(prompts)} prompts x {args.max_new_tokens} new tokens, oracle drafts\n"
     )
-    print("| K | W | p | AL set | AL | tokens/s spec | tokens/s plain | speedup | speedup / AL | lossless |")
-    print("|--:|--:|--:|--:|--:|--:|--:|--:|--:|:-:|")
+    print("| drafter | K | W | p | AL set | AL | tokens/s spec | tokens/s plain | speedup | speedup / AL | lossless |")
+    print("|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|:-:|")
     for r in rows:
         print(
-            f"| {r['k']} | {r['width']} | {r['p']:g} | {r['al_set']:.3f} | {r['al']:.3f} | {r['tokens_per_s']:.1f} | "
-            f"{r['plain_tokens_per_s']:.1f} | {r['speedup']:.2f}x | {r['speedup_per_al']:.3f} | "
-            f"{'yes' if r['lossless'] else 'NO'} |"
+            f"| {r['drafter']} | {r['k']} | {r['width']} | {r['p']:g} | {r['al_set']:.3f} | {r['al']:.3f} | "
+            f"{r['tokens_per_s']:.1f} | {r['plain_tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
+            f"{r['speedup_per_al']:.3f} | {'yes' if r['lossless'] else 'NO'} |"
         )
     if args.out:
         with open(args.out, "w") as f:

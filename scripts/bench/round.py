@@ -1,13 +1,16 @@
 """Where a speculative round's time goes, at batch 1, against a plain decoding step.
 
     python scripts/bench/round.py --draft runs/eagle3/final --chain 3 [--bench gsm8k --num-prompts 5]
+    python scripts/bench/round.py --draft dspark --oracle 0 --chain 3    # a random DSpark head, oracle drafts
 
 Two tables. First, the target's verification forward by the number of rows it verifies (1 row is
 a plain step): what K costs before any draft is accepted. Second, the per-round time of each part
 of speculative decoding (verification forward, its logits, drafting, the head's catch-up, the
 accept decision; the prompt's catch-up and logits count too) and of a plain step, from timers
 around each call over whole generations. On CUDA every timer synchronizes, so that breakdown is
-taken without CUDA graphs.
+taken without CUDA graphs. `--draft METHOD` builds a random head of that method's shipped config shape
+and `--oracle P` drafts scripts/bench/oracle.py's known continuation (each token wrong with probability
+P) at that head's cost: where the time of a round goes at an acceptance set by construction.
 """
 
 import argparse
@@ -15,8 +18,11 @@ import time
 from collections import defaultdict
 
 import torch
+from oracle import oracle_runs, random_head  # beside this file: the oracle drafter
 
+from eagle_train.architectures import text_config
 from eagle_train.checkpoint import load_draft_head
+from eagle_train.methods import METHODS
 from eagle_train.target import load_target
 from inference.drafting import TreeShape
 from inference.evaluate import chat_ids, load_bench
@@ -64,7 +70,12 @@ def timed(obj, name: str, label: str, totals: dict, device):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--target", default="smollm2-135m")
-    p.add_argument("--draft", required=True, help="head / checkpoint / export directory")
+    p.add_argument(
+        "--draft",
+        required=True,
+        help=f"head / checkpoint / export directory, or a method ({', '.join(METHODS)}) for a random head",
+    )
+    p.add_argument("--oracle", type=float, metavar="P", help="oracle drafts, each wrong with probability P")
     p.add_argument("--bench", default="gsm8k")
     p.add_argument("--num-prompts", type=int, default=5)
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -76,7 +87,10 @@ def main():
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model, tokenizer = load_target(args.target, dtype=dtype, device=device)
-    head = load_draft_head(args.draft, model).to(device=device, dtype=dtype).eval()
+    if args.draft in METHODS:
+        head = random_head(args.draft, model, args.target, min(32000, text_config(model.config).vocab_size))
+    else:
+        head = load_draft_head(args.draft, model).to(device=device, dtype=dtype).eval()
     shape = TreeShape.parse(args.tree) if args.tree else TreeShape.chain(args.chain)
     prompts = [
         chat_ids(tokenizer, [{"role": "user", "content": q["turns"][0]}])
@@ -98,15 +112,25 @@ def main():
     timed(runtime.drafter, "draft", "drafting", totals, device)
     timed(runtime.drafter, "catch_up", "head catch-up", totals, device)
     timed(runtime, "accept", "accept decision", totals, device)
-    runtime.generate(prompts[0], 8)
-    runtime.generate_plain(prompts[0], 8)  # warm-up
-    for name, fn in (("speculative", runtime.generate), ("plain", runtime.generate_plain)):
+
+    def plain_runs(qs, max_new_tokens):
+        return [runtime.generate_plain(q, max_new_tokens) for q in qs]
+
+    def speculative_runs(qs, max_new_tokens):
+        if args.oracle is None:
+            return [runtime.generate(q, max_new_tokens) for q in qs]
+        return oracle_runs(runtime, qs, continuations[: len(qs)], shape.depth, args.oracle)
+
+    continuations = plain_runs(prompts, args.max_new_tokens)  # the oracle's drafts, and a warm-up
+    speculative_runs(prompts[:1], args.max_new_tokens)  # warm-up
+    for name, run in (("speculative", speculative_runs), ("plain", plain_runs)):
         totals.clear()
-        results = [fn(q, args.max_new_tokens) for q in prompts]
+        results = run(prompts, args.max_new_tokens)
         n = sum(r.forwards for r in results)
         seconds = sum(r.seconds for r in results)
         rounds[name] = (seconds / n * 1000, sum(sum(r.emitted) for r in results) / n, dict(totals), n)
     drafting = f"tree {shape.depth},{shape.topk},{shape.total}" if args.tree else f"chain K={shape.depth}"
+    drafting += f" of a {head.config.method} head" + ("" if args.oracle is None else f", oracle p={args.oracle:g}")
     spec_ms, al, parts, n = rounds["speculative"]
     plain_ms, _, plain_parts, steps = rounds["plain"]
     print(
@@ -117,6 +141,8 @@ def main():
     for label in ("target forward", "target logits", "drafting", "head catch-up", "accept decision"):
         plain = f"{plain_parts[label] / steps * 1000:8.2f}" if label in plain_parts else f"{'-':>8s}"
         print(f"{label:24s} {parts.get(label, 0.0) / n * 1000:12.2f} {plain}")
+    rest, plain_rest = spec_ms - sum(parts.values()) / n * 1000, plain_ms - sum(plain_parts.values()) / steps * 1000
+    print(f"{'rest (prefill included)':24s} {rest:12.2f} {plain_rest:8.2f}")
     print(f"{'whole (timed by generate)':24s} {spec_ms:12.2f} {plain_ms:8.2f}")
     print(
         f"a round costs {spec_ms / plain_ms:.2f}x a plain step; at AL {al:.3f} the speedup is "
