@@ -164,8 +164,17 @@ class BlockHead(DraftHead):
     def draft_logits(self, h, prev_ids):
         """(draft-vocabulary logits, confidence logits or None) of block outputs `h` [..., H] (pre-norm) given
         the target token before each draft, `prev_ids` [...] (the Markov bias and the confidence read it)."""
+        return self.with_bias(*self.slot_logits(h), prev_ids)
+
+    def slot_logits(self, h):
+        """(normed h, the lm_head's logits) of block outputs `h` [..., H]: what no draft before a slot changes, so
+        a block's slots share one read of the lm_head (the largest weight a draft reads)."""
         normed = self.norm(h)
-        logits = self.lm_head(normed)
+        return normed, self.lm_head(normed)
+
+    def with_bias(self, normed, logits, prev_ids):
+        """`slot_logits`' `logits` with the Markov bias of `prev_ids`, and the confidence logits (None without a
+        Markov bias): the part of `draft_logits` that reads the draft before."""
         if not self.config.markov_rank:
             return logits, None
         bias, low = self.markov_head(prev_ids)
@@ -239,9 +248,10 @@ class BlockHead(DraftHead):
         if not self.config.markov_rank:
             logits, _ = self.draft_logits(h, None)
             return self.draft_to_target_ids(logits.argmax(-1)), logits, None
+        normed, unbiased = self.slot_logits(h)  # every slot at once: only the bias is sequential
         prev, ids, all_logits, confidences = anchor_ids, [], [], []
         for j in range(h.shape[1]):
-            logits, confidence = self.draft_logits(h[:, j], prev)
+            logits, confidence = self.with_bias(normed[:, j], unbiased[:, j], prev)
             prev = self.draft_to_target_ids(logits.argmax(-1))
             ids.append(prev)
             all_logits.append(logits)

@@ -175,15 +175,16 @@ class PEagleHead(DraftHead):
             ]
         )
 
-    def step(self, hidden, input_ids, position_ids, cache: LayerCaches, slots, mask):
+    def step(self, hidden, input_ids, position_ids, cache: LayerCaches, slots, mask, draft_rows=None):
         """The runtime's draft step through every layer: new tokens [B, n] at `position_ids`,
         written at `slots` of each layer's cache, attending to the entries `mask`
         [B or 1, 1, n, S] shows. `hidden` is fc(aux) or fc(mask_hidden) per token.
-        Returns (last layer output h [B, n, H], draft logits [B, n, Vd])."""
+        Returns (last layer output h [B, n, H], draft logits [B, n, Vd]), the logits of the rows
+        `draft_rows` [K] alone when given (the lm_head is the largest weight a step reads)."""
 
         def attend(i, attn, q, k, v):
             k, v = cache.layers[i].write(slots, k, v)
             return attn.attend(q, k, v, mask)
 
         h = self.run_layers(hidden, input_ids, position_ids, attend)
-        return h, self.logits(h)
+        return h, self.logits(h if draft_rows is None else h[:, draft_rows])

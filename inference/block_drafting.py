@@ -88,9 +88,10 @@ class BlockDrafter(Drafter):
             logits, _ = head.draft_logits(h[0], None)
             ids, _, probs = self.children(logits)
             return ids[:, 0], probs
+        normed, unbiased = head.slot_logits(h)  # every slot at once: only the bias is sequential
         prev, ids, probs = root_token.reshape(1), [], []
         for j in range(h.shape[1]):
-            logits, _ = head.draft_logits(h[:, j], prev)
+            logits, _ = head.with_bias(normed[:, j], unbiased[:, j], prev)
             draft, _, q = self.children(logits)
             prev = head.draft_to_target_ids(draft[:, 0])
             ids.append(draft[0, 0])

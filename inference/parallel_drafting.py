@@ -50,8 +50,9 @@ class ParallelDrafter(Drafter):
         keys = torch.arange(self.max_len, device=dev)
         mask = keys[None, :] <= pos[:, None]
         mask[rows:] = keys == 0
-        _, logits = self.step_fn(hidden, ids, pos[None], self.cache, pos, mask[None, None])
-        return logits[0, n - 1 : rows]
+        drafts = torch.arange(n - 1, rows, device=dev)  # the last accepted row and the mask rows
+        _, logits = self.step_fn(hidden, ids, pos[None], self.cache, pos, mask[None, None], drafts)
+        return logits[0]
 
     def catch_up(self, aux, next_ids, start: int):
         return None, self.step_rows(aux, next_ids, start)
