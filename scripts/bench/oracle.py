@@ -20,6 +20,9 @@ one: the runtime's drafter for that head runs every forward it would (catch-up, 
 block), and its chain's tokens are then replaced by the oracle's. So speedup / AL at p = 0 is what a
 perfect head of that shape would reach in this runtime, P-EAGLE's and the block drafters' one-pass chains
 beside EAGLE-3's K sequential steps. A head drafts chains only (--widths 1).
+
+--random-target llama-8b times a target of that shape with random weights instead (the prompts still come through
+--target's tokenizer, and no token ends a turn early): its tokens are noise, its cost a real model's.
 """
 
 import argparse
@@ -32,7 +35,7 @@ import torch
 from eagle_train.architectures import text_config
 from eagle_train.config_files import config_file
 from eagle_train.methods import METHODS
-from eagle_train.target import load_target
+from eagle_train.target import load_target, load_tokenizer
 from eagle_train.train_config import load_train_config
 from eagle_train.vocab_map import top_k_vocab_map
 from inference.drafting import DraftTree, TreeShape
@@ -98,6 +101,29 @@ class OracleDrafter:
         )
 
 
+RANDOM_TARGETS = {  # Llama-3-8B's shape
+    "llama-8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+    ),
+}
+
+
+def random_target(shape: dict, dtype, device):
+    """A Llama of `shape` with transformers' random initialisation, built on `device`, in eval mode."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with torch.device(device):
+        model = LlamaForCausalLM(LlamaConfig(**shape))
+    return model.to(dtype).eval().requires_grad_(False)
+
+
 class AtHeadCost:
     """The oracle's chain at a head's cost: the runtime's own drafter for its head catches up and drafts
     as it would (every forward it runs), then its chain's tokens are replaced by the oracle's (all but
@@ -148,6 +174,7 @@ def tokens_per_s(results: list[GenerationResult]) -> float:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--random-target", choices=list(RANDOM_TARGETS), help="time a random-weight target of this shape")
     p.add_argument("--bench", default="mt_bench")
     p.add_argument("--num-prompts", type=int, default=5)
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -177,16 +204,20 @@ def main(argv=None):
 
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    model, tokenizer = load_target(args.target, dtype=dtype, device=device)
+    name = args.random_target or args.target
+    if args.random_target:
+        model, tokenizer = random_target(RANDOM_TARGETS[args.random_target], dtype, device), load_tokenizer(args.target)
+    else:
+        model, tokenizer = load_target(args.target, dtype=dtype, device=device)
     prompts = [
         chat_ids(tokenizer, [{"role": "user", "content": q["turns"][0]}])
         for q in load_bench(args.bench, args.num_prompts)
     ]
-    eos, use_graphs = [tokenizer.eos_token_id], not args.no_graphs
+    eos, use_graphs = ([] if args.random_target else [tokenizer.eos_token_id]), not args.no_graphs
     runtime = Runtime(model, eos_token_ids=eos, cuda_graphs=use_graphs)
     vocab = text_config(model.config).vocab_size
     draft_vocab_size = min(args.draft_vocab_size, vocab)
-    heads = {m: random_head(m, model, args.target, draft_vocab_size) for m in args.drafters if m != "free"}
+    heads = {m: random_head(m, model, name, draft_vocab_size) for m in args.drafters if m != "free"}
     runtimes = {  # built before any timing: a K a head cannot draft is refused at once
         (m, k): runtime
         if m == "free"
@@ -225,7 +256,7 @@ def main(argv=None):
 
     graphs = "CUDA graphs" if runtime.use_graphs else "no graphs"
     print(
-        f"{args.target} on {device.type} {str(dtype).replace('torch.', '')} ({graphs}), torch {torch.__version__}: "
+        f"{name} on {device.type} {str(dtype).replace('torch.', '')} ({graphs}), torch {torch.__version__}: "
         f"{args.bench}, {len(prompts)} prompts x {args.max_new_tokens} new tokens, oracle drafts\n"
     )
     print("| drafter | K | W | p | AL set | AL | tokens/s spec | tokens/s plain | speedup | speedup / AL | lossless |")
