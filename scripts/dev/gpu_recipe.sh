@@ -18,12 +18,17 @@
 #           training), evaluating the newest checkpoint every CURVE_EVERY minutes (built-in runtime on CURVE_PROMPTS
 #           prompts per bench, the chain walk over 20); then the last head's walk at K = 3, 5, 7 and the head
 #           exported for the CPU engines (tarred and cut in 16 MB parts: the device tool returns files <= 16 MiB).
+#   oracle: the runtime with oracle drafts (scripts/bench/oracle.py: the target's own continuation, each draft wrong
+#           with probability p), free and at the cost of each method's head, chains K = 1..7, on SmolLM2 (the
+#           carried GGUF) and on a random-weight Llama of 8B shape (ORACLE_PROMPTS prompts x 128 tokens each).
+#           Needs the GGUF only (call 1's part1, then this call with part2); the 8B part is left out at SCALE=tiny.
 #
 # Device calls (the working tree travels with each; /tmp/eg survives between calls while the
 # machine stays warm):
 #   1. carry .carry/part1:  mkdir -p /tmp/eg && cp .carry/part1/* /tmp/eg/ && bash scripts/dev/gpu_recipe.sh kernels
 #   2. carry .carry/part2:  bash scripts/dev/gpu_recipe.sh stage1
 #   3.                      bash scripts/dev/gpu_recipe.sh stage2
+# (the oracle stage: call 1, then carry .carry/part2 with `bash scripts/dev/gpu_recipe.sh oracle`)
 # Everything is written under $RUNS (default /tmp/eg/runs); summaries, logs and metrics are copied
 # to $OUT (at most 8 files come back). A stage is resumable: finished steps are skipped on rerun.
 #
@@ -38,7 +43,7 @@
 # 10-minute call.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-STAGE=${1:?usage: gpu_recipe.sh kernels|stage1|stage2|all|objectives|curve}
+STAGE=${1:?usage: gpu_recipe.sh kernels|stage1|stage2|all|objectives|curve|oracle}
 START=$(date +%s)
 SCALE=${SCALE:-full}
 EG=${EG:-/tmp/eg}
@@ -59,6 +64,7 @@ if [ "$SCALE" = tiny ]; then
   BENCH_ARGS=(--tree "$TREE" --hf-prompts 2 --train-tokens 512 --train-steps 2 --capture-tokens 1024
               --capture-token-budget 512 --loss-tokens 256 --repeat 2)
   STAGE_SECONDS=${STAGE_SECONDS:-3000}
+  ORACLE_ARGS=(--ks 1 3 --p 0 --num-prompts 1 --max-new-tokens 16)
 else
   RUNS=${RUNS:-$EG/runs}
   NUM_CONV=${NUM_CONV:-6144}; MAX_LEN=1024; NEW_TOKENS=512; DISTIL_BATCH=${DISTIL_BATCH:-256}; WORKERS=$(nproc); AMP=bf16
@@ -69,6 +75,7 @@ else
   CURVE_TRAIN=(max_steps=${CURVE_STEPS:-500} learning_rate=${CURVE_LR:-1e-3} warmup_steps=30)
   BENCH_ARGS=(--tree "$TREE")
   STAGE_SECONDS=${STAGE_SECONDS:-540}
+  ORACLE_ARGS=(--ks 1 2 3 4 5 6 7 --p 0 0.5 --num-prompts "${ORACLE_PROMPTS:-3}" --max-new-tokens 128)
 fi
 OUT=${OUT:-$RUNS/out}
 mkdir -p "$RUNS/logs" "$OUT"
@@ -350,6 +357,20 @@ PY
   return $rc
 }
 
+stage_oracle() {
+  [ -f "$TARGET" ] || carried_inputs
+  local rc=0 drafters=(--drafters free eagle3 peagle dflash dspark)
+  step oracle_smollm2 "$PY" scripts/bench/oracle.py --target "$TARGET" "${ORACLE_ARGS[@]}" "${drafters[@]}" \
+    --out "$OUT/oracle_smollm2.json" || rc=$?
+  cp "$RUNS/logs/oracle_smollm2.log" "$OUT/oracle_smollm2.txt" || true
+  if [ "$SCALE" != tiny ]; then
+    step oracle_8b "$PY" scripts/bench/oracle.py --target "$TARGET" --random-target llama-8b "${ORACLE_ARGS[@]}" \
+      "${drafters[@]}" --out "$OUT/oracle_8b.json" || rc=$?
+    cp "$RUNS/logs/oracle_8b.log" "$OUT/oracle_8b.txt" || true
+  fi
+  return $rc
+}
+
 finish() {
   local rc=$?
   cp "$TIMES" "$OUT/timings.tsv" 2>/dev/null || true
@@ -365,6 +386,7 @@ case $STAGE in
   stage2) stage2 ;;
   objectives) stage_objectives ;;
   curve) stage_curve ;;
+  oracle) stage_oracle ;;
   all) stage1; START=$(date +%s); stage2 ;;
-  *) echo "unknown stage $STAGE: kernels, stage1, stage2, all, objectives or curve" >&2; exit 2 ;;
+  *) echo "unknown stage $STAGE: kernels, stage1, stage2, all, objectives, curve or oracle" >&2; exit 2 ;;
 esac
