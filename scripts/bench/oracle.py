@@ -140,12 +140,17 @@ class AtHeadCost:
         return tree
 
 
-def random_head(method: str, model, target: str, draft_vocab_size: int):
+DRAFT_VOCAB_SIZE = 32000  # a random head's, unless the target has fewer ids
+
+
+def random_head(method: str, model, target: str, draft_vocab_size: int = DRAFT_VOCAB_SIZE):
     """A head of `method` with random weights for `model`, built by the method's own builder from its shipped
-    config (`{method}_smollm2`: its layers, block size, K), over the target's first `draft_vocab_size` ids."""
+    config (`{method}_smollm2`: its layers, block size, K), over the target's first `draft_vocab_size` ids (all
+    of them when it has fewer)."""
+    vocab_size = text_config(model.config).vocab_size
+    draft_vocab_size = min(draft_vocab_size, vocab_size)
     overrides = [f"target={target}", "data_path=", "mask_token_id=0", f"draft_vocab_size={draft_vocab_size}"]
     cfg = load_train_config(config_file(f"{method}_smollm2"), overrides)
-    vocab_size = text_config(model.config).vocab_size
     vocab_map = top_k_vocab_map(torch.arange(vocab_size, 0, -1), draft_vocab_size)
     head = METHODS[method].build_head(cfg, model, vocab_map)
     return head.to(device=model.device, dtype=model.dtype).eval()
@@ -190,7 +195,9 @@ def main(argv=None):
         choices=["free", *METHODS],
         help="what drafting costs: free (the oracle alone) or a random head of that method (chains only)",
     )
-    p.add_argument("--draft-vocab-size", type=int, default=32000, help="a random head's (capped at the target's)")
+    p.add_argument(
+        "--draft-vocab-size", type=int, default=DRAFT_VOCAB_SIZE, help="a random head's (capped at the target's)"
+    )
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default bf16 on CUDA, fp32 on a CPU")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--no-graphs", action="store_true", help="CUDA: decode without CUDA graphs")
@@ -215,9 +222,7 @@ def main(argv=None):
     ]
     eos, use_graphs = ([] if args.random_target else [tokenizer.eos_token_id]), not args.no_graphs
     runtime = Runtime(model, eos_token_ids=eos, cuda_graphs=use_graphs)
-    vocab = text_config(model.config).vocab_size
-    draft_vocab_size = min(args.draft_vocab_size, vocab)
-    heads = {m: random_head(m, model, name, draft_vocab_size) for m in args.drafters if m != "free"}
+    heads = {m: random_head(m, model, name, args.draft_vocab_size) for m in args.drafters if m != "free"}
     runtimes = {  # built before any timing: a K a head cannot draft is refused at once
         (m, k): runtime
         if m == "free"

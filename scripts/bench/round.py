@@ -20,7 +20,6 @@ from collections import defaultdict
 import torch
 from oracle import oracle_runs, random_head  # beside this file: the oracle drafter
 
-from eagle_train.architectures import text_config
 from eagle_train.checkpoint import load_draft_head
 from eagle_train.methods import METHODS
 from eagle_train.target import load_target
@@ -88,7 +87,7 @@ def main():
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model, tokenizer = load_target(args.target, dtype=dtype, device=device)
     if args.draft in METHODS:
-        head = random_head(args.draft, model, args.target, min(32000, text_config(model.config).vocab_size))
+        head = random_head(args.draft, model, args.target)
     else:
         head = load_draft_head(args.draft, model).to(device=device, dtype=dtype).eval()
     shape = TreeShape.parse(args.tree) if args.tree else TreeShape.chain(args.chain)
