@@ -3,6 +3,7 @@
     eagle-eval --target smollm2-135m --draft runs/eagle3/final --bench mt_bench \
         --num-prompts 20 --max-new-tokens 128 --chain 5 --out results.json
     eagle-eval --target smollm2-135m --draft ngram --chain 3 ...   # prompt lookup alone (no head)
+    eagle-eval ... --repeats 3   # time each turn three times: a tighter speedup interval on a noisy machine
     eagle-eval --target smollm2-135m --draft runs/dflash/final --parallel 7 ...   # a block head's K drafts a forward
     eagle-eval --engine llamacpp --target smollm2-135m --draft head.gguf --chain 5 ...   # llama.cpp in the loop
     eagle-eval --engine all --target smollm2-135m --draft runs/eagle3/final --chain 3 ...   # every engine here
@@ -55,6 +56,14 @@ def parse_args(argv=None):
         action="store_true",
         help="builtin: skip the n-gram row (prompt lookup at the head's K, one more decode per turn)",
     )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        metavar="N",
+        help="time every turn N times (plain, head and n-gram in a rotating order each time) and pool the pairs: "
+        "a tighter speedup interval for N times the decoding; AL comes from the first",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
@@ -83,6 +92,7 @@ def options_of(args) -> EvalOptions:
         dtype=args.dtype,
         cuda_graphs=not args.no_cuda_graphs,
         threads=args.threads,
+        repeats=args.repeats,
     )
 
 

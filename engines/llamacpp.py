@@ -374,11 +374,18 @@ def run_head(target, head, prompt: str, n: int, k: int, threads: int | None = No
     return run_speculative(target, prompt, n, spec, threads)
 
 
+NGRAM_KEY = 2  # ngram-simple's lookup length at its best here (docs/performance.md); its default, 12, rarely fires
+
+
+def ngram_key(k: int) -> int:
+    """ngram-simple drafts nothing when its draft length is below its lookup length: the key is at most K."""
+    return min(k, NGRAM_KEY)
+
+
 def run_ngram(target, prompt: str, n: int, k: int, threads: int | None = None) -> Run:
     """Speculative decoding without a head: the `k` tokens that followed the last n-gram's latest earlier
-    occurrence (llama.cpp's ngram-simple). It drafts nothing when its draft length is below its lookup
-    length, so that is min(k, 12), 12 its default."""
-    spec = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", min(k, 12), "--spec-ngram-simple-size-m", k]
+    occurrence (llama.cpp's ngram-simple), the n-gram `ngram_key(k)` tokens long."""
+    spec = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", ngram_key(k), "--spec-ngram-simple-size-m", k]
     return run_speculative(target, prompt, n, spec, threads)
 
 
@@ -824,8 +831,10 @@ def evaluate(options: EvalOptions, answers=None) -> dict:
         if block:
             k = min(k if o.parallel or o.chain else block, block)
         engine = LlamaCppTurns(gguf, head, tokenizer, k, o.threads, o.ngram)
-        results = run_bench(engine, tokenizer, prompts, o.max_new_tokens, answers, f"eagle-eval llama.cpp {o.bench}")
-    summary = summarise_drafters(results, k, k if o.ngram else None)
+        results = run_bench(
+            engine, tokenizer, prompts, o.max_new_tokens, answers, f"eagle-eval llama.cpp {o.bench}", o.repeats
+        )
+    summary = summarise_drafters(results, k, k if o.ngram else None, f"ngram-simple, key {ngram_key(k)}")
     return {
         "engine": "llamacpp",
         "title": f"{o.bench}: {len(prompts)} prompts, {summary['turns']} turns, llama.cpp greedy, "

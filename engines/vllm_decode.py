@@ -3,8 +3,8 @@ for eagle-eval (`VllmTurns`, an engine of the bench loop `inference.evaluate.run
 
 vLLM takes over the process it runs in (thread binding, torch's thread count, a process group,
 logging) and builds one engine per speculative config, so each `Decoder` is an engine in a child
-process that stays up between calls: the bench loop asks plain decoding turn by turn (a later turn
-follows its answer), then each drafter all the prompts at once, one engine at a time.
+process that stays up between calls: the bench loop holds plain decoding's, the head's and n-gram's up
+together and asks each for every turn in turn, so all three are timed close together.
 
     with Decoder("smollm2-135m", speculative("eagle3", "my-head", 3)) as vllm:
         turns = vllm.decode(prompt_ids, 64)
@@ -31,6 +31,7 @@ from engines import vllm as vllm_engine  # its missing() looked up when called: 
 from engines.rules import is_parallel
 from engines.vllm import ChildServer, VllmError
 from inference.evaluate import EvalOptions, TurnEngine, TurnResult, load_bench, run_bench, summarise_drafters
+from inference.prompt_lookup import MAX_N, MIN_N
 
 DECODE_CHILD = "import sys; from engines.vllm_decode import serve; serve(*sys.argv[1:])"
 SPEC_METRICS = {
@@ -46,7 +47,7 @@ def speculative(method: str, head_dir, k: int) -> dict:
     DSpark head (K drafts from one block), or n-gram prompt lookup (no head; the same 2- to 4-gram lookup as
     the built-in runtime's)."""
     if method == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": MIN_N, "prompt_lookup_max": MAX_N}
     if method in BLOCK_METHODS:
         return {"method": method, "model": str(head_dir), "num_speculative_tokens": k}
     config = {"method": "eagle3", "model": str(head_dir), "num_speculative_tokens": k}
@@ -171,7 +172,8 @@ def turn_result(turn: Turn) -> TurnResult:
 
 class VllmTurns(TurnEngine):
     """vLLM decoding the bench loop's turns: "spec" with the export in `head_dir` (`method`: eagle3, peagle,
-    dflash or dspark), "ngram" with vLLM's prompt lookup, both at K = `k`; one engine per session."""
+    dflash or dspark), "ngram" with vLLM's prompt lookup, both at K = `k`; one engine per session (the loop
+    holds them open together)."""
 
     def __init__(self, target: str, head_dir, method: str, k: int, ngram: bool = True, dtype: str | None = None):
         self.target, self.dtype = target, dtype
@@ -213,8 +215,10 @@ def evaluate(options: EvalOptions, answers=None) -> dict:
         if method in BLOCK_METHODS:
             check_block_k(head_dir, k)
         engine = VllmTurns(o.target, head_dir, method, k, o.ngram, o.dtype)
-        results = run_bench(engine, tokenizer, prompts, o.max_new_tokens, answers, f"eagle-eval vLLM {o.bench}")
-    summary = summarise_drafters(results, k, k if o.ngram else None)
+        results = run_bench(
+            engine, tokenizer, prompts, o.max_new_tokens, answers, f"eagle-eval vLLM {o.bench}", o.repeats
+        )
+    summary = summarise_drafters(results, k, k if o.ngram else None, f"vLLM ngram, {MIN_N}- to {MAX_N}-gram")
     version, _, dtype = engine.engines["plain"]
     kinds = {"peagle": "parallel (P-EAGLE)", "dflash": "block (DFlash)", "dspark": "block (DSpark)"}
     drafting = f"{kinds.get(method, 'chain')} K={k}"

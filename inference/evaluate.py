@@ -4,19 +4,30 @@ record per turn, its summary and its tables.
 An engine supplies only "decode these prompts" (`TurnEngine.decode`, giving `TurnResult`s): plainly (the
 speedup's reference) and with each of its drafters ("spec": the head; "ngram": prompt lookup, the free
 baseline the head has to beat, same K). Multi-turn prompts (MT-Bench) ask turn 2 after plain decoding's
-answer to turn 1, so every drafter decodes the same prompt tokens. AL follows docs/design.md section 3:
+answer to turn 1, so every drafter decodes the same prompt tokens. Each turn is decoded by all of them in
+a row, in an order that rotates from turn to turn, and the speedups are paired (`inference.timing`). AL
+follows docs/design.md section 3:
 tokens emitted by the counted forwards / those forwards, pooled over every turn of every prompt; the
 built-in runtime and vLLM leave the prefill and its token out, so their AL can be recounted from the JSON
 as sum(len(output_ids) - 1) / sum(forwards).
 """
 
 import json
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field, fields
 from importlib import resources
 from pathlib import Path
 
 from inference.divergence import TIE_STEPS, is_tie
+from inference.timing import (
+    CANNOT_TELL,
+    above_one,
+    busy_note,
+    interval_text,
+    paired,
+    plain_speed_range,
+    rotation,
+)
 
 BENCHES = ("mt_bench", "humaneval", "gsm8k")
 
@@ -85,6 +96,11 @@ class EvalOptions:
     dtype: str | None = None
     cuda_graphs: bool = True
     threads: int | None = None  # llama.cpp's CPU threads
+    repeats: int = 1  # timed rounds per turn (AL comes from the first; the speedups pool them all)
+
+    def __post_init__(self):
+        if self.repeats < 1:
+            raise ValueError(f"--repeats must be >= 1 (timed rounds per turn), got {self.repeats}")
 
     @property
     def depth(self) -> int:
@@ -151,59 +167,98 @@ class TurnEngine:
 
 
 def run_bench(
-    engine: TurnEngine, tokenizer, prompts: list[dict], max_new_tokens: int, answers=None, progress: str = ""
+    engine: TurnEngine,
+    tokenizer,
+    prompts: list[dict],
+    max_new_tokens: int,
+    answers=None,
+    progress: str = "",
+    repeats: int = 1,
 ) -> list[dict]:
-    """Every turn of every prompt, plainly and with each of the engine's drafters: one record per turn
-    (its prompt ids, the answer a later turn follows, then per decoding a `TurnResult.record`). Plain
-    decoding goes first, turn by turn: a later turn follows its answer (or `answers[p][t]`, another run's,
-    so two engines see the same prompts), so every drafter decodes the same prompt tokens; then each
-    drafter decodes all those prompts in one session (`add_drafter`)."""
+    """Every turn of every prompt, plainly and with each of the engine's drafters: one record per turn (its
+    prompt ids, the answer a later turn follows, per decoding a `TurnResult.record`, and "timing", each round's
+    seconds and tokens per decoding). Within a turn they decode one after another, `repeats` rounds, the order
+    rotating from round to round (`inference.timing`), so a load that comes and goes hits all of them alike. A
+    later turn follows plain decoding's answer (or `answers[p][t]`, another run's, so two engines see the same
+    prompts), so every drafter decodes the same prompt tokens."""
     from tqdm import tqdm
 
-    results = []
-    with engine.session("plain") as decode:
-        for p, prompt in enumerate(tqdm(prompts, desc=progress or "plain", unit="prompt", disable=not progress)):
+    names = ("plain", *engine.drafters)
+    results, rounds = [], 0
+    with ExitStack() as stack:
+        decoders = {name: stack.enter_context(engine.session(name)) for name in names}
+        for p, prompt in enumerate(tqdm(prompts, desc=progress or "eval", unit="prompt", disable=not progress)):
             messages, turns = [], []
             for t, text in enumerate(prompt["turns"]):
                 messages.append({"role": "user", "content": text})
                 ids = chat_ids(tokenizer, messages)
-                (plain,) = decode([ids], max_new_tokens)
+                runs, timing = timed_rounds(decoders, names, ids, max_new_tokens, repeats, rounds)
+                rounds += repeats
+                plain = runs["plain"]
                 answer = answers[p][t] if answers else plain.answer
-                turns.append({"prompt_tokens": len(ids), "prompt_ids": ids, "answer": answer, "plain": plain.record()})
+                turn = {"prompt_tokens": len(ids), "prompt_ids": ids, "answer": answer, "plain": plain.record()}
+                for name in engine.drafters:
+                    turn[name] = compared(engine, turn, runs[name], max_new_tokens)
+                turns.append({**turn, "timing": timing})
                 messages.append({"role": "assistant", "content": answer})
             results.append({"question_id": prompt["question_id"], "category": prompt["category"], "turns": turns})
-    for name in engine.drafters:
-        add_drafter(results, engine, name, max_new_tokens, progress)
     return results
 
 
-def add_drafter(results: list[dict], engine: TurnEngine, drafter: str, max_new_tokens: int, progress: str = "") -> None:
-    """`drafter`'s decodes of every turn of `results` (`run_bench`'s), beside plain decoding's in each record."""
+def timed_rounds(decoders: dict, names: tuple[str, ...], ids: list[int], max_new_tokens: int, repeats: int, first: int):
+    """Each of `names` decodes `ids`, `repeats` rounds, round r in `rotation(names, first + r)`'s order: the first
+    round's `TurnResult` per name, and every round's order, seconds and tokens (the pairs the speedups read)."""
+    runs, timing = {}, []
+    for r in range(repeats):
+        order = rotation(names, first + r)
+        timed = {"order": list(order), "seconds": {}, "tokens": {}}
+        for name in order:
+            (run,) = decoders[name]([ids], max_new_tokens)
+            runs.setdefault(name, run)
+            timed["seconds"][name], timed["tokens"][name] = run.seconds, run.timed_tokens
+        timing.append(timed)
+    return runs, timing
+
+
+def compared(engine: TurnEngine, turn: dict, run: TurnResult, max_new_tokens: int) -> dict:
+    """A drafter's record of `turn`: its run, whether it decoded plain decoding's text, and where not, why."""
+    plain = TurnResult.of_record(turn["plain"])
+    record = {**run.record(), "identical": engine.same(plain, run)}
+    if engine.finds_divergence:
+        record["divergence"] = engine.divergence(turn["prompt_ids"], plain, run, max_new_tokens)
+    return record
+
+
+def add_drafter(
+    results: list[dict], engine: TurnEngine, drafter: str, max_new_tokens: int, progress: str = "", repeats: int = 1
+) -> None:
+    """`drafter`'s decodes of every turn of `results` (`run_bench`'s), beside plain decoding's in each record,
+    each turn timed in pairs with plain decoding again (`timed_rounds`), so a drafter added later is not
+    compared with a plain run timed at another time."""
     turns = [t for r in results for t in r["turns"]]
     if progress:
         print(f"{progress}: {drafter} on {len(turns)} turns ...", flush=True)
-    with engine.session(drafter) as decode:
-        runs = decode([t["prompt_ids"] for t in turns], max_new_tokens)
-    for turn, run in zip(turns, runs):
-        plain = TurnResult.of_record(turn["plain"])
-        turn[drafter] = {**run.record(), "identical": engine.same(plain, run)}
-        if engine.finds_divergence:
-            turn[drafter]["divergence"] = engine.divergence(turn["prompt_ids"], plain, run, max_new_tokens)
+    names = ("plain", drafter)
+    with ExitStack() as stack:
+        decoders = {name: stack.enter_context(engine.session(name)) for name in names}
+        for i, turn in enumerate(turns):
+            runs, timing = timed_rounds(decoders, names, turn["prompt_ids"], max_new_tokens, repeats, i * repeats)
+            turn[drafter] = compared(engine, turn, runs[drafter], max_new_tokens)
+            turn["timing"] = turn.get("timing", []) + timing
 
 
 def summarise(results: list[dict], depth: int, drafter: str = "spec") -> dict:
     """Pooled figures over every turn of every prompt, of one drafter ("spec": the head; "ngram":
-    prompt lookup). Per-position acceptance and the histogram need the engine's per-forward counts."""
+    prompt lookup). The speedup is the paired one (`inference.timing`); tokens/s are pooled over the same
+    rounds. Per-position acceptance and the histogram need the engine's per-forward counts."""
     turns = [t for r in results for t in r["turns"]]
     runs = [t[drafter] for t in turns]
     forwards = sum(r["forwards"] for r in runs)
     emitted = sum(r["emitted"] for r in runs)
-    spec_tokens = sum(r["tokens"] for r in runs)
-    plain_tokens = sum(t["plain"]["tokens"] for t in turns)
-    spec_s = sum(r["seconds"] for r in runs)
-    plain_s = sum(t["plain"]["seconds"] for t in turns)
-    spec_tps = sum(r["timed_tokens"] for r in runs) / spec_s if spec_s else 0.0
-    plain_tps = sum(t["plain"]["timed_tokens"] for t in turns) / plain_s if plain_s else 0.0
+    rounds = [r for t in turns for r in t.get("timing", []) if drafter in r["seconds"] and "plain" in r["seconds"]]
+    spec_s = sum(r["seconds"][drafter] for r in rounds)
+    plain_s = sum(r["seconds"]["plain"] for r in rounds)
+    speedup = paired(turns, drafter, "plain")
     summary = {
         "acceptance_length": emitted / forwards if forwards else 0.0,
         "verify_forwards": forwards,
@@ -212,14 +267,16 @@ def summarise(results: list[dict], depth: int, drafter: str = "spec") -> dict:
         "acceptance_per_position": None,
         "acceptance_per_position_conditional": None,
         "tokens_per_forward_histogram": None,
-        "spec_tokens_per_s": spec_tps,
-        "plain_tokens_per_s": plain_tps,
-        "speedup": spec_tps / plain_tps if plain_tps else 0.0,
+        "spec_tokens_per_s": sum(r["tokens"][drafter] for r in rounds) / spec_s if spec_s else 0.0,
+        "plain_tokens_per_s": sum(r["tokens"]["plain"] for r in rounds) / plain_s if plain_s else 0.0,
+        "speedup": speedup["ratio"],  # from the paired rounds' ratios (`inference.timing`) ...
+        "speedup_interval": speedup["interval"],  # ... its interval (None: too few rounds to bound it)
+        "timed_pairs": speedup["pairs"],
         "turns": len(turns),
         "turns_identical_to_plain": sum(r["identical"] for r in runs),
         **divergence_counts(runs),
-        "new_tokens_spec": spec_tokens,
-        "new_tokens_plain": plain_tokens,
+        "new_tokens_spec": sum(r["tokens"] for r in runs),
+        "new_tokens_plain": sum(t["plain"]["tokens"] for t in turns),
     }
     if all("accepted" in r for r in runs):
         accepted = [a for r in runs for a in r["accepted"]]
@@ -280,65 +337,105 @@ def format_table(summary: dict, title: str) -> str:
         "  ... conditional             " + shares(s["acceptance_per_position_conditional"]),
         f"  tokens/s speculative        {s['spec_tokens_per_s']:.1f}",
         f"  tokens/s plain              {s['plain_tokens_per_s']:.1f}",
-        f"  speedup                     {s['speedup']:.2f}x",
+        f"  speedup                     {s['speedup']:.2f}x ({speed_text(s)})",
         f"  turns identical to plain    {s['turns_identical_to_plain']}/{s['turns']}" + identical_note(s),
     ]
     if "ngram" in s:
-        lines.append(f"  {'drafter':<16}{'AL':>7}{'tokens/s':>10}{'speedup':>9}   identical to plain")
-        for label, row in (("head", s), ("n-gram (free)", s["ngram"])):
+        rows = (("head", s), (f"n-gram (free, {s['ngram']['setting']})", s["ngram"]))
+        width = max(len(label) for label, _ in rows) + 2
+        lines.append(f"  {'drafter':<{width}}{'AL':>7}{'tokens/s':>10}{'speedup':>9}   identical to plain")
+        for label, row in rows:
             lines.append(
-                f"  {label:<16}{row['acceptance_length']:>7.3f}{row['spec_tokens_per_s']:>10.1f}"
+                f"  {label:<{width}}{row['acceptance_length']:>7.3f}{row['spec_tokens_per_s']:>10.1f}"
                 f"{row['speedup']:>8.2f}x   {row['turns_identical_to_plain']}/{row['turns']}" + identical_note(row)
             )
         lines.append("  " + head_vs_ngram(s))
+    if s.get("busy"):
+        lines.append("  " + s["busy"])
     return "\n".join(lines)
 
 
-def summarise_drafters(results: list[dict], depth: int, ngram: int | None) -> dict:
-    """`summarise` of the head, with prompt lookup's beside it (and the verdict) when it was run."""
+def speed_text(summary: dict) -> str:
+    """The speedup's interval, and whether it settles faster or slower than plain decoding."""
+    figure = {"interval": summary["speedup_interval"], "pairs": summary["timed_pairs"]}
+    text = interval_text(figure)
+    faster = above_one(figure)
+    if faster is None and figure["interval"] is not None:
+        return text + ": cannot tell faster from slower than plain at this noise"
+    return text
+
+
+def summarise_drafters(results: list[dict], depth: int, ngram: int | None, ngram_setting: str = "") -> dict:
+    """`summarise` of the head, with prompt lookup's beside it (`ngram_setting`: its engine's lookup, named in the
+    table), the two timed against each other in pairs and the verdict, when it was run; and the busy-machine
+    line when plain decoding's speed moved within the run."""
     summary = summarise(results, depth)
+    turns = [t for r in results for t in r["turns"]]
     if ngram:
-        summary["ngram"] = summarise(results, ngram, "ngram")
+        summary["ngram"] = {**summarise(results, ngram, "ngram"), "setting": ngram_setting}
+        summary["head_vs_ngram"] = paired(turns, "spec", "ngram")
         summary["head_beats_ngram"] = head_beats_ngram(summary)
+    summary["plain_tokens_per_s_range"] = plain_speed_range(turns)
+    summary["busy"] = busy_note(summary["plain_tokens_per_s_range"])
     return summary
 
 
-def head_beats_ngram(summary: dict) -> bool:
-    """Speed decides, not AL: a head's draft steps cost forwards that prompt lookup does not pay."""
-    return summary["speedup"] > summary["ngram"]["speedup"]
+def head_beats_ngram(summary: dict) -> bool | None:
+    """Speed decides, not AL (a head's draft steps cost forwards that prompt lookup does not pay), measured in
+    pairs: True or False where the head's speed over prompt lookup's is above or below 1.0 with its whole
+    interval, None where the noise cannot tell."""
+    return above_one(summary["head_vs_ngram"])
 
 
 def head_vs_ngram(summary: dict) -> str:
-    """The one line that says whether training paid: the head against free drafting on the same prompts."""
-    head, ngram = summary, summary["ngram"]
+    """The one line that says whether training paid: the head against plain decoding and against free drafting
+    on the same prompts, or that this run cannot tell."""
+    head, ngram, versus = summary, summary["ngram"], summary["head_vs_ngram"]
     line = (
         f"head vs n-gram (free): head AL {head['acceptance_length']:.2f} vs {ngram['acceptance_length']:.2f}, "
-        f"speed {head['speedup']:.2f}x vs {ngram['speedup']:.2f}x: "
+        f"speed {head['speedup']:.2f}x vs {ngram['speedup']:.2f}x, head / n-gram {versus['ratio']:.2f}x "
+        f"({interval_text(versus)}): "
     )
-    if head_beats_ngram(summary):
+    beats = summary["head_beats_ngram"]
+    faster = above_one({"interval": head["speedup_interval"]})
+    if beats is False:
+        more = head["acceptance_length"] > ngram["acceptance_length"]
+        return (
+            line
+            + "the head does not beat free drafting"
+            + (" (more tokens per forward, but drafting costs more)" if more else "")
+        )
+    if faster is False:
+        return line + "the head does not pay (slower than plain decoding)"
+    if beats and faster:
         return line + "the head pays"
-    if head["acceptance_length"] > ngram["acceptance_length"]:
-        return line + "the head does not beat free drafting (more tokens per forward, but drafting costs more)"
-    return line + "the head does not beat free drafting"
+    return line + CANNOT_TELL
 
 
 def format_engines(summaries: dict[str, dict], title: str) -> str:
-    """One row per engine and drafter: the same prompts, each engine against its own plain decoding."""
+    """One row per engine and drafter: the same prompts, each engine against its own plain decoding (the
+    speedup's interval beside it), then each engine's verdict."""
     lines = [
         title,
         f"  {'engine':<9}{'drafter':<15}{'AL':>7}  {'acceptance per position':<25}{'tok/s plain':>12}"
-        f"{'tok/s spec':>11}{'speedup':>9}   identical",
+        f"{'tok/s spec':>11}{'speedup':>9}{'90% interval':>14}   identical",
     ]
     for engine, s in summaries.items():
         for label, row in (("head", s), ("n-gram (free)", s.get("ngram"))):
             if row is None:
                 continue
             positions = shares(row["acceptance_per_position"])
+            interval = "-" if row["speedup_interval"] is None else "{:.2f}-{:.2f}x".format(*row["speedup_interval"])
             lines.append(
                 f"  {engine:<9}{label:<15}{row['acceptance_length']:>7.3f}  {positions:<25}"
                 f"{row['plain_tokens_per_s']:>12.1f}{row['spec_tokens_per_s']:>11.1f}{row['speedup']:>8.2f}x"
-                f"   {row['turns_identical_to_plain']}/{row['turns']}"
+                f"{interval:>14}   {row['turns_identical_to_plain']}/{row['turns']}"
             )
+    for engine, s in summaries.items():
+        if "ngram" in s:
+            lines.append(f"  [{engine}, n-gram: {s['ngram']['setting']}] " + head_vs_ngram(s))
+        if s.get("busy"):
+            lines.append(f"  [{engine}] " + s["busy"])
     return "\n".join(lines)
 
 

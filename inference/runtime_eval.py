@@ -3,7 +3,8 @@
 
 Each turn is decoded plainly (the speedup's reference), with the head ("spec", or prompt lookup alone
 for `draft="ngram"`) and with prompt lookup at the head's K ("ngram", the free baseline the head has to
-beat), all on one `Runtime`, so the three share the target's weights, caches and CUDA graphs.
+beat), one after another, all on one `Runtime`, so the three share the target's weights, caches and CUDA
+graphs.
 """
 
 import time
@@ -12,6 +13,9 @@ import torch
 
 from inference.divergence import first_divergence
 from inference.evaluate import EvalOptions, TurnEngine, TurnResult, load_bench, run_bench, summarise_drafters
+from inference.prompt_lookup import MAX_N, MIN_N
+
+NGRAM_SETTING = f"{MIN_N}- to {MAX_N}-gram lookup"
 
 
 def turn_result(result, tokenizer) -> TurnResult:
@@ -141,8 +145,9 @@ def evaluate(options: EvalOptions) -> dict:
         warmup = {"question_id": "warmup", "category": "", "turns": prompts[0]["turns"][:1]}
         run_bench(engine, tokenizer, [warmup], min(8, o.max_new_tokens))
     t0 = time.time()
-    results = run_bench(engine, tokenizer, prompts, o.max_new_tokens, progress=f"eagle-eval {o.bench}")
-    summary = summarise_drafters(results, shape.depth, ngram if head is not None else None)
+    progress = f"eagle-eval {o.bench}"
+    results = run_bench(engine, tokenizer, prompts, o.max_new_tokens, progress=progress, repeats=o.repeats)
+    summary = summarise_drafters(results, shape.depth, ngram if head is not None else None, NGRAM_SETTING)
     drafting = f"tree {shape.depth},{shape.topk},{shape.total}" if o.tree else f"chain K={shape.depth}"
     if parallel:
         drafting = f"parallel (P-EAGLE) K={shape.depth}"

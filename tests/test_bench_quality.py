@@ -94,7 +94,7 @@ def test_one_point_on_the_tiny_llama(quality, tmp_path, tiny_llama_dir, tiny_lla
             runs = [runtime.generate(ids, 6) for ids, _ in sequences[bench]]
             assert s["acceptance_length"] == sum(map(sum, (r.emitted for r in runs))) / sum(r.forwards for r in runs)
             assert s["accepted_drafts"] == sum(map(sum, (r.accepted for r in runs)))
-            assert s["speedup"] == pytest.approx(s["spec_tokens_per_s"] / s["plain_tokens_per_s"])
+            assert s["timed_pairs"] == s["turns"] and s["speedup"] > 0  # each turn timed once beside plain
     chain = summaries["chain K=2"]["gsm8k"]  # one turn: the walk's text is the one the chain decoded
     assert walk["gsm8k"]["acceptance_length"] * walk["gsm8k"]["rounds"] == pytest.approx(
         chain["accepted_drafts"] + chain["verify_forwards"]

@@ -197,12 +197,15 @@ def test_eval_prints_and_saves_the_ngram_row(tiny_llama_dir, tiny_head_dir, tmp_
     assert ngram["turns"] == 4 and ngram["turns_identical_to_plain"] == 4
     assert all(t["ngram"]["identical"] for p in saved["prompts"] for t in p["turns"])
     assert len(ngram["acceptance_per_position"]) == 3
-    assert summary["head_beats_ngram"] == (summary["speedup"] > ngram["speedup"])
-    row = next(line for line in printed.splitlines() if line.strip().startswith("n-gram (free)"))
+    # 4 turns, each timed once with plain, the head and n-gram in a row: too few pairs to tell which is faster
+    rounds = [r for p in saved["prompts"] for t in p["turns"] for r in t["timing"]]
+    assert len(rounds) == 4 and all(sorted(r["seconds"]) == ["ngram", "plain", "spec"] for r in rounds)
+    assert summary["timed_pairs"] == 4 and summary["head_beats_ngram"] is None
+    row = next(line for line in printed.splitlines() if line.strip().startswith("n-gram (free"))
     assert f"{ngram['acceptance_length']:.3f}" in row and f"{ngram['speedup']:.2f}x" in row and "4/4" in row
     verdict = next(line for line in printed.splitlines() if "head vs n-gram (free):" in line)
     assert f"head AL {summary['acceptance_length']:.2f} vs {ngram['acceptance_length']:.2f}" in verdict
-    assert verdict.endswith("the head pays") == summary["head_beats_ngram"]
+    assert verdict.endswith("or on a quiet machine") and "the head pays" not in verdict
 
 
 def test_eval_tree_uses_its_depth_and_no_ngram_skips(tiny_llama_dir, tiny_head_dir, tmp_path, capsys):

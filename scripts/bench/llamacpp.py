@@ -14,6 +14,8 @@ decoding of the same prompt) and
 `draft` the rest of the round per drafted token (the head's forward, sampling and llama.cpp's
 bookkeeping). A round pays off when it yields more tokens than plain decoding makes in the same
 time: `break-even` = round ms / plain ms per token, the tokens per forward the row needs to beat plain.
+Each row's prompts are decoded plainly again beside it, one right after the other (`paired_runs`), and its
+speedups and break-even are against those plain runs.
 The JSON (--out) keeps every run.
 """
 
@@ -29,6 +31,7 @@ from eagle_train.export.gguf import export_gguf
 from eagle_train.target import SMOLLM2, cache_dir, load_tokenizer, resolve_target, target_gguf
 from engines import llamacpp
 from inference.evaluate import BENCHES, chat_text, load_bench
+from inference.timing import rotation
 
 
 def target_file(name: str) -> Path:
@@ -46,6 +49,22 @@ def first_turns(tokenizer, num_prompts: int) -> dict[str, list[str]]:
         ]
         for bench in BENCHES
     }
+
+
+def paired_runs(decode, target, prompts: dict[str, list[str]], n: int, threads) -> tuple[dict, dict]:
+    """Per bench, each prompt decoded by `decode` and plainly, one right after the other in an order that
+    alternates prompt by prompt (eagle-eval's loop, `inference.timing`): the runs, and the plain runs timed
+    beside them, so a load that comes and goes lands on both."""
+    runs, plain, i = {b: [] for b in prompts}, {b: [] for b in prompts}, 0
+    for bench, texts in prompts.items():
+        for text in texts:
+            for which in rotation(("plain", "run"), i):
+                if which == "plain":
+                    plain[bench].append(llamacpp.run_plain(target, text, n, threads))
+                else:
+                    runs[bench].append(decode(text))
+            i += 1
+    return runs, plain
 
 
 def pooled(runs: list, plain: list) -> dict:
@@ -128,17 +147,15 @@ def main(argv=None):
             rows, runs_json = [{**row("plain", None, plain, plain), "same": "-"}], {"plain": plain}
             for k in args.ks:
                 for label, file in {"n-gram": None, **files}.items():
-                    runs = {
-                        b: [
-                            llamacpp.run_ngram(target, text, n, k, t)
-                            if file is None
-                            else llamacpp.run_head(target, file, text, n, k, t)
-                            for text in prompts[b]
-                        ]
-                        for b in BENCHES
-                    }
+
+                    def decode(text, file=file, k=k, target=target):
+                        if file is None:
+                            return llamacpp.run_ngram(target, text, n, k, t)
+                        return llamacpp.run_head(target, file, text, n, k, t)
+
+                    runs, beside = paired_runs(decode, target, prompts, n, t)
                     same = sum(llamacpp.same_text(base, run) for b in BENCHES for base, run in zip(plain[b], runs[b]))
-                    rows.append({**row(label, k, runs, plain), "same": f"{same}/{len(BENCHES) * args.num_prompts}"})
+                    rows.append({**row(label, k, runs, beside), "same": f"{same}/{len(BENCHES) * args.num_prompts}"})
                     runs_json[f"{label} K={k}"] = runs
             print(format_table(f"{target_name} ({target})", rows), flush=True)
             record["targets"][target_name] = {

@@ -12,7 +12,9 @@ distinct candidates at each depth under the one carrying the continuation, which
 probability 1 - p, so AL is a chain's at the cost of verifying K*W nodes (and of compacting the cache
 when the accepted path leaves the first branch). "AL set" is the expected AL (the measured one falls
 short of it by the last round's truncation). Tokens/s are over whole generate calls, prefill
-included, after one warm-up of each. Every row checks that its tokens equal plain decoding's.
+included, after one warm-up of each; each row's turns are timed in pairs with plain decoding, one right after
+the other (eagle-eval's loop), and its speedup is the median of the pairs with a 90% interval. Every row checks
+that its tokens equal plain decoding's.
 
 --drafters names what drafting costs: `free` (the oracle alone), or a head of a training method (eagle3,
 peagle, dflash, dspark) with random weights, shaped for the target as the method's shipped config shapes
@@ -29,6 +31,7 @@ import argparse
 import itertools
 import json
 import random
+from types import SimpleNamespace
 
 import torch
 
@@ -39,9 +42,10 @@ from eagle_train.target import load_target, load_tokenizer
 from eagle_train.train_config import load_train_config
 from eagle_train.vocab_map import top_k_vocab_map
 from inference.drafting import DraftTree, TreeShape
-from inference.evaluate import chat_ids, load_bench
+from inference.evaluate import TurnEngine, TurnResult, add_drafter, chat_ids, load_bench, run_bench, summarise
 from inference.generate import GenerationResult, Runtime
 from inference.prompt_lookup import chain_tree
+from inference.runtime_eval import turn_result
 
 
 class OracleDrafter:
@@ -172,8 +176,21 @@ def oracle_runs(runtime: Runtime, prompts, plains, k: int, p: float, seed=0, wid
     return [runtime.generate(q, len(plain.output_ids), drafter(q, plain)) for q, plain in zip(prompts, plains)]
 
 
-def tokens_per_s(results: list[GenerationResult]) -> float:
-    return sum(len(r.output_ids) for r in results) / sum(r.seconds for r in results)
+class OracleTurns(TurnEngine):
+    """The bench loop's engine for the oracle: "plain" on the plain runtime, each row's name its oracle drafts
+    (`rows[name]`: the runtime, K, p, width) over the prompt's plain output (`continuations`), so every row is
+    timed in pairs with plain decoding (`add_drafter`)."""
+
+    def __init__(self, runtime: Runtime, tokenizer, seed: int):
+        self.plain, self.tokenizer, self.seed = runtime, tokenizer, seed
+        self.drafters, self.rows, self.continuations = (), {}, {}
+
+    def decode(self, name: str, prompts: list[list[int]], max_new_tokens: int) -> list[TurnResult]:
+        if name == "plain":
+            return [turn_result(self.plain.generate_plain(q, max_new_tokens), self.tokenizer) for q in prompts]
+        runtime, k, p, width = self.rows[name]
+        plains = [self.continuations[tuple(q)] for q in prompts]
+        return [turn_result(r, self.tokenizer) for r in oracle_runs(runtime, prompts, plains, k, p, self.seed, width)]
 
 
 def main(argv=None):
@@ -216,10 +233,8 @@ def main(argv=None):
         model, tokenizer = random_target(RANDOM_TARGETS[args.random_target], dtype, device), load_tokenizer(args.target)
     else:
         model, tokenizer = load_target(args.target, dtype=dtype, device=device)
-    prompts = [
-        chat_ids(tokenizer, [{"role": "user", "content": q["turns"][0]}])
-        for q in load_bench(args.bench, args.num_prompts)
-    ]
+    first_turns = [{**q, "turns": q["turns"][:1]} for q in load_bench(args.bench, args.num_prompts)]
+    prompts = [chat_ids(tokenizer, [{"role": "user", "content": q["turns"][0]}]) for q in first_turns]
     eos, use_graphs = ([] if args.random_target else [tokenizer.eos_token_id]), not args.no_graphs
     runtime = Runtime(model, eos_token_ids=eos, cuda_graphs=use_graphs)
     heads = {m: random_head(m, model, name, args.draft_vocab_size) for m in args.drafters if m != "free"}
@@ -232,17 +247,19 @@ def main(argv=None):
     }
 
     runtime.generate_plain(prompts[0], 8)  # warm-up (and graph capture)
-    plains = [runtime.generate_plain(q, args.max_new_tokens) for q in prompts]
-    plain_tps = tokens_per_s(plains)
+    engine = OracleTurns(runtime, tokenizer, args.seed)
+    results = run_bench(engine, tokenizer, first_turns, args.max_new_tokens)  # plain: each prompt's continuation
+    turns = [t for r in results for t in r["turns"]]
+    engine.continuations = {tuple(t["prompt_ids"]): SimpleNamespace(output_ids=t["plain"]["output_ids"]) for t in turns}
     rows = []
     for drafter, k, width in itertools.product(args.drafters, args.ks, args.widths):
         spec = runtimes[drafter, k]
         oracle_runs(spec, prompts[:1], [runtime.generate_plain(prompts[0], 8)], k, 0.0, width=width)  # warm-up
         for prob in args.p:
-            results = oracle_runs(spec, prompts, plains, k, prob, args.seed, width)
-            forwards = sum(r.forwards for r in results)
-            al = sum(sum(r.emitted) for r in results) / forwards
-            tps = tokens_per_s(results)
+            row = f"{drafter} K={k} W={width} p={prob:g}"
+            engine.rows[row] = (spec, k, prob, width)
+            add_drafter(results, engine, row, args.max_new_tokens)  # each turn timed beside plain decoding
+            s = summarise(results, k, row)
             rows.append(
                 dict(
                     drafter=drafter,
@@ -250,12 +267,13 @@ def main(argv=None):
                     width=width,
                     p=prob,
                     al_set=1 + sum((1 - prob) ** i for i in range(1, k + 1)),
-                    al=al,
-                    tokens_per_s=tps,
-                    plain_tokens_per_s=plain_tps,
-                    speedup=tps / plain_tps,
-                    speedup_per_al=tps / plain_tps / al,
-                    lossless=all(r.output_ids == q.output_ids for r, q in zip(results, plains)),
+                    al=s["acceptance_length"],
+                    tokens_per_s=s["spec_tokens_per_s"],
+                    plain_tokens_per_s=s["plain_tokens_per_s"],
+                    speedup=s["speedup"],
+                    speedup_interval=s["speedup_interval"],
+                    speedup_per_al=s["speedup"] / s["acceptance_length"],
+                    lossless=s["turns_identical_to_plain"] == s["turns"],
                 )
             )
 
@@ -264,12 +282,16 @@ def main(argv=None):
         f"{name} on {device.type} {str(dtype).replace('torch.', '')} ({graphs}), torch {torch.__version__}: "
         f"{args.bench}, {len(prompts)} prompts x {args.max_new_tokens} new tokens, oracle drafts\n"
     )
-    print("| drafter | K | W | p | AL set | AL | tokens/s spec | tokens/s plain | speedup | speedup / AL | lossless |")
-    print("|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|:-:|")
+    print(
+        "| drafter | K | W | p | AL set | AL | tokens/s spec | tokens/s plain | speedup | 90% interval | speedup / AL "
+        "| lossless |"
+    )
+    print("|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|:-:|")
     for r in rows:
+        interval = "-" if r["speedup_interval"] is None else "{:.2f}-{:.2f}x".format(*r["speedup_interval"])
         print(
             f"| {r['drafter']} | {r['k']} | {r['width']} | {r['p']:g} | {r['al_set']:.3f} | {r['al']:.3f} | "
-            f"{r['tokens_per_s']:.1f} | {r['plain_tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
+            f"{r['tokens_per_s']:.1f} | {r['plain_tokens_per_s']:.1f} | {r['speedup']:.2f}x | {interval} | "
             f"{r['speedup_per_al']:.3f} | {'yes' if r['lossless'] else 'NO'} |"
         )
     if args.out:

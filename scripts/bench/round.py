@@ -8,8 +8,10 @@ a plain step): what K costs before any draft is accepted. Second, the per-round 
 of speculative decoding (verification forward, its logits, drafting, the head's catch-up, the
 accept decision; the prompt's catch-up and logits count too) and of a plain step, from timers
 around each call over whole generations. On CUDA every timer synchronizes, so that breakdown is
-taken without CUDA graphs. `--draft METHOD` builds a random head of that method's shipped config shape
-and `--oracle P` drafts scripts/bench/oracle.py's known continuation (each token wrong with probability
+taken without CUDA graphs. Each prompt is decoded both ways one right after the other, the order
+alternating (eagle-eval's loop), so a load that comes and goes lands on both. `--draft METHOD` builds a
+random head of that method's shipped config shape and `--oracle P` drafts scripts/bench/oracle.py's known
+continuation (each token wrong with probability
 P) at that head's cost: where the time of a round goes at an acceptance set by construction.
 """
 
@@ -24,9 +26,10 @@ from eagle_train.checkpoint import load_draft_head
 from eagle_train.methods import METHODS
 from eagle_train.target import load_target
 from inference.drafting import TreeShape
-from inference.evaluate import chat_ids, load_bench
+from inference.evaluate import chat_ids, load_bench, run_bench
 from inference.generate import Runtime
 from inference.llama import TargetModel
+from inference.runtime_eval import RuntimeEngine
 
 
 def sync(device):
@@ -51,7 +54,20 @@ def forward_ms(target: TargetModel, rows: int, context: int, reps: int) -> float
     return (time.perf_counter() - t0) / reps * 1000
 
 
-def timed(obj, name: str, label: str, totals: dict, device):
+class Switch:
+    """The timers' totals, switched to `parts[now]`: the decoding now running (the two alternate prompt by prompt)."""
+
+    def __init__(self, parts: dict):
+        self.parts, self.now = parts, "plain"
+
+    def __getitem__(self, label):
+        return self.parts[self.now][label]
+
+    def __setitem__(self, label, value):
+        self.parts[self.now][label] = value
+
+
+def timed(obj, name: str, label: str, totals, device):
     """Replace obj.name by a wrapper that adds its wall time to totals[label]."""
     fn = getattr(obj, name)
 
@@ -91,10 +107,8 @@ def main():
     else:
         head = load_draft_head(args.draft, model).to(device=device, dtype=dtype).eval()
     shape = TreeShape.parse(args.tree) if args.tree else TreeShape.chain(args.chain)
-    prompts = [
-        chat_ids(tokenizer, [{"role": "user", "content": q["turns"][0]}])
-        for q in load_bench(args.bench, args.num_prompts)
-    ]
+    first_turns = [{**q, "turns": q["turns"][:1]} for q in load_bench(args.bench, args.num_prompts)]
+    prompts = [chat_ids(tokenizer, [{"role": "user", "content": q["turns"][0]}]) for q in first_turns]
 
     runtime = Runtime(model, head, shape, eos_token_ids=[tokenizer.eos_token_id], cuda_graphs=False)
     context = max(map(len, prompts)) + args.max_new_tokens // 2
@@ -105,29 +119,41 @@ def main():
     for rows, ms in times.items():
         print(f"  {rows:2d} rows: {ms:6.1f} ms  ({ms / times[1]:.2f}x a plain step)")
 
-    totals, rounds = defaultdict(float), {}
+    by_decoding = {"speculative": defaultdict(float), "plain": defaultdict(float)}
+    totals = Switch(by_decoding)
     timed(runtime, "target_step", "target forward", totals, device)
     timed(runtime.target, "logits", "target logits", totals, device)
     timed(runtime.drafter, "draft", "drafting", totals, device)
     timed(runtime.drafter, "catch_up", "head catch-up", totals, device)
     timed(runtime, "accept", "accept decision", totals, device)
 
-    def plain_runs(qs, max_new_tokens):
-        return [runtime.generate_plain(q, max_new_tokens) for q in qs]
+    continuations = {tuple(q): runtime.generate_plain(q, args.max_new_tokens) for q in prompts}  # and a warm-up
 
-    def speculative_runs(qs, max_new_tokens):
+    def speculative(q, max_new_tokens):
+        totals.now = "speculative"
         if args.oracle is None:
-            return [runtime.generate(q, max_new_tokens) for q in qs]
-        return oracle_runs(runtime, qs, continuations[: len(qs)], shape.depth, args.oracle)
+            return runtime.generate(q, max_new_tokens)
+        return oracle_runs(runtime, [q], [continuations[tuple(q)]], shape.depth, args.oracle)[0]
 
-    continuations = plain_runs(prompts, args.max_new_tokens)  # the oracle's drafts, and a warm-up
-    speculative_runs(prompts[:1], args.max_new_tokens)  # warm-up
-    for name, run in (("speculative", speculative_runs), ("plain", plain_runs)):
-        totals.clear()
-        results = run(prompts, args.max_new_tokens)
-        n = sum(r.forwards for r in results)
-        seconds = sum(r.seconds for r in results)
-        rounds[name] = (seconds / n * 1000, sum(sum(r.emitted) for r in results) / n, dict(totals), n)
+    generate_plain = runtime.generate_plain
+
+    def plain(q, max_new_tokens):
+        totals.now = "plain"
+        return generate_plain(q, max_new_tokens)
+
+    runtime.generate_plain = plain
+    speculative(prompts[0], args.max_new_tokens)  # warm-up
+    for part in by_decoding.values():
+        part.clear()
+    # each prompt decoded both ways, one right after the other in alternating order (eagle-eval's loop)
+    engine = RuntimeEngine(runtime, {"speculative": speculative}, tokenizer)
+    results = run_bench(engine, tokenizer, first_turns, args.max_new_tokens)
+    turns = [t for r in results for t in r["turns"]]
+    rounds = {}
+    for name in ("speculative", "plain"):
+        n = sum(t[name]["forwards"] for t in turns)
+        seconds = sum(t[name]["seconds"] for t in turns)
+        rounds[name] = (seconds / n * 1000, sum(t[name]["emitted"] for t in turns) / n, dict(by_decoding[name]), n)
     drafting = f"tree {shape.depth},{shape.topk},{shape.total}" if args.tree else f"chain K={shape.depth}"
     drafting += f" of a {head.config.method} head" + ("" if args.oracle is None else f", oracle p={args.oracle:g}")
     spec_ms, al, parts, n = rounds["speculative"]

@@ -1,0 +1,119 @@
+"""Speed measured in pairs, so a verdict holds on a busy machine.
+
+Every turn is decoded plainly and by each drafter one right after another, in an order that rotates from
+round to round (`rotation`), so a load that comes and goes during a run hits all of them alike instead of
+whichever drafter happened to be running. Each round gives a paired ratio (a drafter's tokens/s over plain
+decoding's, or over another drafter's). A speedup is the Hodges-Lehmann estimate of those ratios (the
+median of the pairwise means of their logs: robust to a round a load hit on one side, nearly as tight as a
+mean) with its Wilcoxon signed-rank interval, which assumes only that the rounds' log ratios are
+independent and spread symmetrically about their centre. Where that interval does not settle a question
+(it holds 1.0, or there are too few rounds to bound it) the verdict says it cannot tell rather than guess.
+"""
+
+from math import exp, floor, log, sqrt
+from statistics import NormalDist
+
+LEVEL = 0.90  # the intervals' coverage, at least
+BUSY = 1.5  # plain decoding's tokens/s differing by more than this between rounds of one run: a load came and went
+EXACT_UP_TO = 80  # rounds; beyond, the signed-rank statistic's normal approximation
+
+
+def rotation(names: tuple[str, ...], i: int) -> tuple[str, ...]:
+    """Round i's order: `names` rotated by i, so each takes each place equally often."""
+    i %= len(names)
+    return names[i:] + names[:i]
+
+
+def walsh_averages(xs: list[float]) -> list[float]:
+    """The means of every pair of `xs`, each with itself included, sorted."""
+    return sorted((a + b) / 2 for i, a in enumerate(xs) for b in xs[i:])
+
+
+def signed_rank_k(n: int, level: float = LEVEL) -> int:
+    """k such that the k-th smallest to the k-th largest Walsh average of n draws holds their centre with
+    probability >= level: one more than the largest signed-rank sum whose lower tail is <= (1 - level) / 2
+    under the null (each of the 2^n sign patterns equally likely); 0 where no k does (n < 5 at 90%)."""
+    alpha = (1 - level) / 2
+    if n > EXACT_UP_TO:
+        mean, sd = n * (n + 1) / 4, sqrt(n * (n + 1) * (2 * n + 1) / 24)
+        return max(0, floor(mean + NormalDist().inv_cdf(alpha) * sd - 0.5) + 1)
+    probs = [1.0]  # P(sum of the ranks with a + sign = s), built rank by rank
+    for r in range(1, n + 1):
+        probs = [
+            ((probs[s] if s < len(probs) else 0.0) + (probs[s - r] if s >= r else 0.0)) / 2
+            for s in range(len(probs) + r)
+        ]
+    k, tail = 0, 0.0
+    while tail + probs[k] <= alpha:
+        tail += probs[k]
+        k += 1
+    return k
+
+
+def centre_and_interval(ratios: list[float], level: float = LEVEL) -> tuple[float, tuple[float, float] | None]:
+    """The Hodges-Lehmann estimate of `ratios` and its signed-rank interval (None: too few to bound it)."""
+    walsh = walsh_averages([log(r) for r in ratios])
+    m, k = len(walsh), signed_rank_k(len(ratios), level)
+    centre = exp((walsh[(m - 1) // 2] + walsh[m // 2]) / 2)
+    return centre, ((exp(walsh[k - 1]), exp(walsh[m - k])) if k else None)
+
+
+def paired_ratios(turns: list[dict], a: str, b: str) -> list[float]:
+    """Per timed round in which both ran, `a`'s tokens/s over `b`'s (`turns`: bench records with "timing")."""
+    ratios = []
+    for turn in turns:
+        for r in turn.get("timing", []):
+            seconds, tokens = r["seconds"], r["tokens"]
+            if a in seconds and b in seconds and seconds[a] > 0 and seconds[b] > 0 and tokens[b] > 0:
+                ratios.append((tokens[a] / seconds[a]) / (tokens[b] / seconds[b]))
+    return ratios
+
+
+def paired(turns: list[dict], a: str, b: str) -> dict:
+    """`a`'s speed over `b`'s from their paired rounds (`centre_and_interval`), and how many pairs."""
+    ratios = paired_ratios(turns, a, b)
+    if not ratios:
+        return {"ratio": 0.0, "interval": None, "pairs": 0}
+    ratio, interval = centre_and_interval(ratios)
+    return {"ratio": ratio, "interval": list(interval) if interval else None, "pairs": len(ratios)}
+
+
+def above_one(figure: dict) -> bool | None:
+    """True or False where the interval lies wholly above or below 1.0; None where it cannot tell."""
+    interval = figure["interval"]
+    if interval is None or interval[0] <= 1.0 <= interval[1]:
+        return None
+    return interval[0] > 1.0
+
+
+def plain_speed_range(turns: list[dict]) -> list[float]:
+    """Plain decoding's slowest and fastest tokens/s over every timed round of the run."""
+    speeds = [
+        r["tokens"]["plain"] / r["seconds"]["plain"]
+        for t in turns
+        for r in t.get("timing", [])
+        if r["seconds"].get("plain", 0) > 0
+    ]
+    return [min(speeds), max(speeds)] if speeds else [0.0, 0.0]
+
+
+def interval_text(figure: dict) -> str:
+    """'90% interval 1.05-1.20x, 10 pairs', or why there is none."""
+    if figure["interval"] is None:
+        return f"{figure['pairs']} timed pairs: too few to bound its noise (5 at least)"
+    lo, hi = figure["interval"]
+    return f"{LEVEL:.0%} interval {lo:.2f}-{hi:.2f}x, {figure['pairs']} pairs"
+
+
+def busy_note(speed_range: list[float]) -> str:
+    """A line when plain decoding's speed moved more than `BUSY` within the run; '' otherwise."""
+    lo, hi = speed_range
+    if lo <= 0 or hi / lo <= BUSY:
+        return ""
+    return (
+        f"the machine was busy: plain decoding ran at {lo:.1f}-{hi:.1f} tokens/s in this run ({hi / lo:.1f}x apart); "
+        "the speedups compare drafters timed together, turn by turn"
+    )
+
+
+CANNOT_TELL = "cannot tell at this noise: rerun with more prompts (--num-prompts), --repeats N, or on a quiet machine"
