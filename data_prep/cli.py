@@ -49,7 +49,7 @@ from data_prep.knobs import (
 )
 from data_prep.readers import ReadReport, read_conversations
 from data_prep.regenerate import regenerate
-from data_prep.vocab import count_answer_tokens, coverage_line, make_vocab_map
+from data_prep.vocab import count_answer_tokens, coverage_line, kept_fill_counts, make_vocab_map, write_fill_counts
 from eagle_train.architectures import check_supported
 from eagle_train.bf16 import data_engine_dtype
 from eagle_train.config_files import config_file
@@ -191,16 +191,16 @@ def check_fill_conversations(n) -> None:
         raise ValueError(f"fill_conversations must be >= 1 (the conversations whose answers fill the map), got {n}")
 
 
-def rewrite_vocab_map(data, draft_vocab_size, fill_from, fill_conversations) -> dict:
+def rewrite_vocab_map(data, draft_vocab_size, fill_from, fill_conversations, keep_fill=False) -> dict:
     """Recount the loss-masked tokens of a tokenized dataset or store and rewrite its vocab map; with
     `fill_from`, ids the data uses equally often (never, most of all) go by the answers of that source's first
-    `fill_conversations` conversations."""
+    `fill_conversations` conversations (`keep_fill`: as counted before, when they were)."""
     check_fill_conversations(fill_conversations)
     manifest = read_manifest(data)
     vocab_size = manifest["target"]["vocab_size"]
     fill = None
     if fill_from:
-        fill = count_answer_tokens(fill_from, load_tokenizer(manifest["tokenizer"]), vocab_size, fill_conversations)
+        fill = fill_counts(data, manifest, fill_from, fill_conversations, keep_fill)
     vmap = make_vocab_map(data, vocab_size, draft_vocab_size, fill)
     print(coverage_line(vmap))
     if fill is not None:
@@ -208,6 +208,20 @@ def rewrite_vocab_map(data, draft_vocab_size, fill_from, fill_conversations) -> 
         print(f"{filled} draft ids the data never uses, chosen by {int(fill.sum())} answer tokens of {fill_from}")
     print(f"wrote {Path(data) / 'vocab_map.safetensors'}")
     return vmap
+
+
+def fill_counts(data, manifest: dict, source: str, conversations: int, keep: bool) -> torch.Tensor:
+    """`count_answer_tokens` of `source` by the data's tokenizer, kept beside its vocab map; with `keep`, the counts
+    kept there by an earlier count of the same, since recounting 20,000 conversations takes a minute."""
+    record = {"source": str(source), "conversations": str(conversations), "tokenizer": str(manifest["tokenizer"])}
+    fill = kept_fill_counts(data, record) if keep else None
+    if fill is not None:
+        print(f"vocab fill: kept the counts of {conversations} conversations of {source} (`eagle-prep vocab` recounts)")
+        return fill
+    tokenizer = load_tokenizer(manifest["tokenizer"])
+    fill = count_answer_tokens(source, tokenizer, manifest["target"]["vocab_size"], conversations)
+    write_fill_counts(data, fill, record)
+    return fill
 
 
 def capture_store(target, data, out, *, engine="hf", shard=(0, 1), engine_settings=None, **options) -> dict | None:
@@ -325,9 +339,10 @@ def run(config, overrides) -> None:
 
 
 def fill_vocab_map(data: Path, vocab: Vocab, fill: VocabFill) -> None:
-    """`eagle-prep vocab --fill-from` on the data `run` just wrote, when its config names a source."""
+    """`eagle-prep vocab --fill-from` on the data `run` just wrote, when its config names a source, keeping the
+    counts of an earlier run's fill."""
     if fill.fill_from:
-        rewrite_vocab_map(data, **knobs(vocab, fill))
+        rewrite_vocab_map(data, **knobs(vocab, fill), keep_fill=True)
 
 
 def engine_dtype_argument(s, note: str = "") -> None:

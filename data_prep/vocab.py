@@ -7,11 +7,14 @@ text (`count_answer_tokens`) rank those, so the map fills with words answers els
 """
 
 import itertools
+from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from tqdm import tqdm
 
 from data_prep.readers import read_conversations
+from eagle_train.files import write_safetensors
 from eagle_train.store import ShardedSamples, write_vocab_map
 from eagle_train.vocab_map import DRAFT_VOCAB_SIZE, top_k_vocab_map
 
@@ -35,6 +38,24 @@ def count_answer_tokens(source: str, tokenizer, vocab_size: int, limit: int) -> 
                 ids = torch.tensor(tokenizer(m["content"], add_special_tokens=False)["input_ids"], dtype=torch.int64)
                 counts += torch.bincount(ids, minlength=vocab_size)[:vocab_size]
     return counts
+
+
+FILL_COUNTS = "vocab_fill.safetensors"  # beside the vocab map, which every run of distil or tokenize rewrites
+
+
+def write_fill_counts(path, fill: torch.Tensor, record: dict) -> None:
+    """Keep `count_answer_tokens`' counts beside the data's vocab map, with what they counted (`record`), so a
+    rerun takes them instead of counting again."""
+    write_safetensors(Path(path) / FILL_COUNTS, {"fill": fill.contiguous()}, metadata=record)
+
+
+def kept_fill_counts(path, record: dict) -> torch.Tensor | None:
+    """The counts `write_fill_counts` kept at `path`, if they counted what `record` says; else None."""
+    file = Path(path) / FILL_COUNTS
+    if not file.is_file():
+        return None
+    with safe_open(str(file), framework="pt") as f:
+        return f.get_tensor("fill") if f.metadata() == record else None
 
 
 def build_vocab_map(counts: torch.Tensor, draft_vocab_size: int = DRAFT_VOCAB_SIZE, fill=None) -> dict:

@@ -451,6 +451,34 @@ def test_cli_run_config_end_to_end(conversations_jsonl, tmp_path, capsys):
     assert torch.equal(read_vocab_map(tmp_path / "run" / "store")["d2t"], filled["d2t"])
 
 
+def test_cli_run_again_keeps_the_vocab_fill_counts_until_the_fill_changes(
+    conversations_jsonl, tmp_path, monkeypatch, capsys
+):
+    """A second `eagle-prep run` on a finished store (the quickstart with another drafter) takes the fill counts it
+    kept instead of counting the fill source again; other fill settings, or `eagle-prep vocab`, count again."""
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        f"target: {SMOLLM2}\ndata: {conversations_jsonl}\nout_dir: {tmp_path / 'run'}\n"
+        "prep:\n  num_conversations: 2\n  max_length: 96\n  draft_vocab_size: 64\n"
+        "  distil: {enabled: true, max_new_tokens: 4, batch_size: 2}\n  capture: {dtype: float32}\n"
+        f"  vocab_fill: {{source: {conversations_jsonl}, conversations: 3}}\n"
+    )
+    counted, count = [], cli.count_answer_tokens
+    monkeypatch.setattr(cli, "count_answer_tokens", lambda *args: counted.append(args[3]) or count(*args))
+    store = tmp_path / "run" / "store"
+    cli.main(["run", "--config", str(config)])
+    first = (store / "vocab_map.safetensors").read_bytes()
+    assert counted == [3] and read_vocab_map(store)["fill"].sum() > 0
+    capsys.readouterr()
+    cli.main(["run", "--config", str(config)])
+    assert counted == [3] and (store / "vocab_map.safetensors").read_bytes() == first
+    assert f"vocab fill: kept the counts of 3 conversations of {conversations_jsonl}" in capsys.readouterr().out
+    cli.main(["run", "--config", str(config), "prep.vocab_fill.conversations=2"])
+    assert counted == [3, 2]
+    cli.main(["vocab", "--data", str(store), "--fill-from", str(conversations_jsonl), "--fill-conversations", "2"])
+    assert counted == [3, 2, 2]
+
+
 @pytest.mark.parametrize("where", ["file", "override"])
 def test_cli_run_refuses_a_misspelt_key(conversations_jsonl, tmp_path, where):
     config = tmp_path / "c.yaml"
