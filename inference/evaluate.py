@@ -24,9 +24,10 @@ from inference.timing import (
     above_one,
     busy_note,
     interval_text,
+    load,
     paired,
-    plain_speed_range,
     rotation,
+    rounds_of,
 )
 
 BENCHES = ("mt_bench", "humaneval", "gsm8k")
@@ -177,10 +178,10 @@ def run_bench(
 ) -> list[dict]:
     """Every turn of every prompt, plainly and with each of the engine's drafters: one record per turn (its
     prompt ids, the answer a later turn follows, per decoding a `TurnResult.record`, and "timing", each round's
-    seconds and tokens per decoding). Within a turn they decode one after another, `repeats` rounds, the order
-    rotating from round to round (`inference.timing`), so a load that comes and goes hits all of them alike. A
-    later turn follows plain decoding's answer (or `answers[p][t]`, another run's, so two engines see the same
-    prompts), so every drafter decodes the same prompt tokens."""
+    order and seconds, tokens and counted forwards per decoding). Within a turn they decode one after another,
+    `repeats` rounds, the order rotating from round to round (`inference.timing`), so a load that comes and goes
+    hits all of them alike. A later turn follows plain decoding's answer (or `answers[p][t]`, another run's, so
+    two engines see the same prompts), so every drafter decodes the same prompt tokens."""
     from tqdm import tqdm
 
     names = ("plain", *engine.drafters)
@@ -211,11 +212,12 @@ def timed_rounds(decoders: dict, names: tuple[str, ...], ids: list[int], max_new
     runs, timing = {}, []
     for r in range(repeats):
         order = rotation(names, first + r)
-        timed = {"order": list(order), "seconds": {}, "tokens": {}}
+        timed = {"order": list(order), "seconds": {}, "tokens": {}, "forwards": {}}
         for name in order:
             (run,) = decoders[name]([ids], max_new_tokens)
             runs.setdefault(name, run)
             timed["seconds"][name], timed["tokens"][name] = run.seconds, run.timed_tokens
+            timed["forwards"][name] = run.forwards
         timing.append(timed)
     return runs, timing
 
@@ -255,7 +257,7 @@ def summarise(results: list[dict], depth: int, drafter: str = "spec") -> dict:
     runs = [t[drafter] for t in turns]
     forwards = sum(r["forwards"] for r in runs)
     emitted = sum(r["emitted"] for r in runs)
-    rounds = [r for t in turns for r in t.get("timing", []) if drafter in r["seconds"] and "plain" in r["seconds"]]
+    rounds = [r for r in rounds_of(turns) if drafter in r["seconds"] and "plain" in r["seconds"]]
     spec_s = sum(r["seconds"][drafter] for r in rounds)
     plain_s = sum(r["seconds"]["plain"] for r in rounds)
     speedup = paired(turns, drafter, "plain")
@@ -375,8 +377,8 @@ def summarise_drafters(results: list[dict], depth: int, ngram: int | None, ngram
         summary["ngram"] = {**summarise(results, ngram, "ngram"), "setting": ngram_setting}
         summary["head_vs_ngram"] = paired(turns, "spec", "ngram")
         summary["head_beats_ngram"] = head_beats_ngram(summary)
-    summary["plain_tokens_per_s_range"] = plain_speed_range(turns)
-    summary["busy"] = busy_note(summary["plain_tokens_per_s_range"])
+    summary["load"] = load(turns)
+    summary["busy"] = busy_note(summary["load"])
     return summary
 
 

@@ -8,13 +8,14 @@ median of the pairwise means of their logs: robust to a round a load hit on one 
 mean) with its Wilcoxon signed-rank interval, which assumes only that the rounds' log ratios are
 independent and spread symmetrically about their centre. Where that interval does not settle a question
 (it holds 1.0, or there are too few rounds to bound it) the verdict says it cannot tell rather than guess.
+A round in which a load slowed one of the decodings (`slowness`) is left out, and the table says so.
 """
 
 from math import exp, floor, log, sqrt
-from statistics import NormalDist
+from statistics import NormalDist, median
 
 LEVEL = 0.90  # the intervals' coverage, at least
-BUSY = 1.5  # plain decoding's tokens/s differing by more than this between rounds of one run: a load came and went
+BUSY = 2.0  # a decoding taking this many times its usual time per forward in a round: a load came (left out)
 EXACT_UP_TO = 80  # rounds; beyond, the signed-rank statistic's normal approximation
 
 
@@ -58,14 +59,38 @@ def centre_and_interval(ratios: list[float], level: float = LEVEL) -> tuple[floa
     return centre, ((exp(walsh[k - 1]), exp(walsh[m - k])) if k else None)
 
 
+def rounds_of(turns: list[dict]) -> list[dict]:
+    """Every timed round of `turns` (bench records with "timing"), in the order they ran."""
+    return [r for t in turns for r in t.get("timing", [])]
+
+
+def slowness(rounds: list[dict]) -> list[float]:
+    """Per round, how many times its slowest decoding's seconds per counted forward exceed that decoding's
+    median over the run: a load slows forwards, while what a drafter drafts changes only how many tokens a
+    forward makes, so a drafter whose acceptance varies from turn to turn is not mistaken for a busy machine.
+    1.0 where a round does not count its forwards."""
+    typical = {}
+    for name in {n for r in rounds for n in r.get("forwards", {})}:
+        times = [r["seconds"][name] / r["forwards"][name] for r in rounds if r.get("forwards", {}).get(name)]
+        typical[name] = median(times)
+    return [
+        max(
+            [r["seconds"][n] / f / typical[n] for n, f in r.get("forwards", {}).items() if f and typical[n] > 0],
+            default=1.0,
+        )
+        for r in rounds
+    ]
+
+
 def paired_ratios(turns: list[dict], a: str, b: str) -> list[float]:
-    """Per timed round in which both ran, `a`'s tokens/s over `b`'s (`turns`: bench records with "timing")."""
+    """Per timed round in which both ran, `a`'s tokens/s over `b`'s, leaving out the rounds a load slowed
+    (`slowness` above `BUSY`)."""
+    rounds = rounds_of(turns)
     ratios = []
-    for turn in turns:
-        for r in turn.get("timing", []):
-            seconds, tokens = r["seconds"], r["tokens"]
-            if a in seconds and b in seconds and seconds[a] > 0 and seconds[b] > 0 and tokens[b] > 0:
-                ratios.append((tokens[a] / seconds[a]) / (tokens[b] / seconds[b]))
+    for r, slow in zip(rounds, slowness(rounds)):
+        seconds, tokens = r["seconds"], r["tokens"]
+        if slow <= BUSY and seconds.get(a, 0) > 0 and seconds.get(b, 0) > 0 and tokens[b] > 0:
+            ratios.append((tokens[a] / seconds[a]) / (tokens[b] / seconds[b]))
     return ratios
 
 
@@ -86,15 +111,18 @@ def above_one(figure: dict) -> bool | None:
     return interval[0] > 1.0
 
 
-def plain_speed_range(turns: list[dict]) -> list[float]:
-    """Plain decoding's slowest and fastest tokens/s over every timed round of the run."""
-    speeds = [
-        r["tokens"]["plain"] / r["seconds"]["plain"]
-        for t in turns
-        for r in t.get("timing", [])
-        if r["seconds"].get("plain", 0) > 0
-    ]
-    return [min(speeds), max(speeds)] if speeds else [0.0, 0.0]
+def load(turns: list[dict]) -> dict:
+    """What the run says of the machine's load: the rounds a load slowed (left out of every speedup), the
+    largest slowdown, and plain decoding's slowest and fastest tokens/s."""
+    rounds = rounds_of(turns)
+    slow = slowness(rounds)
+    plain = [r["tokens"]["plain"] / r["seconds"]["plain"] for r in rounds if r["seconds"].get("plain", 0) > 0]
+    return {
+        "rounds": len(rounds),
+        "rounds_left_out": sum(s > BUSY for s in slow),
+        "largest_slowdown": max(slow, default=1.0),
+        "plain_tokens_per_s_range": [min(plain), max(plain)] if plain else [0.0, 0.0],
+    }
 
 
 def interval_text(figure: dict) -> str:
@@ -105,14 +133,13 @@ def interval_text(figure: dict) -> str:
     return f"{LEVEL:.0%} interval {lo:.2f}-{hi:.2f}x, {figure['pairs']} pairs"
 
 
-def busy_note(speed_range: list[float]) -> str:
-    """A line when plain decoding's speed moved more than `BUSY` within the run; '' otherwise."""
-    lo, hi = speed_range
-    if lo <= 0 or hi / lo <= BUSY:
+def busy_note(machine: dict) -> str:
+    """A line when a load slowed some rounds (`load`); '' otherwise."""
+    if not machine["rounds_left_out"]:
         return ""
     return (
-        f"the machine was busy: plain decoding ran at {lo:.1f}-{hi:.1f} tokens/s in this run ({hi / lo:.1f}x apart); "
-        "the speedups compare drafters timed together, turn by turn"
+        f"the machine was busy: in {machine['rounds_left_out']} of {machine['rounds']} timed rounds a decoding took up "
+        f"to {machine['largest_slowdown']:.1f}x its usual time per forward; they are left out of the speedups"
     )
 
 
