@@ -11,7 +11,6 @@ from conftest import tiny_head
 from safetensors.torch import load_file, save_file
 
 from eagle_train.checkpoint import load_draft_head
-from eagle_train.dflash import num_drafts
 from eagle_train.export import export_head, read_export
 from eagle_train.export.layouts import MASK_EMBEDDING_FILE
 from eagle_train.target import SMOLLM2
@@ -85,18 +84,28 @@ def test_dspark_layout_is_deepspecs_with_the_engines_markov_names(tmp_path):
     assert tensors["confidence_head.proj.weight"].shape == (1, head.config.hidden_size + 4)
 
 
-@pytest.mark.parametrize("method", ["dflash", "dspark"])
-def test_speculators_block_config_is_what_vllms_speculators_reader_wants(tmp_path, method):
-    head, out = export(tmp_path, method, "speculators")
+@pytest.mark.parametrize(
+    "method, changes, drafts",  # drafts a block of 8 gives (README): DFlash 7, DSpark 8 (its anchor's slot drafts too)
+    [("dflash", {}, 7), ("dspark", {}, 8), ("dspark", {"sample_from_anchor": False, "confidence_head": False}, 7)],
+)
+def test_speculators_block_config_is_what_vllms_speculators_reader_wants(tmp_path, method, changes, drafts):
+    """The keys vLLM's speculators reader takes, at the paths it reads them (vllm/transformers_utils/configs/
+    speculators/base.py: method = speculators_model_type, num_speculative_tokens = speculators_config.
+    proposal_methods[0].speculative_tokens, speculators_config.verifier.name_or_path and a transformer_layer_config
+    dict required; algos.py update_dflash: aux_hidden_state_layer_ids required, eagle_aux_hidden_state_layer_ids =
+    those ids, the drafter's target_layer_ids = each id - 1), against the tiny head's values written out."""
+    _, out = export(tmp_path, method, "speculators", block_size=8, **changes)
     config = json.loads((out / "config.json").read_text())
     assert config["speculators_model_type"] == method
-    assert config["aux_hidden_state_layer_ids"] == list(head.config.aux_layer_ids)
-    assert config["sample_from_anchor"] is head.config.sample_from_anchor
-    tokens = config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
-    assert tokens == num_drafts(head.config)
-    hf = restated_hf_config(config)
-    layers = hf["dflash_config"]["target_layer_ids"] if method == "dflash" else hf["target_layer_ids"]
-    assert [i + 1 for i in layers] == list(head.config.aux_layer_ids)
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == drafts
+    assert config["speculators_config"]["verifier"]["name_or_path"] == "tiny-target"
+    assert isinstance(config["transformer_layer_config"], dict)
+    assert config["aux_hidden_state_layer_ids"] == [2, 4, 5]  # the tiny head's (conftest TINY_DRAFT)
+    assert config["mask_token_id"] == 49  # the tiny head's: the last of its 50 ids
+    assert config["sample_from_anchor"] is (drafts == 8)
+    hf = restated_hf_config(config)  # what --check reads where vLLM is not installed: vLLM's mapping of the above
+    assert hf["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    assert (hf["dflash_config"] if method == "dflash" else hf)["target_layer_ids"] == [1, 3, 4]
 
 
 def test_a_bare_tensor_mask_embedding_is_read_too(tmp_path):
