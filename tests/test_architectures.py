@@ -13,12 +13,6 @@ def config(model_type: str, **changes):
     return AutoConfig.for_model(model_type, **changes)
 
 
-@pytest.mark.parametrize("model_type", ["gemma2", "qwen3_moe", "gpt_oss", "phi3", "cohere2", "olmo2"])
-def test_training_and_the_runtime_take_a_decoder_only_lm_they_do_not_list(model_type):
-    check_supported(config(model_type), "training")
-    check_supported(config(model_type), "runtime")
-
-
 @pytest.mark.parametrize(
     ("model_type", "reason"),
     [("gpt2", "keeps no decoder layers at model.model.layers"), ("t5", "encoder-decoder")],
