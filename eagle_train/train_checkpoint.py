@@ -17,20 +17,18 @@ import json
 import random
 import shutil
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
+from torch import nn
 
-from eagle_train.backend import BACKENDS
+from eagle_train.backend import BACKENDS, Backend
 from eagle_train.files import write_json, write_safetensors
 from eagle_train.head import non_finite_values
-
-if TYPE_CHECKING:
-    from eagle_train.train_config import TrainConfig
-    from eagle_train.trainer import Run
+from eagle_train.train_config import TrainConfig
 
 PREFIX = "checkpoint-"
 HEAD = "head"
@@ -151,7 +149,7 @@ def check_resumable(checkpoint: Path, world: int, layout: str) -> None:
         )
 
 
-def resolve_resume(cfg: "TrainConfig", world: int, layout: str) -> tuple[Path | None, list[str]]:
+def resolve_resume(cfg: TrainConfig, world: int, layout: str) -> tuple[Path | None, list[str]]:
     """The checkpoint this launch continues (None for a fresh run, whose output_dir must hold no
     checkpoints) and a line for each damaged newer checkpoint resume=auto passed over; refuses,
     before the target loads, a checkpoint that is damaged or that this launch cannot resume."""
@@ -196,6 +194,21 @@ def last_good_checkpoint(output_dir) -> str:
 # ------------------------------------------------------------------------------------ save and restore
 
 
+@dataclass
+class Resumable:
+    """The part of a training run a checkpoint saves and a resume restores, with the accelerator and backend
+    that gather and scatter it across processes. Declared beside the format so that saving needs nothing of
+    the trainer: the trainer's `Run` is one, with its data besides."""
+
+    cfg: TrainConfig  # where the checkpoints go, how many stay; saved whole in the state file
+    accelerator: object
+    backend: Backend  # how the optimizer's state is saved and loaded
+    model: nn.Module  # the wrapped head runner (`model.head` once unwrapped)
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    state: dict  # step, data position and counters (`POSITION` is what a resume continues)
+
+
 def rng_state() -> dict:
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -211,7 +224,7 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(run: "Run") -> Path:
+def save_checkpoint(run: Resumable) -> Path:
     """Write `checkpoint-<step>` of the run's current step (every process calls it), then drop this
     run's checkpoints beyond the newest `keep_checkpoints`."""
     accelerator, state, cfg = run.accelerator, run.state, run.cfg
@@ -252,7 +265,7 @@ def save_checkpoint(run: "Run") -> Path:
     return path
 
 
-def restore(run: "Run", checkpoint: Path) -> None:
+def restore(run: Resumable, checkpoint: Path) -> None:
     """Continue from `checkpoint`: its step and data position, optimizer, LR schedule and RNG state
     (the head's weights were loaded before the model was wrapped, in the trainer's `build_model`)."""
     rank = run.accelerator.process_index

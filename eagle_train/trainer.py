@@ -48,7 +48,7 @@ from accelerate.utils import is_tensorboard_available
 from torch import nn
 from tqdm import tqdm
 
-from eagle_train.backend import Backend, backend_of, make_accelerator, precision
+from eagle_train.backend import backend_of, make_accelerator, precision
 from eagle_train.batching import epoch_batches, pack_by_length
 from eagle_train.checkpoint import load_draft_head
 from eagle_train.files import write_text
@@ -62,7 +62,7 @@ from eagle_train.store import (
     target_fingerprint,
 )
 from eagle_train.target import load_target, load_target_config
-from eagle_train.train_checkpoint import last_good_checkpoint, resolve_resume, restore, save_checkpoint
+from eagle_train.train_checkpoint import Resumable, last_good_checkpoint, resolve_resume, restore, save_checkpoint
 from eagle_train.train_config import TrainConfig, validate
 from eagle_train.ttt import shift_left, simulated_acceptance_length, target_distribution
 from eagle_train.vocab_map import top_k_vocab_map
@@ -326,24 +326,18 @@ def summary(metrics: dict, steps: int = 3) -> str:
 
 
 @dataclass
-class Run:
-    """What one training run holds: built by `set_up`, advanced by `optimizer_step`, saved by `save_checkpoint`."""
+class Run(Resumable):
+    """What one training run holds: what a checkpoint saves and a resume restores (`Resumable`'s fields) and
+    the data it steps through. Built by `set_up`, advanced by `optimizer_step`."""
 
-    cfg: TrainConfig
-    accelerator: object
-    backend: Backend
     data: ShardedSamples
     lengths: list[int]  # tokens per sample after truncation to max_length
     train_ids: list[int]
     eval_ids: list[int]
     epochs: list[list[list[int]]]  # the micro-batches of epochs 0..num_epochs-1
     source: BatchSource
-    model: nn.Module
     params: list[nn.Parameter]
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
     total_steps: int
-    state: dict  # step, data position and counters: what a checkpoint saves and a resume restores
 
     @property
     def per_step(self) -> int:
