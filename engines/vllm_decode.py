@@ -27,9 +27,9 @@ from eagle_train.dflash import BLOCK_METHODS, num_drafts
 from eagle_train.export import export_head
 from eagle_train.export.draft_files import DraftFiles
 from eagle_train.export.layouts import block_read, block_settings, is_block
-from engines import vllm as vllm_engine  # its missing() looked up when called: tests stand in for it
+from engines import vllm_child  # its missing() looked up when called: tests stand in for it
 from engines.rules import is_parallel
-from engines.vllm import ChildServer, VllmError
+from engines.vllm_child import ChildServer, VllmError
 from inference.evaluate import EvalOptions, TurnEngine, TurnResult, load_bench, run_bench, summarise_drafters
 from inference.prompt_lookup import MAX_N, MIN_N
 
@@ -114,7 +114,7 @@ class Decoder:
     `close`. `dtype` ("float32", "bfloat16"): the target's (default fp32 on a CPU, bf16 on CUDA)."""
 
     def __init__(self, target: str, spec: dict | None = None, dtype: str | None = None):
-        reason = vllm_engine.missing()
+        reason = vllm_child.missing()
         if reason:
             raise VllmError(reason)
         self.server = ChildServer(DECODE_CHILD, {"target": target, "speculative_config": spec, "dtype": dtype})
@@ -197,12 +197,12 @@ def evaluate(options: EvalOptions, answers=None) -> dict:
     from eagle_train.target import load_tokenizer
 
     o = options
-    refusal = vllm_engine.Vllm().check_refusal(o.target, o.threads)  # the engine's own word on its arguments
+    refusal = vllm_child.check_refusal(o.target, o.threads)  # the engine's own word on its arguments
     if refusal:
         raise ValueError(refusal)
     if o.tree or not o.greedy:
         raise ValueError("--engine vllm decodes greedy chains here: leave out --tree, --temperature, --top-p, --top-k")
-    reason = vllm_engine.missing() or vllm_engine.Vllm().head_refusal(head_method(o.draft))
+    reason = vllm_child.missing() or vllm_child.head_refusal(head_method(o.draft))
     if reason:
         raise ValueError(reason)
     k = o.depth

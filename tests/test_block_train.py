@@ -1,5 +1,5 @@
 """DFlash and DSpark through the shared trainer on the real SmolLM2 store: they learn, resume exactly, load back
-as the head they were, and their keys are checked before any compute."""
+as the head they were (DSpark by default, DFlash too with -m slow), and their keys are checked before any compute."""
 
 import pytest
 import torch
@@ -18,7 +18,9 @@ def run(cfg):
 BLOCK = ["block_size=4", "num_anchors=8", "eval_fraction=0.2", "num_epochs=2"]
 
 
-@pytest.mark.parametrize("method", ["dflash", "dspark"])
+@pytest.mark.parametrize(  # three trainings each: DSpark (DFlash's head with its options on) by default
+    "method", [pytest.param("dflash", marks=pytest.mark.slow), "dspark"]
+)
 def test_a_block_head_learns_resumes_exactly_and_loads_back(method, train_store, smollm2, tmp_path):
     overrides = [f"method={method}", *BLOCK, "markov_rank=8" if method == "dspark" else "markov_rank=null"]
     straight = run(config(train_store, tmp_path / "a", *overrides))
