@@ -293,7 +293,7 @@ def distil(
         raise ValueError(f"turns={turns}: answer at least one turn (or all)")
     dtype_run = engine_dtype(engine, model, engine_options)
     if engine == "vllm":
-        from engines.vllm import missing
+        from engines.vllm_child import missing
 
         reason = missing()
         if reason:

@@ -19,7 +19,7 @@ from data_prep.readers import SHAREGPT, read_conversations
 from data_prep.regenerate import regenerate, regenerate_batch
 from eagle_train.store import STORE_DTYPES
 from eagle_train.target import SMOLLM2
-from engines.vllm import INSTALL_HINT
+from engines.vllm_child import INSTALL_HINT
 
 
 def default(fn, name: str):

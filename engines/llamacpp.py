@@ -210,7 +210,7 @@ def build(version: str = VERSION, jobs: int | None = None) -> Path:
 
 
 @dataclass
-class Run:
+class LlamaCppRun:
     """One greedy decode of one prompt, as llama.cpp counted and timed it."""
 
     text: str  # the new text (an end-of-generation token is not printed)
@@ -244,7 +244,7 @@ def counter(pattern: str, stderr: str, tool: str) -> tuple[str, ...]:
     return match.groups()
 
 
-def parse_speculative(stdout: str, stderr: str, prompt: str) -> Run:
+def parse_speculative(stdout: str, stderr: str, prompt: str) -> LlamaCppRun:
     """llama-speculative-simple's output: stdout = "\\n\\n" + prompt + new text + "\\n\\n\\n\\n", counters on stderr."""
     tool = "llama-speculative-simple"
     n_input, _ = counter(r"encoded\s+(\d+) tokens in\s+([\d.]+) seconds", stderr, tool)
@@ -260,7 +260,7 @@ def parse_speculative(stdout: str, stderr: str, prompt: str) -> Run:
     if start < 0:
         raise LlamaCppError(f"{tool} did not echo the prompt as given; its stdout begins {stdout[:200]!r}")
     tokens = int(n_predict)
-    return Run(
+    return LlamaCppRun(
         text=stdout[start + len(prompt) : -4],
         eos=None,
         prompt_tokens=int(n_input),
@@ -274,7 +274,7 @@ def parse_speculative(stdout: str, stderr: str, prompt: str) -> Run:
     )
 
 
-def parse_completion(stdout: str, stderr: str) -> Run:
+def parse_completion(stdout: str, stderr: str) -> LlamaCppRun:
     """llama-completion's output (--no-display-prompt): the new text [+ " [end of text]\\n"] + "\\n\\n",
     its perf counters on stderr. Every eval run but the prompt's generates one token."""
     tool = "llama-completion"
@@ -284,7 +284,7 @@ def parse_completion(stdout: str, stderr: str) -> Run:
         raise LlamaCppError(f"{tool}'s stdout was cut short: {stdout[-200:]!r}")
     tokens = int(runs) + 1
     text = stdout[:-2].removesuffix(" [end of text]\n")
-    return Run(
+    return LlamaCppRun(
         text=text,
         eos=len(text) < len(stdout) - 2,
         prompt_tokens=int(prompt_tokens),
@@ -313,19 +313,19 @@ def run_tool(tool: str, args: list, prompt: str, threads: int | None) -> tuple[s
     return stdout, stderr
 
 
-def same_text(plain: Run, drafted: Run) -> bool:
+def same_text(plain: LlamaCppRun, drafted: LlamaCppRun) -> bool:
     """Whether a speculative run wrote plain decoding's text: the same text if plain stopped at an
     end-of-generation token, else plain's text continued (speculative runs may overshoot by k tokens)."""
     return drafted.text == plain.text if plain.eos else drafted.text.startswith(plain.text)
 
 
-def run_plain(target, prompt: str, n: int, threads: int | None = None) -> Run:
+def run_plain(target, prompt: str, n: int, threads: int | None = None) -> LlamaCppRun:
     """Plain greedy decoding of up to `n` new tokens (llama-completion)."""
     args = ["-m", target, "-n", n, "-no-cnv", "--no-display-prompt"]
     return parse_completion(*run_tool("llama-completion", args, prompt, threads))
 
 
-def run_speculative(target, prompt: str, n: int, spec: list, threads: int | None) -> Run:
+def run_speculative(target, prompt: str, n: int, spec: list, threads: int | None) -> LlamaCppRun:
     """The loop stops once it has more than -n tokens and drafts no further than the budget left, except
     that a budget of 0 means unbounded: -n n-1 gives n to n+k tokens (fewer at an end-of-generation token)."""
     args = ["-m", target, "-n", n - 1, *spec]
@@ -367,7 +367,7 @@ def drafting(head) -> Drafting:
     return Drafting("draft-dflash", block_size - 1)
 
 
-def run_head(target, head, prompt: str, n: int, k: int, threads: int | None = None) -> Run:
+def run_head(target, head, prompt: str, n: int, k: int, threads: int | None = None) -> LlamaCppRun:
     """Speculative decoding with a head GGUF drafting up to `k` tokens a round (`drafting`: EAGLE-3 chains,
     or a DFlash or DSpark block, `k` clamped to its drafts per block)."""
     spec = ["-md", head, *drafting(head).flags(k)]
@@ -382,7 +382,7 @@ def ngram_key(k: int) -> int:
     return min(k, NGRAM_KEY)
 
 
-def run_ngram(target, prompt: str, n: int, k: int, threads: int | None = None) -> Run:
+def run_ngram(target, prompt: str, n: int, k: int, threads: int | None = None) -> LlamaCppRun:
     """Speculative decoding without a head: the `k` tokens that followed the last n-gram's latest earlier
     occurrence (llama.cpp's ngram-simple), the n-gram `ngram_key(k)` tokens long."""
     spec = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", ngram_key(k), "--spec-ngram-simple-size-m", k]
@@ -750,8 +750,8 @@ class LlamaCpp(Engine):
 # ---- eagle-eval --engine llamacpp ----------------------------------------------------------------
 
 
-def turn_result(run: Run) -> TurnResult:
-    """A `Run` in the bench loop's counts: every new token came from a counted forward (the first round
+def turn_result(run: LlamaCppRun) -> TurnResult:
+    """A `LlamaCppRun` in the bench loop's counts: every new token came from a counted forward (the first round
     carries the prompt's last token), tokens/s is llama.cpp's own (tokens inside its timed span)."""
     return TurnResult(
         answer=run.text,

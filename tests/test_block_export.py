@@ -1,7 +1,7 @@
 """Block heads (DFlash, DSpark) exported: the z-lab `dflash` layout, DeepSpec's `dspark` layout (with the target's
 embed_tokens, its mask row the learnt one) and the speculators form of both read back as the same head; vLLM's rules
 catch what its loaders would get wrong; a DSpark head asked of vLLM on a CPU is refused in one line (no vLLM needed:
-engines/block_rules.py, engines/vllm.py)."""
+engines/block_rules.py, engines/vllm_child.py)."""
 
 import json
 
@@ -14,8 +14,7 @@ from eagle_train.checkpoint import load_draft_head
 from eagle_train.export import export_head, read_export
 from eagle_train.export.layouts import MASK_EMBEDDING_FILE
 from eagle_train.target import SMOLLM2
-from engines import ENGINES, check_directory
-from engines import vllm as vllm_engine
+from engines import ENGINES, check_directory, vllm_child
 from engines.block_rules import restated_hf_config
 
 CASES = [  # (method, layout, config changes)
@@ -234,9 +233,9 @@ def test_dspark_asked_of_vllm_on_a_cpu_is_refused_in_one_line(tmp_path, monkeypa
     said = capsys.readouterr().err.strip()
     assert done.value.code == 2 and len(said.splitlines()) == 1
     assert "does not draft with a DSpark head on a CPU" in said and "llama.cpp" in said and "built-in" in said
-    monkeypatch.setattr(vllm_engine, "missing", lambda: "")  # eagle-eval says first when vLLM is not installed
+    monkeypatch.setattr(vllm_child, "missing", lambda: "")  # eagle-eval says first when vLLM is not installed
     with pytest.raises(SystemExit, match="does not draft with a DSpark head on a CPU"):
         eval_main(["--engine", "vllm", "--target", SMOLLM2, "--draft", str(out), "--out", str(tmp_path / "r.json")])
     assert ENGINES["vllm"].head_refusal("dflash") == ""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert vllm_engine.dspark_refusal() == ""  # vLLM's V2 GPU runner drafts DSpark
+    assert vllm_child.dspark_refusal() == ""  # vLLM's V2 GPU runner drafts DSpark

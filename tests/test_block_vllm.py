@@ -11,10 +11,10 @@ from conftest import tiny_head
 from eagle_train.dflash import BlockHead
 from eagle_train.export import export_head
 from eagle_train.target import SMOLLM2, end_of_turn_ids
-from engines import check_directory, vllm, vllm_decode
+from engines import check_directory, vllm_child, vllm_decode
 from engines.block_rules import engine_settings, restated_hf_config, vllm_hf_config
 
-needs_vllm = pytest.mark.skipif(bool(vllm.missing()), reason="vLLM is not installed: scripts/install_vllm.sh")
+needs_vllm = pytest.mark.skipif(bool(vllm_child.missing()), reason="vLLM is not installed: scripts/install_vllm.sh")
 QUESTIONS = ["What is the capital of France? Answer in one sentence.", "Write a haiku about the sea."]
 K, NEW_TOKENS = 3, 16
 
@@ -51,8 +51,8 @@ def test_vllm_drafts_with_a_dflash_export_and_decodes_hfs_greedy_text(smollm2, t
 @needs_vllm
 def test_the_installed_vllms_cpu_runner_refuses_dspark(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert vllm.v1_runner_refuses_dspark()  # read from the installed vLLM's config/vllm.py
-    assert "V1 model runner" in vllm.dspark_refusal()
+    assert vllm_child.v1_runner_refuses_dspark()  # read from the installed vLLM's config/vllm.py
+    assert "V1 model runner" in vllm_child.dspark_refusal()
 
 
 @needs_vllm

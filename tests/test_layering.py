@@ -40,6 +40,52 @@ def test_a_package_imports_only_the_layers_below_it(package):
     assert not wrong, f"{package} may import only {sorted(MAY_IMPORT[package])}; these reach further: {wrong}"
 
 
+def module_name(path: Path) -> str:
+    return ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+
+
+def imported_modules(path: Path, modules: set[str]) -> set[str]:
+    """The project modules `path` imports anywhere in its body (`from pkg import sub` imports the submodule)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [f"{node.module}.{alias.name}" for alias in node.names] + [node.module]
+        else:
+            continue
+        for name in names:
+            while name and name not in modules:
+                name = name.rpartition(".")[0]
+            found.add(name)
+    return found - {"", module_name(path)}
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    """No import circle between modules, lazy imports included: the state a checkpoint saves is declared in
+    train_checkpoint (the trainer's `Run` is one), vLLM's child-process helpers live in engines/vllm_child.py.
+    A module's arrow to its own package's `__init__` is left out: engines/__init__.py is the registry that
+    imports each engine, which subclasses `Engine` from it."""
+    paths = {module_name(m): m for package in PACKAGES for m in sorted((REPO / package).rglob("*.py"))}
+    arrows = {
+        name: {m for m in imported_modules(path, set(paths)) if not name.startswith(f"{m}.")}
+        for name, path in paths.items()
+    }
+
+    def circle_from(start: str, at: str, seen: list[str]) -> list[str] | None:
+        for nxt in sorted(arrows[at]):
+            if nxt == start:
+                return [*seen, start]
+            if nxt not in seen and nxt > start:  # each circle is found from its smallest module
+                found = circle_from(start, nxt, [*seen, nxt])
+                if found:
+                    return found
+        return None
+
+    circles = [c for name in sorted(paths) if (c := circle_from(name, name, [name]))]
+    assert not circles, "import circles: " + "; ".join(" -> ".join(c) for c in circles)
+
+
 def test_the_checker_sees_lazy_imports(tmp_path):
     module = tmp_path / "m.py"
     module.write_text("def f():\n    from inference.generate import Runtime\n    import engines.vllm\n")

@@ -28,9 +28,9 @@ from eagle_train import bf16
 from eagle_train.export import export_head
 from eagle_train.export.draft_files import DraftFiles
 from eagle_train.target import SMOLLM2
-from engines import ENGINES, vllm, vllm_data, vllm_decode
+from engines import ENGINES, vllm, vllm_child, vllm_data, vllm_decode
 
-needs_vllm = pytest.mark.skipif(bool(vllm.missing()), reason="vLLM is not installed: scripts/install_vllm.sh")
+needs_vllm = pytest.mark.skipif(bool(vllm_child.missing()), reason="vLLM is not installed: scripts/install_vllm.sh")
 QUESTIONS = ["What is the capital of France? Answer in one sentence.", "Write a haiku about the sea."]
 
 
@@ -72,7 +72,7 @@ def test_speculative_configs_are_vllms():
 def test_without_vllm_eval_says_how_to_install_and_the_check_keeps_the_rules(smollm2, tmp_path, monkeypatch, capsys):
     from eagle_cli.export import main as export_main
 
-    monkeypatch.setattr(vllm, "missing", lambda: "vLLM is not installed: bash scripts/install_vllm.sh")
+    monkeypatch.setattr(vllm_child, "missing", lambda: "vLLM is not installed: bash scripts/install_vllm.sh")
     with pytest.raises(SystemExit, match="vLLM is not installed"):
         eval_main(["--engine", "vllm", "--target", SMOLLM2, "--draft", "x", "--out", str(tmp_path / "r.json")])
     head = vllm_head(tmp_path, smollm2[0])
@@ -113,7 +113,7 @@ def test_vllm_loads_each_layout_and_speculates_losslessly(smollm2, tmp_path, lay
     prompts = first_turns(smollm2[1], QUESTIONS)
     with vllm_decode.Decoder(SMOLLM2) as engine:
         plain = engine.decode(prompts, 16)
-        assert engine.version == vllm.TESTED and engine.dtype == "float32"  # a CPU's default: HF's exactness
+        assert engine.version == vllm_child.TESTED and engine.dtype == "float32"  # a CPU's default: HF's exactness
     spec = vllm_decode.decode(SMOLLM2, prompts, 16, vllm_decode.speculative("eagle3", export, 3))
     for p, s in zip(plain, spec):
         assert s.output_ids == p.output_ids and len(p.output_ids) > 0
@@ -168,7 +168,7 @@ BROKEN = ("aux", "rope", "d2t")  # what vLLM does with each: the module docstrin
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    if vllm.missing():
+    if vllm_child.missing():
         pytest.skip("vLLM is not installed: scripts/install_vllm.sh")
     path = os.environ.get("EAGLE_TEST_TRAINED_HEAD")
     if not path:
@@ -287,7 +287,7 @@ def test_the_recorded_eagle3_targets_are_the_installed_vllms():
     recorded = json.loads(vllm.EAGLE3_TARGETS.read_text())
     installed, source = vllm.eagle3_targets()
     assert "installed" in source
-    if recorded["vllm"] == vllm.installed_version():
+    if recorded["vllm"] == vllm_child.installed_version():
         assert installed == set(recorded["architectures"])
     assert {"LlamaForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM"} <= installed
     assert "MixtralForCausalLM" not in installed
@@ -359,7 +359,7 @@ def test_a_target_vllm_serves_no_head_on_is_refused_in_one_line_before_and_durin
     report = ENGINES["vllm"].inspect(DraftFiles(export), AutoConfig.from_pretrained(target))
     assert any("serves no EAGLE-3 head on a MixtralForCausalLM target" in f.message for f in report.findings)
     with pytest.raises(
-        vllm.VllmError, match=r"^vLLM failed \(exit 1\): the target's model class does not implement"
+        vllm_child.VllmError, match=r"^vLLM failed \(exit 1\): the target's model class does not implement"
     ) as err:
         vllm_decode.decode(str(target), [[1, 2, 3]], 8, vllm_decode.speculative("eagle3", export, 2))
     assert "\n" not in str(err.value)
