@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from eagle_train.dflash import BLOCK_METHODS, num_drafts
+from eagle_train.methods import row
 from eagle_train.target import end_of_turn_ids
 from engines.rules import Finding
 
@@ -167,8 +167,9 @@ def check(
             head = source_head
             if not head.owns_embedding:
                 head.use_target_embedding(model)
-        if head.config.method in BLOCK_METHODS:  # a block head drafts its whole block in every engine
-            k = num_drafts(head.config)
+        method = row(head.config.method)
+        if method.family == "block":  # a block head drafts its whole block in every engine
+            k = method.drafts(head.config)
         questions = [p["turns"][0] for p in load_bench("mt_bench", prompts)]
         ids = [chat_ids(tokenizer, [{"role": "user", "content": q}]) for q in questions]
         try:
@@ -178,7 +179,7 @@ def check(
             return report
         builtin = builtin_pooled(head, model, tokenizer, ids, k, new_tokens)
     report.engine_run, report.builtin_run = measured, builtin
-    drafting = "block" if head.config.method in BLOCK_METHODS else "chain"
+    drafting = "block" if row(head.config.method).family == "block" else "chain"
     report.live = (
         f"{prompts} MT-Bench first turns x {new_tokens} new tokens, greedy, {drafting} K={k}: "
         f"{engine.title} {measured}, "

@@ -23,10 +23,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from eagle_train.checkpoint import load_draft_head, locate_head
-from eagle_train.dflash import BLOCK_METHODS, num_drafts
+from eagle_train.dflash import num_drafts
 from eagle_train.export import export_head
 from eagle_train.export.draft_files import DraftFiles
 from eagle_train.export.layouts import block_read, block_settings, is_block
+from eagle_train.methods import row
 from engines import vllm_child  # its missing() looked up when called: tests stand in for it
 from engines.rules import is_parallel
 from engines.vllm_child import ChildServer, VllmError
@@ -48,10 +49,11 @@ def speculative(method: str, head_dir, k: int) -> dict:
     the built-in runtime's)."""
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": MIN_N, "prompt_lookup_max": MAX_N}
-    if method in BLOCK_METHODS:
+    family = row(method).family
+    if family == "block":  # vLLM names its block drafters as we name the methods
         return {"method": method, "model": str(head_dir), "num_speculative_tokens": k}
     config = {"method": "eagle3", "model": str(head_dir), "num_speculative_tokens": k}
-    if method == "peagle":
+    if family == "parallel":
         config["parallel_drafting"] = True
     return config
 
@@ -64,7 +66,7 @@ def export_dir(draft, tmp: Path):
     if not found.ours:
         return found.path, None
     head = load_draft_head(found.path)
-    layout = head.config.method if head.config.method in ("peagle", *BLOCK_METHODS) else "eagle3"
+    layout = "eagle3" if row(head.config.method).family == "chain" else head.config.method
     return export_head(head, Path(tmp) / "export", layout, dtype="fp32"), head
 
 
@@ -212,7 +214,7 @@ def evaluate(options: EvalOptions, answers=None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         head_dir, _ = export_dir(o.draft, tmp)
         method = method_of(head_dir)
-        if method in BLOCK_METHODS:
+        if row(method).family == "block":
             check_block_k(head_dir, k)
         engine = VllmTurns(o.target, head_dir, method, k, o.ngram, o.dtype)
         results = run_bench(
@@ -220,8 +222,8 @@ def evaluate(options: EvalOptions, answers=None) -> dict:
         )
     summary = summarise_drafters(results, k, k if o.ngram else None, f"vLLM ngram, {MIN_N}- to {MAX_N}-gram")
     version, _, dtype = engine.engines["plain"]
-    kinds = {"peagle": "parallel (P-EAGLE)", "dflash": "block (DFlash)", "dspark": "block (DSpark)"}
-    drafting = f"{kinds.get(method, 'chain')} K={k}"
+    family = row(method).family
+    drafting = f"chain K={k}" if family == "chain" else f"{family} ({row(method).title}) K={k}"
     return {
         "engine": "vllm",
         "title": f"{o.bench}: {len(prompts)} prompts, vLLM {version}, {drafting}, greedy, {dtype}",
@@ -229,7 +231,7 @@ def evaluate(options: EvalOptions, answers=None) -> dict:
         "target": o.target,
         "draft": str(o.draft),
         "bench": o.bench,
-        "drafting": {"depth": k, "chain": True, "parallel": method != "eagle3", "ngram": k if o.ngram else None},
+        "drafting": {"depth": k, "chain": True, "parallel": family != "chain", "ngram": k if o.ngram else None},
         "dtype": dtype,
         "max_new_tokens": o.max_new_tokens,
         "engine_init_seconds": [seconds for _, seconds, _ in engine.engines.values()],

@@ -16,10 +16,9 @@ depends only on the chain above it, so acceptance stays lossless.
 import torch
 
 from eagle_train.dflash import block_attention_mask, num_drafts
+from eagle_train.methods import row
 from inference.drafting import Drafter, DraftTree, TreeShape
 from inference.graphs import GraphedStep
-
-BLOCK_TITLES = {"dflash": "DFlash", "dspark": "DSpark"}
 
 
 def check_block_drafts(cfg, k: int) -> None:
@@ -27,7 +26,7 @@ def check_block_drafts(cfg, k: int) -> None:
     most = num_drafts(cfg)
     if not 1 <= k <= most:
         raise ValueError(
-            f"a {BLOCK_TITLES[cfg.method]} head with block_size {cfg.block_size} drafts at most {most} "
+            f"a {row(cfg.method).title} head with block_size {cfg.block_size} drafts at most {most} "
             f"tokens a forward: use --parallel K with 1 <= K <= {most} (got K={k})"
         )
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eagle_train.dflash import BLOCK_METHODS, num_drafts
+from eagle_train.methods import row
 from inference.block_drafting import BlockDrafter
 from inference.drafting import Drafter, TreeShape
 from inference.graphs import GraphedStep
@@ -29,6 +29,8 @@ from inference.llama import use_few_row_linears
 from inference.parallel_drafting import ParallelDrafter
 from inference.prompt_lookup import PromptLookup
 from inference.sampling import Sampler, accept_greedy, accept_sampling
+
+STEP_DRAFTERS = {"chain": Drafter, "parallel": ParallelDrafter}  # the drafters of the families a head steps
 
 
 @dataclass
@@ -70,14 +72,13 @@ class Runtime:
         self.drafter = None
         if head is not None:
             use_few_row_linears(head)  # the head's 1 to K+1 rows, like the target's, on the CPU
-            if head.config.method in BLOCK_METHODS:  # DFlash, DSpark: K drafts from one block
-                shape = shape or TreeShape.chain(num_drafts(head.config))
+            method = row(head.config.method)
+            shape = shape or TreeShape.chain(method.drafts(head.config) if method.drafts else 5)
+            if method.family == "block":  # K drafts from one block
                 self.drafter = BlockDrafter(head, shape, sampler, graphed=self.use_graphs)
             else:
-                shape = shape or TreeShape.chain(5)
                 step = GraphedStep(head.step) if self.use_graphs else head.step
-                drafter = ParallelDrafter if head.config.method == "peagle" else Drafter  # P-EAGLE: K drafts per pass
-                self.drafter = drafter(head, shape, sampler, step)
+                self.drafter = STEP_DRAFTERS[method.family](head, shape, sampler, step)
 
     # ---- helpers --------------------------------------------------------------------------------
 

@@ -83,20 +83,22 @@ def precheck_head(draft, target_cfg):
 def drafting_shape(o: EvalOptions, cfg):
     """The drafting eagle-eval asks of a head of config `cfg` (None: not known yet, or no head). --parallel K:
     K drafts from one forward, a P-EAGLE or block head's; a block head drafts its whole block by default."""
-    from eagle_train.dflash import BLOCK_METHODS, num_drafts
+    from eagle_train.methods import row
     from inference.block_drafting import check_block_drafts
     from inference.drafting import TreeShape
 
-    method = cfg.method if cfg is not None else None
-    if method in BLOCK_METHODS:
+    method = row(cfg.method) if cfg is not None else None
+    if method is not None and method.family == "block":
         if o.tree:
-            raise ValueError(f"{o.draft} holds a {method} head, which drafts a chain: use --parallel K, not --tree")
-        shape = TreeShape.chain(next(k for k in (o.parallel, o.chain, num_drafts(cfg)) if k is not None))
+            raise ValueError(
+                f"{o.draft} holds a {method.title} head, which drafts a chain: use --parallel K, not --tree"
+            )
+        shape = TreeShape.chain(next(k for k in (o.parallel, o.chain, method.drafts(cfg)) if k is not None))
         check_block_drafts(cfg, shape.depth)
         return shape
-    if o.parallel and method is not None and method != "peagle":
+    if o.parallel and method is not None and method.family == "chain":
         raise ValueError(
-            f"--parallel drafts with a P-EAGLE or block (DFlash, DSpark) head; {o.draft} holds a {method} head "
+            f"--parallel drafts with a P-EAGLE or block (DFlash, DSpark) head; {o.draft} holds a {method.title} head "
             "(use --chain K or --tree)"
         )
     return TreeShape.parse(o.tree) if o.tree else TreeShape.chain(o.depth)  # K=0 is an error, not the default
@@ -105,8 +107,8 @@ def drafting_shape(o: EvalOptions, cfg):
 def evaluate(options: EvalOptions) -> dict:
     """The bench through the built-in runtime: the record eagle-eval writes (its "title" is the table's)."""
     from eagle_train.checkpoint import load_draft_head
+    from eagle_train.methods import row
     from eagle_train.target import end_of_turn_ids, load_target, load_target_config
-    from inference.block_drafting import BLOCK_TITLES
     from inference.generate import Runtime
     from inference.sampling import Sampler
 
@@ -134,8 +136,8 @@ def evaluate(options: EvalOptions) -> dict:
         head.config.check_fits(model.config)
         shape = drafting_shape(o, head.config)  # an export's method is known once loaded
         head.to(device=device, dtype=model.dtype).eval()
-    method = head.config.method if head is not None else None
-    parallel = method == "peagle"
+    method = row(head.config.method) if head is not None else None
+    family = method.family if method is not None else None
     ngram = shape.depth if o.ngram else None  # prompt lookup's K: the chain's, the tree's depth
     eos = end_of_turn_ids(model, tokenizer)
     runtime = Runtime(model, head, shape, sampler, eos_token_ids=eos, cuda_graphs=o.cuda_graphs, seed=o.seed)
@@ -149,10 +151,8 @@ def evaluate(options: EvalOptions) -> dict:
     results = run_bench(engine, tokenizer, prompts, o.max_new_tokens, progress=progress, repeats=o.repeats)
     summary = summarise_drafters(results, shape.depth, ngram if head is not None else None, NGRAM_SETTING)
     drafting = f"tree {shape.depth},{shape.topk},{shape.total}" if o.tree else f"chain K={shape.depth}"
-    if parallel:
-        drafting = f"parallel (P-EAGLE) K={shape.depth}"
-    if method in BLOCK_TITLES:
-        drafting = f"block ({BLOCK_TITLES[method]}) K={shape.depth}"
+    if family in ("parallel", "block"):
+        drafting = f"{family} ({method.title}) K={shape.depth}"
     if lookup_only:
         drafting = f"prompt lookup (no head) K={shape.depth}"
     dtype = str(model.dtype).replace("torch.", "")
@@ -167,8 +167,8 @@ def evaluate(options: EvalOptions) -> dict:
             "topk": shape.topk,
             "total": shape.total,
             "chain": not o.tree,
-            "parallel": parallel,
-            "block": method in BLOCK_TITLES,  # K drafts from one block of a DFlash or DSpark head
+            "parallel": family == "parallel",
+            "block": family == "block",  # K drafts from one block of a DFlash or DSpark head
             "ngram": ngram,  # K of prompt lookup ("spec" with --draft ngram, else the "ngram" row); None: skipped
         },
         "sampling": {"temperature": o.temperature, "top_p": o.top_p, "top_k": o.top_k, "seed": o.seed},

@@ -27,7 +27,7 @@ def quality():
 def test_a_block_drafter_refuses_a_tree_before_any_compute(quality, tmp_path):
     argv = ["--budget", "1", "--out", str(tmp_path / "run"), "--prep", "configs/smollm2_sharegpt.yaml"]
     train = ["--train", str(SCRIPT.parents[2] / "configs" / "dspark_smollm2.yaml")]
-    with pytest.raises(SystemExit, match="a dspark head drafts a chain only"):
+    with pytest.raises(SystemExit, match="a DSpark head drafts a chain only"):
         quality.main([*argv, *train, "--tree", "3,2,4"])
     assert not (tmp_path / "run").exists()
 

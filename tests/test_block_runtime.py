@@ -219,7 +219,7 @@ def test_eval_drafts_blocks(tiny_llama_dir, tiny_block_head_dir, tmp_path, more,
     "args, message",
     [
         (["--parallel", "5"], "DSpark head with block_size 4 drafts at most 4 tokens a forward"),
-        (["--tree", "2,2,3"], "holds a dspark head, which drafts a chain: use --parallel K, not --tree"),
+        (["--tree", "2,2,3"], "holds a DSpark head, which drafts a chain: use --parallel K, not --tree"),
     ],
 )
 def test_eval_refuses_what_a_block_head_cannot_draft(tiny_llama_dir, tiny_block_head_dir, tmp_path, args, message):

@@ -63,8 +63,8 @@ import torch
 from data_prep.distil import generate_and_capture
 from eagle_train.block_loss import block_walk
 from eagle_train.checkpoint import load_draft_head
-from eagle_train.dflash import BLOCK_METHODS
 from eagle_train.hidden_states import TargetLogits
+from eagle_train.methods import row
 from eagle_train.target import end_of_turn_ids, load_target
 from eagle_train.train_checkpoint import finished_at, newest_checkpoint
 from eagle_train.train_config import load_train_config
@@ -309,7 +309,7 @@ class Evaluator:
         target_logits = TargetLogits.of(self.model, self.device, torch.float32)
         out = {}
         for bench, texts in self.walk_texts[aux].items():
-            walk = block_walk if head.config.method in BLOCK_METHODS else chain_walk
+            walk = block_walk if row(head.config.method).family == "block" else chain_walk
             tokens, rounds = walk(head, texts, target_logits, k)
             out[bench] = {"acceptance_length": tokens / max(rounds, 1), "rounds": rounds}
         return out
@@ -394,10 +394,10 @@ def main(argv=None):
         raise SystemExit(f"{out} holds an earlier run: choose a new --out (--data can share its data)")
     train_file, *train_overrides = args.train
     cfg = load_train_config(train_file, train_overrides)  # a bad key fails before any compute
-    block = cfg.method in BLOCK_METHODS
+    block = row(cfg.method).family == "block"
     tree = (args.tree or ("none" if block else "3,2,4")).lower()
     if block and tree != "none":
-        raise SystemExit(f"--tree {args.tree}: a {cfg.method} head drafts a chain only; drop --tree")
+        raise SystemExit(f"--tree {args.tree}: a {row(cfg.method).title} head drafts a chain only; drop --tree")
     shapes = {f"chain K={args.chain}": TreeShape.chain(args.chain)}
     if tree != "none":
         shape = TreeShape.parse(tree)
