@@ -7,14 +7,11 @@ drafting family (`FAMILIES`: the runtime has one drafter per family) and how man
 by default. A new method is a new row.
 """
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from eagle_train.block_train import block_objective, build_block_head, validate_block
 from eagle_train.dflash import num_drafts
-from eagle_train.eagle3_train import build_eagle3_head, eagle3_objective
-from eagle_train.peagle_train import build_peagle_head, peagle_objective, validate_peagle
-from eagle_train.train_config import TrainConfig
 
 FAMILIES = {  # how a head drafts, which decides the runtime's drafter and the engines' speculative method
     "chain": "K sequential draft steps a round, or a tree",
@@ -23,52 +20,76 @@ FAMILIES = {  # how a head drafts, which decides the runtime's drafter and the e
 }
 
 
+def imported(ref: str) -> Callable:
+    """`module:name`, imported when first asked for: the export and runtime read the rows without importing
+    the training code (which imports them)."""
+    module, name = ref.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
 @dataclass(frozen=True)
 class Method:
     title: str  # as tables and messages name it
     family: str  # one of FAMILIES
-    build_head: Callable  # (cfg, target_model, vocab_map) -> head
-    objective: Callable  # (cfg) -> objective(model, batch, backward) -> metrics
-    check: Callable | None = None  # (cfg, target_config) -> None, raising ValueError naming the fix
+    build_head_at: str  # "module:function": (cfg, target_model, vocab_map) -> head
+    objective_at: str  # (cfg) -> objective(model, batch, backward) -> metrics
+    check_at: str | None = None  # (cfg, target_config) -> None, raising ValueError naming the fix
     drafts: Callable | None = None  # (DraftConfig) -> drafts one forward gives; None: the user's K
     summary: str = ""  # one line for --help
+
+    @property
+    def build_head(self) -> Callable:
+        return imported(self.build_head_at)
+
+    @property
+    def objective(self) -> Callable:
+        return imported(self.objective_at)
+
+    @property
+    def check(self) -> Callable | None:
+        return imported(self.check_at) if self.check_at else None
 
 
 METHODS = {
     "eagle3": Method(
         "EAGLE-3",
         "chain",
-        build_eagle3_head,
-        eagle3_objective,
+        "eagle_train.eagle3_train:build_eagle3_head",
+        "eagle_train.eagle3_train:eagle3_objective",
         summary="EAGLE-3: one fused decoder layer, trained with training-time test (ttt_length drafts unrolled)",
     ),
     "peagle": Method(
         "P-EAGLE",
         "parallel",
-        build_peagle_head,
-        peagle_objective,
-        validate_peagle,
+        "eagle_train.peagle_train:build_peagle_head",
+        "eagle_train.peagle_train:peagle_objective",
+        "eagle_train.peagle_train:validate_peagle",
         summary="P-EAGLE: all num_depths drafts in one forward pass, trained with sequence partitioning",
     ),
     "dflash": Method(
         "DFlash",
         "block",
-        build_block_head,
-        block_objective,
-        validate_block,
+        "eagle_train.block_train:build_block_head",
+        "eagle_train.block_train:block_objective",
+        "eagle_train.block_train:validate_block",
         num_drafts,
         summary="DFlash: a block of block_size - 1 drafts in one forward, the target's layers as keys and values",
     ),
     "dspark": Method(
         "DSpark",
         "block",
-        build_block_head,
-        block_objective,
-        validate_block,
+        "eagle_train.block_train:build_block_head",
+        "eagle_train.block_train:block_objective",
+        "eagle_train.block_train:validate_block",
         num_drafts,
         summary="DSpark: DFlash drafting from the anchor's slot too, with a Markov logit bias and a confidence head",
     ),
 }
+
+
+def family_of(method) -> str | None:
+    """The drafting family of a method named anywhere (a config, a file's own key); None for any other name."""
+    return METHODS[method].family if method in METHODS else None
 
 
 def row(method: str) -> Method:
@@ -78,17 +99,17 @@ def row(method: str) -> Method:
     return METHODS[method]
 
 
-def method_of(cfg: TrainConfig) -> Method:
+def method_of(cfg) -> Method:
     """The row of `cfg.method`."""
     return row(cfg.method)
 
 
-def objective_for(cfg: TrainConfig):
+def objective_for(cfg):
     """The objective of `cfg.method`, every setting from `cfg`: the one way a config becomes an objective."""
     return method_of(cfg).objective(cfg)
 
 
-def check_method(cfg: TrainConfig, target_config) -> None:
+def check_method(cfg, target_config) -> None:
     """The checks of `cfg.method`'s own keys; run after `train_config.validate`, whose common checks they rely on."""
     check = method_of(cfg).check
     if check is not None:

@@ -29,9 +29,8 @@ from eagle_train.export.layouts import (
     block_read,
     detect_layout,
 )
+from eagle_train.methods import row
 from engines.rules import SHARD_ORDER, EngineReport, check_target, check_vocab_map, stack
-
-TITLES = {"dflash": "DFlash", "dspark": "DSpark"}
 
 
 def restated_hf_config(config: dict) -> dict:
@@ -164,7 +163,7 @@ def inspect(eng, files: DraftFiles, target_config=None) -> EngineReport:
         report.add("error", str(e))
         return report
     settings = engine_settings(hf)
-    title = f"vLLM's {TITLES[settings['method']]}"
+    title = f"vLLM's {row(settings['method']).title}"
     report.config, report.aux_layers, report.context_length = cfg, settings["aux"], cfg.max_position_embeddings
     report.add("info", f"the draft config vLLM builds comes from {said}")
     check_config(report, title, config, hf, cfg, settings)

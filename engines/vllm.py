@@ -20,11 +20,11 @@ import numpy as np
 import torch
 
 from eagle_train.checkpoint import load_draft_head
-from eagle_train.dflash import BLOCK_METHODS
 from eagle_train.export.draft_files import DraftFiles
 from eagle_train.export.layouts import MASK_TOKEN_KEYS, is_block, mask_token_ids
 from eagle_train.files import write_json
 from eagle_train.hidden_states import engine_aux_layer_ids
+from eagle_train.methods import family_of
 from eagle_train.target import HUB_IDS, cache_dir, load_target_config, load_tokenizer
 from engines import Engine, block_rules, vllm_child, vllm_decode
 from engines.live import EngineFailed, LiveReport, Pooled, d2t_finding, layers_finding
@@ -179,7 +179,7 @@ class Vllm(Engine):
         if refusal:
             raise ValueError(refusal)
         report = super().check_live(artifact, target, source, threads, **sizes)
-        report.engine = f"vLLM (speculative_config method {method if method in BLOCK_METHODS else 'eagle3'})"
+        report.engine = f"vLLM (speculative_config method {method if family_of(method) == 'block' else 'eagle3'})"
         report.rules_stand = bool(report.skipped) and bool(self.missing())
         return report
 
@@ -232,7 +232,8 @@ class Vllm(Engine):
 
     def check_target_architecture(self, report, target_config) -> None:
         """EAGLE-3 heads and block heads alike: both read the target's aux hidden states (`block_targets`)."""
-        kind = "DFlash / DSpark" if report.config is not None and report.config.method in BLOCK_METHODS else "EAGLE-3"
+        block = report.config is not None and family_of(report.config.method) == "block"
+        kind = "DFlash / DSpark" if block else "EAGLE-3"
         architecture = (getattr(target_config, "architectures", None) or [None])[0]
         if architecture is None:
             report.add("info", f"the target's config names no architecture: vLLM's {kind} support not checked")

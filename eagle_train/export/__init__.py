@@ -13,7 +13,6 @@ from pathlib import Path
 
 import torch
 
-from eagle_train.dflash import BLOCK_METHODS
 from eagle_train.draft_config import DraftConfig
 from eagle_train.export.card import write_model_card
 from eagle_train.export.draft_files import DraftFiles
@@ -27,6 +26,7 @@ from eagle_train.export.layouts import (
     layout,
 )
 from eagle_train.files import write_json, write_safetensors
+from eagle_train.methods import family_of
 from eagle_train.vocab_map import t2d_from_d2t
 
 __all__ = ["export_head", "read_export", "LAYOUTS"]
@@ -80,7 +80,7 @@ def export_head(head, out_dir, format: str = "eagle3", dtype="bf16", target_embe
     out.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for name, t in head.saved_state_dict().items():
-        if lay.mask_file and head.config.method in BLOCK_METHODS and name in block_skipped(head.config):
+        if lay.mask_file and family_of(head.config.method) == "block" and name in block_skipped(head.config):
             continue
         t = t.detach().cpu()
         tensors[lay.to_file(name, head.config.method)] = (t if name in INTEGER_TENSORS else t.to(dtype)).contiguous()

@@ -32,10 +32,10 @@ from gguf import (
 )
 from gguf.quants import dequantize, quantize
 
-from eagle_train.dflash import BLOCK_METHODS
 from eagle_train.draft_config import DraftConfig
 from eagle_train.export import check_vocab_map
 from eagle_train.layers import rope_inv_freq
+from eagle_train.methods import family_of
 from eagle_train.target import target_gguf
 from eagle_train.unreadable import HEAD_FIX, open_gguf
 
@@ -136,7 +136,7 @@ def check_head(head, target: GGUFReader) -> None:
     """Refuse heads llama.cpp's eagle3 or dflash model cannot hold, or that were trained for another target."""
     cfg = head.config
     names = set(head.saved_state_dict()) - {EMBEDDING[0]}
-    if cfg.method in BLOCK_METHODS:
+    if family_of(cfg.method) == "block":
         unplaced = names - {"d2t", "t2d", MASK_EMBEDDING} - set().union(*block_names(cfg.num_hidden_layers))
         if unplaced:
             raise ValueError(f"llama.cpp's dflash model has no place for the head's tensors {sorted(unplaced)}")
@@ -312,7 +312,7 @@ def add_block_tensors(writer: GGUFWriter, head, qtype: GGMLQuantizationType, tar
 def spec_type(cfg) -> str:
     """llama.cpp's `--spec-type` for a head: draft-dspark where it has the Markov head or drafts from the
     anchor's slot (llama.cpp's draft-dflash reads the masks' slots only), else draft-dflash or draft-eagle3."""
-    if cfg.method not in BLOCK_METHODS:
+    if family_of(cfg.method) != "block":
         return "draft-eagle3"
     return "draft-dspark" if cfg.markov_rank or cfg.sample_from_anchor else "draft-dflash"
 
@@ -334,7 +334,7 @@ def export_gguf(head, out_path, target, outtype: str = "f32") -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     cfg = head.config
     name = cfg.target or Path(str(target)).stem
-    if cfg.method in BLOCK_METHODS:
+    if family_of(cfg.method) == "block":
         writer = GGUFWriter(out, arch=BLOCK_ARCH)
         add_block_keys(writer, cfg, file_type, f"{name} {cfg.method} draft")
         copy_tokenizer(reader, writer, skip=(MASK_KEY,))

@@ -39,9 +39,10 @@ from types import SimpleNamespace
 
 import torch
 
-from eagle_train.dflash import BLOCK_METHODS, num_drafts
+from eagle_train.dflash import num_drafts
 from eagle_train.draft_config import DraftConfig, target_rope
 from eagle_train.hidden_states import engine_aux_layer_ids
+from eagle_train.methods import METHODS, family_of
 from eagle_train.peagle import NUM_DEPTHS
 from eagle_train.target import HUB_IDS
 
@@ -208,13 +209,13 @@ def is_eagle3(config: dict) -> bool:
 
 
 def speculators_config(cfg: DraftConfig, dtype: torch.dtype, extra: dict) -> dict:
-    if cfg.method in BLOCK_METHODS:
+    if family_of(cfg.method) == "block":
         return block_speculators_config(cfg, dtype, extra)
     extra = dict(extra)
     tokens = int(extra.pop("speculative_tokens", 3))
     verifier = extra.pop("verifier", None) or servable_target(cfg.target)
     layer = llama_keys(cfg, dtype)
-    peagle = cfg.method == "peagle"
+    peagle = family_of(cfg.method) == "parallel"
     config = {
         "speculators_model_type": cfg.method,
         "architectures": ["PEagleSpeculator" if peagle else "Eagle3Speculator"],
@@ -245,7 +246,7 @@ def speculators_read(config: dict, target_config=None) -> DraftConfig:
     layer = config.get("transformer_layer_config")
     if not isinstance(layer, dict):
         raise ValueError("speculators config.json has no transformer_layer_config dict")
-    if config.get("speculators_model_type") in BLOCK_METHODS:
+    if family_of(config.get("speculators_model_type")) == "block":
         return block_read(config, target_config)
     if config.get("norm_before_residual", config.get("speculators_model_type") != "peagle"):  # vLLM's defaults
         raise ValueError(
@@ -254,14 +255,14 @@ def speculators_read(config: dict, target_config=None) -> DraftConfig:
             "the un-normed residual, so it cannot be imported as an eagle3 head"
         )
     cfg = draft_config_from_llama(layer, config, target_config)
-    if config.get("speculators_model_type") == "peagle":
+    if family_of(config.get("speculators_model_type")) == "parallel":
         tokens = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
         as_peagle(cfg, config, tokens[0].get("speculative_tokens"))
     return cfg
 
 
 def is_speculators(config: dict) -> bool:
-    return config.get("speculators_model_type") in ("eagle3", "peagle", *BLOCK_METHODS)
+    return config.get("speculators_model_type") in METHODS  # speculators names its model types as we name methods
 
 
 # ---- peagle (vLLM parallel drafting) -------------------------------------------------------------
@@ -394,7 +395,7 @@ def block_settings(config: dict) -> dict:
     engines' defaults for absent keys (sample_from_anchor: false for DFlash and speculators, true for native
     DSpark): method, aux ids (ours), mask token, block size, causal, sample_from_anchor, Markov rank, confidence."""
     dflash = config.get("dflash_config") or {}
-    if config.get("speculators_model_type") in BLOCK_METHODS:
+    if family_of(config.get("speculators_model_type")) == "block":
         method, aux = config["speculators_model_type"], config.get("aux_hidden_state_layer_ids")
         causal = not config.get("sliding_window_non_causal", True) if method == "dflash" else config.get("is_causal")
         from_anchor = config.get("sample_from_anchor", False)
@@ -440,7 +441,7 @@ def is_dspark(config: dict) -> bool:
 
 def is_block(config: dict) -> bool:
     """A DFlash or DSpark config, in any of the three layouts."""
-    return is_dflash(config) or is_dspark(config) or config.get("speculators_model_type") in BLOCK_METHODS
+    return is_dflash(config) or is_dspark(config) or family_of(config.get("speculators_model_type")) == "block"
 
 
 def markov_to_file(name: str, method: str = "") -> str:
@@ -453,7 +454,7 @@ def markov_from_file(name: str, method: str = "") -> str:
 
 def by_method(eagle: Callable[[str, str], str], block: Callable[[str, str], str]) -> Callable[[str, str], str]:
     """A name map for a layout holding both kinds of heads: `block`'s for DFlash / DSpark, else `eagle`'s."""
-    return lambda name, method="": (block if method in BLOCK_METHODS else eagle)(name, method)
+    return lambda name, method="": (block if family_of(method) == "block" else eagle)(name, method)
 
 
 # ---- the table -----------------------------------------------------------------------------------
