@@ -1,7 +1,8 @@
 """What every draft head is built from, and which class builds a head of each method.
 
-`DraftHead` (the parts and checkpoint tensors all heads share), the Llama `DecoderLayer` and the
-runtime's `KVCache` are used by every method (EAGLE-3, P-EAGLE) and by the runtime's target model;
+`DraftHead` (the parts and checkpoint tensors all heads share) and the runtime's `KVCache` are used by every
+method (EAGLE-3, P-EAGLE and the block drafters DFlash and DSpark), `KVCache` also by the runtime's target model;
+the Llama `DecoderLayer` by EAGLE-3 and P-EAGLE (a block head's layers are `eagle_train.dflash.BlockLayer`);
 `HEAD_CLASSES` maps a `DraftConfig.method` to its class, and `head_from_state` is the one way a head
 is rebuilt from saved tensors, whichever file they came from (eagle_train.checkpoint reads them).
 """

@@ -51,7 +51,7 @@ class TrainConfig:
     # the objective
     ttt_length: int = TTT_LENGTH
     ttt_decay: float = TTT_DECAY
-    tv_weight: float = TV_WEIGHT  # each draft's loss is (1 - w) soft CE + w total variation (EAGLE-3 and P-EAGLE)
+    tv_weight: float = TV_WEIGHT  # each draft's loss is (1 - w) soft CE + w total variation (every method)
     # EAGLE-3: a draft the current head's chain walk gets rejected at weighs 1 + w (eagle_train.ttt.chain_rounds)
     rejection_weight: float = REJECTION_WEIGHT
     # EAGLE-3: noise on the training batches' target hidden states, times each layer's RMS (eagle3_train.noisy_features)

@@ -1,4 +1,4 @@
-"""The training loop shared by EAGLE-3 and P-EAGLE.
+"""The training loop every method shares: EAGLE-3, P-EAGLE and the block drafters DFlash and DSpark.
 
 `train(cfg, build_head, objective)` owns everything but the method:
 

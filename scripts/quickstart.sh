@@ -8,8 +8,9 @@
 # DRAFTER=eagle3 (default): an EAGLE-3 head trained with training-time test, drafting a chain of K=$K (default 1:
 #   the K at which a head this small pays off on a CPU, where each draft step costs about a fifth of a target
 #   step); it is trained for that K (ttt_length=K): steps beyond K are never drafted.
-# DRAFTER=dflash | dspark: a block head drafting all its tokens (7 or 8) in one forward, exported in the z-lab
-#   (vLLM) or DeepSpec layout.
+# DRAFTER=dflash | dspark: a block head (one forward gives 7 drafts with DFlash, 8 with DSpark at block_size 8),
+#   exported in the z-lab (vLLM) or DeepSpec layout; the eval drafts the first K=$K of them (--parallel K,
+#   default 1), the head trained for the whole block whatever K.
 #
 # SCALE=smoke runs every step at toy size (a few conversations, steps and tokens) into runs/smoke:
 # what CI runs to prove the job finishes, not a head worth measuring.
