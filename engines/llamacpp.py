@@ -41,7 +41,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from eagle_train.checkpoint import GGUF, load_draft_head, locate_head
 from eagle_train.export.gguf import BLOCK_ARCH, MASK_KEY, export_gguf, field_value, read_gguf, read_target
 from eagle_train.target import cache_dir, load_tokenizer, target_gguf
-from engines import Engine, EngineError
+from engines.engine import Engine, EngineError
 from engines.live import EngineFailed, Pooled, d2t_finding, layers_finding
 from engines.rules import Finding
 from inference.evaluate import EvalOptions, TurnEngine, TurnResult, load_bench, run_bench, summarise_drafters

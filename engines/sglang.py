@@ -7,7 +7,7 @@ the target's, aux layers from the nested eagle_config key plus one.
 
 import re
 
-from engines import Engine
+from engines.engine import Engine
 from engines.rules import LLAMA_EAGLE3_TOP, stack
 
 

@@ -8,7 +8,7 @@ eagle3_layers_to_capture option, never config.json.
 
 import re
 
-from engines import Engine
+from engines.engine import Engine
 from engines.rules import LLAMA_EAGLE3_TOP
 
 

