@@ -218,7 +218,7 @@ class Vllm(Engine):
         try:
             plain = vllm_decode.decode(target, prompts, n)
             spec = vllm_decode.decode(
-                target, prompts, n, vllm_decode.speculative(vllm_decode.method_of(directory), directory, k)
+                target, prompts, n, vllm_decode.speculative(vllm_decode.export_method(directory), directory, k)
             )
         except VllmError as e:
             raise EngineFailed(str(e)) from e

@@ -70,7 +70,7 @@ def export_dir(draft, tmp: Path):
     return export_head(head, Path(tmp) / "export", layout, dtype="fp32"), head
 
 
-def method_of(directory) -> str:
+def export_method(directory) -> str:
     """The `speculative()` method an export directory drafts with: dflash or dspark (a block head), peagle
     (parallel drafting) or eagle3."""
     files = DraftFiles(directory)
@@ -84,7 +84,7 @@ def head_method(draft) -> str:
     found = locate_head(draft)
     if found.ours:
         return found.config.get("method", "eagle3")
-    return method_of(found.path) if found.config is not None else "eagle3"
+    return export_method(found.path) if found.config is not None else "eagle3"
 
 
 def check_block_k(directory, k: int) -> None:
@@ -213,7 +213,7 @@ def evaluate(options: EvalOptions, answers=None) -> dict:
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         head_dir, _ = export_dir(o.draft, tmp)
-        method = method_of(head_dir)
+        method = export_method(head_dir)
         if row(method).family == "block":
             check_block_k(head_dir, k)
         engine = VllmTurns(o.target, head_dir, method, k, o.ngram, o.dtype)

@@ -71,7 +71,7 @@ def vllm_rows(args, prompts):
         configs = [("plain", None), ("n-gram", vllm_decode.speculative("ngram", None, args.chain))]
         if args.draft:
             head_dir, _ = vllm_decode.export_dir(args.draft, tmp)
-            spec = vllm_decode.speculative(vllm_decode.method_of(head_dir), head_dir, args.chain)
+            spec = vllm_decode.speculative(vllm_decode.export_method(head_dir), head_dir, args.chain)
             configs.insert(1, (f"head chain K={args.chain}", spec))
         for name, spec in configs:
             with vllm_decode.Decoder(args.target, spec, args.dtype) as engine:
