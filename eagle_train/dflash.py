@@ -30,7 +30,7 @@ from torch import nn
 
 from eagle_train.architectures import text_config
 from eagle_train.draft_config import DraftConfig
-from eagle_train.head import HEAD_CLASSES, DraftHead, KVCache, LayerCaches
+from eagle_train.head import DraftHead, KVCache, LayerCaches
 from eagle_train.layers import MLP, Attention, RMSNorm
 
 BLOCK_METHODS = ("dflash", "dspark")
@@ -94,8 +94,6 @@ class ConfidenceHead(nn.Module):
         return self.proj(torch.cat([normed, low.to(normed.dtype)], dim=-1)).squeeze(-1)
 
 
-@HEAD_CLASSES.register("dspark")
-@HEAD_CLASSES.register("dflash")
 class BlockHead(DraftHead):
     fused_first_layer = False
 

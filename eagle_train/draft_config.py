@@ -62,7 +62,7 @@ class DraftConfig:
     target_num_layers: int
     aux_layer_ids: tuple[int, int, int]
     num_hidden_layers: int = 1
-    method: str = "eagle3"  # or "peagle", "dflash", "dspark" (head.HEAD_CLASSES)
+    method: str = "eagle3"  # a row of eagle_train.methods.METHODS: its head class, family and training
     target: str = ""  # name or path the head was built for
     target_architectures: list[str] = field(default_factory=list)
     mask_token_id: int | None = None  # P-EAGLE, DFlash, DSpark

@@ -13,7 +13,7 @@ Two ways to run the layer share every weight and every op:
 import torch
 
 from eagle_train.draft_config import DraftConfig
-from eagle_train.head import HEAD_CLASSES, DraftHead, KVCache
+from eagle_train.head import DraftHead, KVCache
 from eagle_train.layers import Attention
 
 
@@ -47,7 +47,6 @@ def scattered(shape, where, at_rows):
     return values.new_zeros(*shape, *values.shape[1:]).index_put(where, values).transpose(1, 2)
 
 
-@HEAD_CLASSES.register("eagle3")
 class Eagle3Head(DraftHead):
     @classmethod
     def from_target(cls, target_model, **config_kwargs) -> "Eagle3Head":

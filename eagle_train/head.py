@@ -3,12 +3,10 @@
 `DraftHead` (the parts and checkpoint tensors all heads share) and the runtime's `KVCache` are used by every
 method (EAGLE-3, P-EAGLE and the block drafters DFlash and DSpark), `KVCache` also by the runtime's target model;
 the Llama `DecoderLayer` by EAGLE-3 and P-EAGLE (a block head's layers are `eagle_train.dflash.BlockLayer`);
-`HEAD_CLASSES` maps a `DraftConfig.method` to its class, and `head_from_state` is the one way a head
+a method's row (`eagle_train.methods`) names its class, and `head_from_state` is the one way a head
 is rebuilt from saved tensors, whichever file they came from (eagle_train.checkpoint reads them).
 """
 
-import importlib
-from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -17,6 +15,7 @@ from torch import nn
 from eagle_train.draft_config import DraftConfig
 from eagle_train.files import write_safetensors
 from eagle_train.layers import MLP, Attention, RMSNorm, RotaryEmbedding
+from eagle_train.methods import row
 from eagle_train.vocab_map import t2d_from_d2t
 
 
@@ -153,42 +152,6 @@ class DraftHead(nn.Module):
         return self.lm_head(self.norm(h))
 
 
-class HeadClasses(Mapping):
-    """Method name -> head class. Each method module registers its class with `register`; a lookup
-    imports the method modules first, so this module needs none of them (they import it)."""
-
-    def __init__(self, modules: tuple[str, ...]):
-        self.modules = modules
-        self.classes: dict[str, type[DraftHead]] = {}
-
-    def register(self, method: str):
-        def add(cls: type[DraftHead]) -> type[DraftHead]:
-            self.classes[method] = cls
-            return cls
-
-        return add
-
-    def loaded(self) -> dict[str, type[DraftHead]]:
-        for module in self.modules:
-            importlib.import_module(module)
-        return self.classes
-
-    def __getitem__(self, method: str) -> type[DraftHead]:
-        classes = self.loaded()
-        if method not in classes:
-            raise KeyError(f"no head class for method {method!r} (known: {', '.join(classes)})")
-        return classes[method]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.loaded())
-
-    def __len__(self) -> int:
-        return len(self.loaded())
-
-
-HEAD_CLASSES = HeadClasses(("eagle_train.eagle3", "eagle_train.peagle", "eagle_train.dflash"))
-
-
 def non_finite_values(tensors: dict[str, torch.Tensor]) -> str:
     """What is not finite and where, e.g. "nan in fc.weight, and inf in lm_head.weight"; empty when every floating
     tensor is finite. The one test a head passes before it is saved or loaded: a head that diverged drafts garbage."""
@@ -214,7 +177,7 @@ def head_from_state(cfg: DraftConfig, state: dict[str, torch.Tensor], target_emb
     own); otherwise a borrowing head takes `target_embedding` (the target's), when given.
     A head holding nan or inf anywhere is refused: it diverged or was trained on broken data.
     """
-    head = HEAD_CLASSES[cfg.method](cfg)
+    head = row(cfg.method).head_class(cfg)
     state = dict(state)
     expected = head.saved_state_dict()
     own_embedding = None if "embed_tokens.weight" in expected else state.pop("embed_tokens.weight", None)

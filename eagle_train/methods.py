@@ -11,8 +11,6 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from eagle_train.dflash import num_drafts
-
 FAMILIES = {  # how a head drafts, which decides the runtime's drafter and the engines' speculative method
     "chain": "K sequential draft steps a round, or a tree",
     "parallel": "all K drafts from one forward",
@@ -20,9 +18,9 @@ FAMILIES = {  # how a head drafts, which decides the runtime's drafter and the e
 }
 
 
-def imported(ref: str) -> Callable:
-    """`module:name`, imported when first asked for: the export and runtime read the rows without importing
-    the training code (which imports them)."""
+def imported(ref: str):
+    """`module:name`, imported when asked for: this module imports none of the methods' modules (they, the
+    head loader, the export and the runtime all read the rows)."""
     module, name = ref.split(":")
     return getattr(importlib.import_module(module), name)
 
@@ -31,11 +29,21 @@ def imported(ref: str) -> Callable:
 class Method:
     title: str  # as tables and messages name it
     family: str  # one of FAMILIES
+    head_at: str  # "module:Class", the head (a DraftHead)
     build_head_at: str  # "module:function": (cfg, target_model, vocab_map) -> head
     objective_at: str  # (cfg) -> objective(model, batch, backward) -> metrics
     check_at: str | None = None  # (cfg, target_config) -> None, raising ValueError naming the fix
-    drafts: Callable | None = None  # (DraftConfig) -> drafts one forward gives; None: the user's K
+    drafts_at: str | None = None  # (DraftConfig) -> drafts one forward gives; None: the user's K
+    layouts: tuple[str, ...] = ()  # the export layouts (eagle_train.export.layouts.LAYOUTS) that can hold its heads
     summary: str = ""  # one line for --help
+
+    @property
+    def head_class(self):
+        return imported(self.head_at)
+
+    @property
+    def drafts(self) -> Callable | None:
+        return imported(self.drafts_at) if self.drafts_at else None
 
     @property
     def build_head(self) -> Callable:
@@ -54,34 +62,42 @@ METHODS = {
     "eagle3": Method(
         "EAGLE-3",
         "chain",
+        "eagle_train.eagle3:Eagle3Head",
         "eagle_train.eagle3_train:build_eagle3_head",
         "eagle_train.eagle3_train:eagle3_objective",
+        layouts=("eagle3", "speculators"),
         summary="EAGLE-3: one fused decoder layer, trained with training-time test (ttt_length drafts unrolled)",
     ),
     "peagle": Method(
         "P-EAGLE",
         "parallel",
+        "eagle_train.peagle:PEagleHead",
         "eagle_train.peagle_train:build_peagle_head",
         "eagle_train.peagle_train:peagle_objective",
         "eagle_train.peagle_train:validate_peagle",
+        layouts=("peagle", "speculators"),
         summary="P-EAGLE: all num_depths drafts in one forward pass, trained with sequence partitioning",
     ),
     "dflash": Method(
         "DFlash",
         "block",
+        "eagle_train.dflash:BlockHead",
         "eagle_train.block_train:build_block_head",
         "eagle_train.block_train:block_objective",
         "eagle_train.block_train:validate_block",
-        num_drafts,
+        "eagle_train.dflash:num_drafts",
+        layouts=("dflash", "speculators"),
         summary="DFlash: a block of block_size - 1 drafts in one forward, the target's layers as keys and values",
     ),
     "dspark": Method(
         "DSpark",
         "block",
+        "eagle_train.dflash:BlockHead",
         "eagle_train.block_train:build_block_head",
         "eagle_train.block_train:block_objective",
         "eagle_train.block_train:validate_block",
-        num_drafts,
+        "eagle_train.dflash:num_drafts",
+        layouts=("dspark", "speculators"),
         summary="DSpark: DFlash drafting from the anchor's slot too, with a Markov logit bias and a confidence head",
     ),
 }

@@ -23,7 +23,7 @@ from torch import nn
 
 from eagle_train.architectures import text_config
 from eagle_train.draft_config import DraftConfig
-from eagle_train.head import HEAD_CLASSES, DecoderLayer, DraftHead, KVCache, LayerCaches
+from eagle_train.head import DecoderLayer, DraftHead, KVCache, LayerCaches
 
 NUM_DEPTHS = 7  # K, drafts per forward: the default, and the published P-EAGLE heads' K
 
@@ -65,7 +65,6 @@ def compiled_flex_attention():
     return torch.compile(flex_attention, dynamic=True)
 
 
-@HEAD_CLASSES.register("peagle")
 class PEagleHead(DraftHead):
     owns_embedding = True
 

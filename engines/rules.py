@@ -28,8 +28,9 @@ from eagle_train.export.layouts import (
     is_block,
     mask_token_ids,
 )
-from eagle_train.head import HEAD_CLASSES, head_from_state
+from eagle_train.head import head_from_state
 from eagle_train.hidden_states import engine_aux_layer_ids
+from eagle_train.methods import row
 
 STACKED = (
     (".q_proj.", ".qkv_proj.", "q"),
@@ -473,7 +474,7 @@ def head_from_engine_state(report: EngineReport, state: dict[str, torch.Tensor],
         head_state[head_name] = t.float() if t.is_floating_point() else t
     if "d2t" not in head_state:  # the engine's identity map
         head_state["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
-    borrows = not HEAD_CLASSES[cfg.method].owns_embedding and "embed_tokens.weight" not in head_state
+    borrows = not row(cfg.method).head_class.owns_embedding and "embed_tokens.weight" not in head_state
     if borrows and embedding is None:
         raise ValueError("the engine takes the embedding from the target: pass the target's embedding")
     return head_from_state(cfg, head_state, embedding, source=eng.title)

@@ -199,7 +199,7 @@ def tiny_head(method="eagle3", seed=0, init_std=0.3, draft_ids="random", target_
     layers at work; draft_ids: the target ids of the draft vocabulary, "random" (a random sorted subset
     when smaller than the target's) or None (the constructor's map)."""
     from eagle_train.draft_config import DraftConfig
-    from eagle_train.head import HEAD_CLASSES
+    from eagle_train.methods import row
 
     if seed is not None:
         torch.manual_seed(seed)
@@ -207,7 +207,7 @@ def tiny_head(method="eagle3", seed=0, init_std=0.3, draft_ids="random", target_
         config = tiny_draft_config(method=method, **config_changes)
     else:
         config = DraftConfig.from_target_config(target_model.config, method=method, **config_changes)
-    head = HEAD_CLASSES[method](config)
+    head = row(method).head_class(config)
     if init_std is not None:
         for p in head.parameters():
             torch.nn.init.normal_(p, std=init_std)

@@ -26,7 +26,7 @@ from eagle_train.export.layouts import (
     layout,
 )
 from eagle_train.files import write_json, write_safetensors
-from eagle_train.methods import family_of
+from eagle_train.methods import family_of, row
 from eagle_train.vocab_map import t2d_from_d2t
 
 __all__ = ["export_head", "read_export", "LAYOUTS"]
@@ -68,10 +68,11 @@ def export_head(head, out_dir, format: str = "eagle3", dtype="bf16", target_embe
     """
     lay = layout(format)
     dtype = resolve_dtype(dtype)
-    if lay.name not in ("speculators", head.config.method):
+    method = row(head.config.method)
+    if lay.name not in method.layouts:
         raise ValueError(
-            f"a {head.config.method} head cannot be written in the {lay.name} layout "
-            f"(use --format {head.config.method} or --format speculators)"
+            f"a {method.title} head cannot be written in the {lay.name} layout "
+            f"(use --format {' or --format '.join(method.layouts)})"
         )
     check_vocab_map(head)
     if lay.ships_embedding:

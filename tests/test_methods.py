@@ -1,0 +1,64 @@
+"""A method is one row: a fifth method, registered as a row alone (its head class, builder and objective named
+by reference), trains, exports and is evaluated by the built-in runtime with no other file changed."""
+
+import dataclasses
+import json
+
+import pytest
+
+from eagle_train import methods
+
+
+def build_twin_head(cfg, target_model, vocab_map):
+    """The fifth method's builder: EAGLE-3's head, under the fifth method's name."""
+    from eagle_train.eagle3_train import build_eagle3_head
+
+    head = build_eagle3_head(cfg, target_model, vocab_map)
+    head.config.method = "eagle3_twin"
+    return head
+
+
+TWIN = dataclasses.replace(
+    methods.METHODS["eagle3"], title="EAGLE-3 twin", build_head_at="test_methods:build_twin_head", layouts=("eagle3",)
+)
+
+
+def test_every_row_names_what_it_needs():
+    for name, row in methods.METHODS.items():
+        assert row.family in methods.FAMILIES, name
+        assert callable(row.build_head) and callable(row.objective) and row.head_class.__name__.endswith("Head")
+        assert (row.drafts is None) == (row.family != "block"), name  # a block's drafts follow its config
+    with pytest.raises(ValueError, match="'medusa' is not one of eagle3, peagle, dflash, dspark"):
+        methods.row("medusa")
+
+
+def test_a_fifth_method_is_one_row(monkeypatch, tiny_llama_dir, small_tokenized, tmp_path, capsys):
+    from eagle_cli.evaluate import main as evaluate
+    from eagle_cli.export import main as export
+    from eagle_train.checkpoint import load_draft_head
+    from eagle_train.train import main as train
+
+    monkeypatch.setitem(methods.METHODS, "eagle3_twin", TWIN)
+    run, out = tmp_path / "run", tmp_path / "export"
+    train(
+        ["--config", "eagle3_smollm2", "method=eagle3_twin", "mode=online", f"target={tiny_llama_dir}"]
+        + [f"data_path={small_tokenized}", f"output_dir={run}", "max_steps=2", "warmup_steps=1", "ttt_length=2"]
+        + ["tokens_per_batch=256", "max_length=128", "eval_fraction=0", "report_to=none", "save_every=0"]
+    )
+    head = load_draft_head(run / "final")
+    assert head.config.method == "eagle3_twin" and type(head).__name__ == "Eagle3Head"
+    with pytest.raises(SystemExit) as exported:  # vLLM's rules: the tiny target's layers suit its aux layer ids
+        export(
+            [str(run / "final"), "--format", "eagle3", "--out", str(out), "--target", str(tiny_llama_dir)]
+            + ["--engine", "vllm"]
+        )
+    assert exported.value.code == 0
+    for draft in (run / "final", out):  # the checkpoint (the twin's row) and the engine layout it was written in
+        results = tmp_path / "eval.json"
+        evaluate(
+            ["--target", str(tiny_llama_dir), "--draft", str(draft), "--bench", "mt_bench", "--num-prompts", "1"]
+            + ["--max-new-tokens", "8", "--chain", "2", "--no-ngram", "--out", str(results)]
+        )
+        summary = json.loads(results.read_text())["summary"]
+        assert summary["turns"] == 2 and summary["turns_identical_to_plain"] == 2
+    assert "chain K=2" in capsys.readouterr().out
