@@ -10,17 +10,19 @@
 #   step); it is trained for that K (ttt_length=K): steps beyond K are never drafted.
 # DRAFTER=dflash | dspark: a block head (one forward gives 7 drafts with DFlash, 8 with DSpark at block_size 8),
 #   exported in the z-lab (vLLM) or DeepSpec layout; the eval drafts the first K=$K of them (--parallel K,
-#   default 1), the head trained for the whole block whatever K.
+#   default 1), the head trained for the whole block whatever K. DRAFTER=peagle: a P-EAGLE head (7 drafts a
+#   forward), the same way.
 #
 # SCALE=smoke runs every step at toy size (a few conversations, steps and tokens) into runs/smoke:
 # what CI runs to prove the job finishes, not a head worth measuring.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DRAFTER=${DRAFTER:-eagle3}
-case "$DRAFTER" in
-  eagle3) DRAFTING=(--chain "${K:-1}"); METHOD=(ttt_length="${K:-1}") ;;
-  dflash|dspark) DRAFTING=(--parallel "${K:-1}"); METHOD=() ;;   # the first K of a block's drafts (7 DFlash, 8 DSpark)
-  *) echo "DRAFTER=$DRAFTER: choose eagle3, dflash or dspark" >&2; exit 2 ;;
+FAMILY=$(python -c 'import sys; from eagle_train.methods import METHODS as m; d = sys.argv[1]
+print(m[d].family) if d in m else sys.exit("DRAFTER=" + d + ": choose one of " + ", ".join(m))' "$DRAFTER")
+case "$FAMILY" in   # the method's drafting family (eagle_train/methods.py)
+  chain) DRAFTING=(--chain "${K:-1}"); METHOD=(ttt_length="${K:-1}") ;;
+  *) DRAFTING=(--parallel "${K:-1}"); METHOD=() ;;   # the first K of one forward's drafts
 esac
 if [ "${SCALE:-full}" = smoke ]; then
   RUN=runs/smoke; HEAD=runs/smoke/$DRAFTER
