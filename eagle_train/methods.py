@@ -7,6 +7,7 @@ drafting family (`FAMILIES`: the runtime has one drafter per family) and how man
 by default. A new method is a new row.
 """
 
+import dataclasses
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,6 +59,18 @@ class Method:
         return imported(self.check_at) if self.check_at else None
 
 
+DFLASH = Method(
+    "DFlash",
+    "block",
+    "eagle_train.dflash:BlockHead",
+    "eagle_train.block_train:build_block_head",
+    "eagle_train.block_train:block_objective",
+    "eagle_train.block_train:validate_block",
+    "eagle_train.dflash:num_drafts",
+    layouts=("dflash", "speculators"),
+    summary="DFlash: a block of block_size - 1 drafts in one forward, the target's layers as keys and values",
+)
+
 METHODS = {
     "eagle3": Method(
         "EAGLE-3",
@@ -78,25 +91,10 @@ METHODS = {
         layouts=("peagle", "speculators"),
         summary="P-EAGLE: all num_depths drafts in one forward pass, trained with sequence partitioning",
     ),
-    "dflash": Method(
-        "DFlash",
-        "block",
-        "eagle_train.dflash:BlockHead",
-        "eagle_train.block_train:build_block_head",
-        "eagle_train.block_train:block_objective",
-        "eagle_train.block_train:validate_block",
-        "eagle_train.dflash:num_drafts",
-        layouts=("dflash", "speculators"),
-        summary="DFlash: a block of block_size - 1 drafts in one forward, the target's layers as keys and values",
-    ),
-    "dspark": Method(
-        "DSpark",
-        "block",
-        "eagle_train.dflash:BlockHead",
-        "eagle_train.block_train:build_block_head",
-        "eagle_train.block_train:block_objective",
-        "eagle_train.block_train:validate_block",
-        "eagle_train.dflash:num_drafts",
+    "dflash": DFLASH,
+    "dspark": dataclasses.replace(  # DFlash's head and training, its options (Markov bias, anchor slot) switched on
+        DFLASH,
+        title="DSpark",
         layouts=("dspark", "speculators"),
         summary="DSpark: DFlash drafting from the anchor's slot too, with a Markov logit bias and a confidence head",
     ),
