@@ -28,6 +28,7 @@ from inference.timing import (
     paired,
     rotation,
     rounds_of,
+    span,
 )
 
 BENCHES = ("mt_bench", "humaneval", "gsm8k")
@@ -357,9 +358,14 @@ def format_table(summary: dict, title: str) -> str:
     return "\n".join(lines)
 
 
+def speedup_figure(summary: dict) -> dict:
+    """A summary's paired speedup over plain decoding, as `inference.timing.paired` gives it."""
+    return {"ratio": summary["speedup"], "interval": summary["speedup_interval"], "pairs": summary["timed_pairs"]}
+
+
 def speed_text(summary: dict) -> str:
     """The speedup's interval, and whether it settles faster or slower than plain decoding."""
-    figure = {"interval": summary["speedup_interval"], "pairs": summary["timed_pairs"]}
+    figure = speedup_figure(summary)
     text = interval_text(figure)
     faster = above_one(figure)
     if faster is None and figure["interval"] is not None:
@@ -399,7 +405,7 @@ def head_vs_ngram(summary: dict) -> str:
         f"({interval_text(versus)}): "
     )
     beats = summary["head_beats_ngram"]
-    faster = above_one({"interval": head["speedup_interval"]})
+    faster = above_one(speedup_figure(head))
     if beats is False:
         more = head["acceptance_length"] > ngram["acceptance_length"]
         return (
@@ -427,7 +433,7 @@ def format_engines(summaries: dict[str, dict], title: str) -> str:
             if row is None:
                 continue
             positions = shares(row["acceptance_per_position"])
-            interval = "-" if row["speedup_interval"] is None else "{:.2f}-{:.2f}x".format(*row["speedup_interval"])
+            interval = span(row["speedup_interval"])
             lines.append(
                 f"  {engine:<9}{label:<15}{row['acceptance_length']:>7.3f}  {positions:<25}"
                 f"{row['plain_tokens_per_s']:>12.1f}{row['spec_tokens_per_s']:>11.1f}{row['speedup']:>8.2f}x"

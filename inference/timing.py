@@ -125,12 +125,16 @@ def load(turns: list[dict]) -> dict:
     }
 
 
+def span(interval) -> str:
+    """'1.05-1.20x', or '-' where there is no interval."""
+    return "-" if interval is None else "{:.2f}-{:.2f}x".format(*interval)
+
+
 def interval_text(figure: dict) -> str:
     """'90% interval 1.05-1.20x, 10 pairs', or why there is none."""
     if figure["interval"] is None:
         return f"{figure['pairs']} timed pairs: too few to bound its noise (5 at least)"
-    lo, hi = figure["interval"]
-    return f"{LEVEL:.0%} interval {lo:.2f}-{hi:.2f}x, {figure['pairs']} pairs"
+    return f"{LEVEL:.0%} interval {span(figure['interval'])}, {figure['pairs']} pairs"
 
 
 def busy_note(machine: dict) -> str:

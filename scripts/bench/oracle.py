@@ -13,7 +13,7 @@ probability 1 - p, so AL is a chain's at the cost of verifying K*W nodes (and of
 when the accepted path leaves the first branch). "AL set" is the expected AL (the measured one falls
 short of it by the last round's truncation). Tokens/s are over whole generate calls, prefill
 included, after one warm-up of each; each row's turns are timed in pairs with plain decoding, one right after
-the other (eagle-eval's loop), and its speedup is the median of the pairs with a 90% interval. Every row checks
+the other (eagle-eval's loop), and its speedup is the pairs' Hodges-Lehmann centre with a 90% interval. Every row checks
 that its tokens equal plain decoding's.
 
 --drafters names what drafting costs: `free` (the oracle alone), or a head of a training method (eagle3,
@@ -46,6 +46,7 @@ from inference.evaluate import TurnEngine, TurnResult, add_drafter, chat_ids, lo
 from inference.generate import GenerationResult, Runtime
 from inference.prompt_lookup import chain_tree
 from inference.runtime_eval import turn_result
+from inference.timing import span
 
 
 class OracleDrafter:
@@ -288,7 +289,7 @@ def main(argv=None):
     )
     print("|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|:-:|")
     for r in rows:
-        interval = "-" if r["speedup_interval"] is None else "{:.2f}-{:.2f}x".format(*r["speedup_interval"])
+        interval = span(r["speedup_interval"])
         print(
             f"| {r['drafter']} | {r['k']} | {r['width']} | {r['p']:g} | {r['al_set']:.3f} | {r['al']:.3f} | "
             f"{r['tokens_per_s']:.1f} | {r['plain_tokens_per_s']:.1f} | {r['speedup']:.2f}x | {interval} | "

@@ -11,8 +11,8 @@ around each call over whole generations. On CUDA every timer synchronizes, so th
 taken without CUDA graphs. Each prompt is decoded both ways one right after the other, the order
 alternating (eagle-eval's loop), so a load that comes and goes lands on both. `--draft METHOD` builds a
 random head of that method's shipped config shape and `--oracle P` drafts scripts/bench/oracle.py's known
-continuation (each token wrong with probability
-P) at that head's cost: where the time of a round goes at an acceptance set by construction.
+continuation (each token wrong with probability P) at that head's cost: where the time of a round goes at an
+acceptance set by construction.
 """
 
 import argparse
