@@ -236,7 +236,7 @@ def answer_turns(answer, conversations, max_new_tokens: int, max_length: int, en
 
 def with_every_row(sample: dict) -> dict:
     """vLLM samples the last token without running it, so it has no hidden states: zeros, which training never
-    reads (ttt.py supervises position p from rows <= T - 2; peagle_batch.py likewise)."""
+    reads (methods/eagle3/ttt.py supervises position p from rows <= T - 2; methods/peagle/batch.py likewise)."""
     t = len(sample["input_ids"])
     for key in ("aux_hidden", "final_hidden"):
         rows = sample[key]

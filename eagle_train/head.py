@@ -2,7 +2,7 @@
 
 `DraftHead` (the parts and checkpoint tensors all heads share) and the runtime's `KVCache` are used by every
 method (EAGLE-3, P-EAGLE and the block drafters DFlash and DSpark), `KVCache` also by the runtime's target model;
-the Llama `DecoderLayer` by EAGLE-3 and P-EAGLE (a block head's layers are `eagle_train.dflash.BlockLayer`);
+the Llama `DecoderLayer` by EAGLE-3 and P-EAGLE (a block head's layers are `eagle_train.methods.block.head.BlockLayer`);
 a method's row (`eagle_train.methods`) names its class, and `head_from_state` is the one way a head
 is rebuilt from saved tensors, whichever file they came from (eagle_train.checkpoint reads them).
 """

@@ -18,12 +18,19 @@ from pathlib import Path
 import yaml
 
 from eagle_train.architectures import check_supported
-from eagle_train.block_loss import CONFIDENCE_WEIGHT, NUM_ANCHORS
-from eagle_train.dflash import BLOCK_SIZE
-from eagle_train.peagle import NUM_DEPTHS
 from eagle_train.store import HIDDEN_FORMAT, MANIFEST, check_store_matches, read_manifest, read_vocab_map
-from eagle_train.ttt import REJECTION_WEIGHT, TTT_DECAY, TTT_LENGTH, TV_WEIGHT
 from eagle_train.vocab_map import check_draft_vocab_size
+
+# the methods' defaults, the fields below and the methods' own functions read (eagle_train.methods)
+TTT_LENGTH = 7  # EAGLE-3: unrolled draft steps
+TTT_DECAY = 0.8  # EAGLE-3: step i's loss weighs decay**i
+TV_WEIGHT = 0.0  # every method: the share of total variation in each draft's loss (soft cross-entropy alone)
+REJECTION_WEIGHT = 0.0  # EAGLE-3: the extra weight of a draft a chain walk rejects (every draft weighs 1)
+NUM_DEPTHS = 7  # P-EAGLE: K, drafts per forward, and the published P-EAGLE heads' K
+BLOCK_SIZE = 8  # DFlash and DSpark: slots per block, 7 drafts a forward for DFlash, 8 for DSpark
+NUM_ANCHORS = 32  # DFlash and DSpark: blocks per sequence
+CONFIDENCE_WEIGHT = 1.0  # DSpark: the confidence loss's weight
+MARKOV_RANK = 64  # DSpark: the Markov bias's rank
 
 EVERY_OFF = {
     "save_every": "only at the end",
@@ -52,16 +59,16 @@ class TrainConfig:
     ttt_length: int = TTT_LENGTH
     ttt_decay: float = TTT_DECAY
     tv_weight: float = TV_WEIGHT  # each draft's loss is (1 - w) soft CE + w total variation (every method)
-    # EAGLE-3: a draft the current head's chain walk gets rejected at weighs 1 + w (eagle_train.ttt.chain_rounds)
+    # EAGLE-3: a draft the current head's chain walk gets rejected at weighs 1 + w (eagle_train.distill.chain_rounds)
     rejection_weight: float = REJECTION_WEIGHT
-    # EAGLE-3: noise on the training batches' target hidden states, times each layer's RMS (eagle3_train.noisy_features)
+    # EAGLE-3: noise on the training batches' target hidden states, times each layer's RMS (distill.noisy_features)
     feature_noise: float = 0.0
-    # P-EAGLE (method peagle; checked by eagle_train.peagle_train.validate_peagle)
+    # P-EAGLE (method peagle; checked by eagle_train.methods.peagle.train.validate_peagle)
     num_depths: int = NUM_DEPTHS  # K: drafts per forward
     draft_num_layers: int | None = None  # N: None -> 2 below target hidden 2048, else 4
     mask_token_id: int | None = None  # None: a spare special token the data never uses
-    num_segments: int | None = None  # sequence partitioning; None -> peagle_batch.default_num_segments
-    # DFlash and DSpark (methods dflash, dspark; checked by eagle_train.block_train.validate_block); they share
+    num_segments: int | None = None  # sequence partitioning; None -> methods.peagle.batch.default_num_segments
+    # DFlash and DSpark (methods dflash, dspark; checked by eagle_train.methods.block.train.validate_block); they share
     # draft_num_layers (None: 1 below target hidden 2048, else 5) and mask_token_id with P-EAGLE
     block_size: int = BLOCK_SIZE  # slots per block: the anchor's and the masks'; DFlash drafts block_size - 1
     num_anchors: int = NUM_ANCHORS  # blocks per sequence and micro-batch, at random assistant positions

@@ -18,7 +18,6 @@ import importlib.util
 
 import torch
 
-from eagle_train.dflash import num_drafts
 from eagle_train.export import read_mask_embedding
 from eagle_train.export.draft_files import DraftFiles
 from eagle_train.export.layouts import (
@@ -30,6 +29,7 @@ from eagle_train.export.layouts import (
     detect_layout,
 )
 from eagle_train.methods import row
+from eagle_train.methods.block.head import num_drafts
 from engines.rules import SHARD_ORDER, EngineReport, check_target, check_vocab_map, stack
 
 

@@ -38,7 +38,8 @@ HIDDEN_STATES_CONNECTOR = ("engines.vllm_hidden_states", "SafetensorsHiddenState
 class BatchRun:
     """Greedy answers to a list of prompts from one engine; with hidden states, `samples` holds per prompt
     `input_ids` [T] (prompt + answer), `aux_hidden` [T - 1, 3H] and `final_hidden` [T - 1, H]: the last token
-    is sampled, never run, so it has no hidden state (training never reads it: ttt.py, peagle_batch.py)."""
+    is sampled, never run, so it has no hidden state (training never reads it: methods/eagle3/ttt.py,
+    methods/peagle/batch.py)."""
 
     version: str
     init_seconds: float

@@ -23,11 +23,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from eagle_train.checkpoint import load_draft_head, locate_head
-from eagle_train.dflash import num_drafts
 from eagle_train.export import export_head
 from eagle_train.export.draft_files import DraftFiles
 from eagle_train.export.layouts import block_read, block_settings, is_block
 from eagle_train.methods import row
+from eagle_train.methods.block.head import num_drafts
 from engines import vllm_child  # its missing() looked up when called: tests stand in for it
 from engines.rules import is_parallel
 from engines.vllm_child import ChildServer, VllmError

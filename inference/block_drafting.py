@@ -15,8 +15,8 @@ depends only on the chain above it, so acceptance stays lossless.
 
 import torch
 
-from eagle_train.dflash import block_attention_mask, num_drafts
 from eagle_train.methods import row
+from eagle_train.methods.block.head import block_attention_mask, num_drafts
 from inference.drafting import Drafter, DraftTree, TreeShape
 from inference.graphs import GraphedStep
 

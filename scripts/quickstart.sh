@@ -20,7 +20,7 @@ cd "$(dirname "$0")/.."
 DRAFTER=${DRAFTER:-eagle3}
 FAMILY=$(python -c 'import sys; from eagle_train.methods import METHODS as m; d = sys.argv[1]
 print(m[d].family) if d in m else sys.exit("DRAFTER=" + d + ": choose one of " + ", ".join(m))' "$DRAFTER")
-case "$FAMILY" in   # the method's drafting family (eagle_train/methods.py)
+case "$FAMILY" in   # the method's drafting family (eagle_train/methods/__init__.py)
   chain) DRAFTING=(--chain "${K:-1}"); METHOD=(ttt_length="${K:-1}") ;;
   *) DRAFTING=(--parallel "${K:-1}"); METHOD=() ;;   # the first K of one forward's drafts
 esac

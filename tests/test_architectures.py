@@ -92,8 +92,8 @@ def test_eagle_prep_refuses_a_target_training_cannot_take_before_loading_it(
 
 def test_training_refuses_a_target_it_cannot_take_before_loading_it(gpt2_dir, tmp_path, monkeypatch):
     from eagle_train import trainer
-    from eagle_train.eagle3_train import build_eagle3_head
     from eagle_train.methods import objective_for
+    from eagle_train.methods.eagle3.train import build_eagle3_head
     from eagle_train.train_config import load_train_config
 
     monkeypatch.setattr(trainer, "build_model", lambda *a: pytest.fail("the target loaded"))

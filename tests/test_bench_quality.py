@@ -11,8 +11,8 @@ import torch
 from conftest import load_script
 
 from eagle_train.checkpoint import load_draft_head
-from eagle_train.eagle3 import Eagle3Head
 from eagle_train.hidden_states import target_hidden_states
+from eagle_train.methods.eagle3.head import Eagle3Head
 from inference.drafting import TreeShape
 from inference.generate import Runtime
 

@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 from conftest import VD, H, V, as_target_logits, tiny_head
 
-from eagle_train.block_loss import block_loss, sample_anchors
-from eagle_train.dflash import block_attention_mask
-from eagle_train.ttt import target_distribution
+from eagle_train.distill import target_distribution
+from eagle_train.methods.block.head import block_attention_mask
+from eagle_train.methods.block.loss import block_loss, sample_anchors
 
 
 def random_batch(b=2, t=15, seed=0):

@@ -160,7 +160,7 @@ def f32_target():
 def random_block_head(model, method):
     """A random SmolLM2 head on 8192 of the 49152 tokens (a random sorted subset); DSpark's Markov W1 drawn too
     (it starts at zero), so its bias shapes every draft."""
-    from eagle_train.dflash import BlockHead
+    from eagle_train.methods.block.head import BlockHead
 
     torch.manual_seed(0)
     extra = dict(sample_from_anchor=True, markov_rank=64, confidence_head=True) if method == "dspark" else {}

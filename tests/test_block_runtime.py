@@ -12,8 +12,8 @@ from test_peagle_runtime import V, confident_target
 from test_runtime_sampling import chi_square_rejects
 
 from eagle_cli.evaluate import main
-from eagle_train.dflash import num_drafts
 from eagle_train.hidden_states import target_hidden_states
+from eagle_train.methods.block.head import num_drafts
 from inference.block_drafting import BlockDrafter
 from inference.drafting import TreeShape
 from inference.generate import Runtime
@@ -231,8 +231,8 @@ def test_eval_refuses_what_a_block_head_cannot_draft(tiny_llama_dir, tiny_block_
 def test_block_walk_over_the_greedy_text_is_what_the_runtime_accepts(case, k):
     """On the target's own greedy text, `block_loss.block_walk` runs the rounds greedy block drafting runs: as many
     verifications, emitting as many tokens, as `Runtime.generate` (quality.py's walk for block heads)."""
-    from eagle_train.block_loss import block_walk
     from eagle_train.hidden_states import TargetLogits
+    from eagle_train.methods.block.loss import block_walk
 
     model, head = few_token_pair(case)
     accepted = []

@@ -8,8 +8,8 @@ import pytest
 import torch
 from conftest import tiny_head
 
-from eagle_train.dflash import BlockHead
 from eagle_train.export import export_head
+from eagle_train.methods.block.head import BlockHead
 from eagle_train.target import SMOLLM2, end_of_turn_ids
 from engines import check_directory, vllm_child, vllm_decode
 from engines.block_rules import engine_settings, restated_hf_config, vllm_hf_config

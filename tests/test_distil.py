@@ -225,7 +225,7 @@ def test_turns_a_chat_template_refuses_are_left_out_and_counted():
 def test_the_trainer_reads_where_the_targets_argmax_is_off_a_distilled_stores_answers(smollm2, tmp_path):
     """A distilled store's answer tokens are the target's argmax, so the trainer takes `in_draft` from them and
     runs only the draft rows of the target's lm_head: the batch the whole-vocabulary pass gives, every turn."""
-    from eagle_train.eagle3_train import build_eagle3_head
+    from eagle_train.methods.eagle3.train import build_eagle3_head
     from eagle_train.train_config import load_train_config
     from eagle_train.trainer import build_model, micro_batch
 

@@ -9,7 +9,7 @@ from conftest import tiny_draft_config
 
 from eagle_cli.evaluate import main
 from eagle_train.checkpoint import load_draft_head
-from eagle_train.eagle3 import Eagle3Head
+from eagle_train.methods.eagle3.head import Eagle3Head
 
 
 def recount_al(record):

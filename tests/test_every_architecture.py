@@ -21,8 +21,8 @@ import pytest
 import torch
 from conftest import MATRIX, assert_same_forward, forward_rounding_atol, tiny_head
 
+from eagle_train.distill import target_distribution
 from eagle_train.hidden_states import TargetLogits, target_hidden_states
-from eagle_train.ttt import target_distribution
 from inference.drafting import TreeShape
 from inference.generate import Runtime
 from inference.hf_target import target_view
@@ -217,8 +217,8 @@ def test_data_train_export_and_evaluate_lossless(target, conversations_jsonl, tm
     from data_prep.cli import main as prep
     from eagle_cli.evaluate import main as evaluate
     from eagle_cli.export import main as export
-    from eagle_train.eagle3_train import build_eagle3_head
     from eagle_train.methods import objective_for
+    from eagle_train.methods.eagle3.train import build_eagle3_head
     from eagle_train.target import SMOLLM2, load_tokenizer
     from eagle_train.train_config import load_train_config
     from eagle_train.trainer import train

@@ -11,9 +11,9 @@ from safetensors.torch import load_file, save_file
 
 from eagle_cli.export import main as cli_main
 from eagle_train.checkpoint import load_draft_head
-from eagle_train.eagle3 import Eagle3Head
 from eagle_train.export import LAYOUTS, export_head
 from eagle_train.export.draft_files import DraftFiles
+from eagle_train.methods.eagle3.head import Eagle3Head
 from eagle_train.train_checkpoint import STATE_FILE
 from engines import ENGINES, check_directory
 from engines.rules import engine_state, head_from_engine_state, head_shapes

@@ -131,8 +131,8 @@ def test_bad_input_is_refused_before_compute():
 def test_real_smollm2_head_loss(smollm2):
     """On SmolLM2's real hidden states and target distribution over a 32k draft vocab, the fused
     loss and gradient equal the TTT reference (`lm_head(norm(h))`, log_softmax) in fp32."""
-    from eagle_train.eagle3 import Eagle3Head
     from eagle_train.hidden_states import target_hidden_states
+    from eagle_train.methods.eagle3.head import Eagle3Head
 
     model, tokenizer = smollm2
     ids = tokenizer("The capital of France is Paris. The capital of Italy is", return_tensors="pt")["input_ids"]
@@ -231,8 +231,8 @@ def test_ttt_loss_fused_equals_log_softmax_path(tiny_llama, ttt_length, tv_weigh
     """`ttt_loss(fused_loss=True)` (config key fused_loss) gives the log_softmax path's loss,
     per-step metrics and head gradients, with right padding and partial loss masks, with and
     without total variation in the mix."""
-    from eagle_train.eagle3 import Eagle3Head
-    from eagle_train.ttt import ttt_loss
+    from eagle_train.methods.eagle3.head import Eagle3Head
+    from eagle_train.methods.eagle3.ttt import ttt_loss
 
     model, _ = tiny_llama
     torch.manual_seed(0)

@@ -40,6 +40,32 @@ def test_a_package_imports_only_the_layers_below_it(package):
     assert not wrong, f"{package} may import only {sorted(MAY_IMPORT[package])}; these reach further: {wrong}"
 
 
+def method_folder(module: str) -> str | None:
+    """The method folder a module belongs to (`eagle_train.methods.<folder>...`); None for the core and the registry."""
+    parts = module.split(".")
+    return parts[2] if parts[:2] == ["eagle_train", "methods"] and len(parts) > 2 else None
+
+
+def test_the_core_and_each_method_folder_import_no_other_method_folder():
+    """Inside eagle_train a method folder (`eagle_train/methods/<folder>/`) may import the core and the registry
+    (`eagle_train.methods`), never another method folder, and the core imports no method folder: what two methods
+    share lives in the core (`eagle_train.distill`), and the core reaches a method only through its row."""
+    paths = {module_name(m): m for m in sorted((REPO / "eagle_train").rglob("*.py"))}
+    assert {method_folder(name) for name in paths} >= {"eagle3", "peagle", "block"}
+    wrong = {
+        name: sorted(reached)
+        for name, path in paths.items()
+        if (
+            reached := {
+                other
+                for other in imported_modules(path, set(paths))
+                if method_folder(other) not in (None, method_folder(name))
+            }
+        )
+    }
+    assert not wrong, f"these reach into another method's folder: {wrong}"
+
+
 def module_name(path: Path) -> str:
     return ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
 

@@ -301,8 +301,8 @@ def target_gguf():
 @pytest.fixture(scope="module")
 def random_head(smollm2, tmp_path_factory):
     """An untrained SmolLM2 head saved as a checkpoint and exported to GGUF: (directory, gguf)."""
-    from eagle_train.eagle3 import Eagle3Head
     from eagle_train.export.gguf import export_gguf
+    from eagle_train.methods.eagle3.head import Eagle3Head
     from eagle_train.target import SMOLLM2
 
     torch.manual_seed(0)

@@ -1,5 +1,6 @@
-"""A method is one row: a fifth method, registered as a row alone (its head class, builder and objective named
-by reference), trains, exports and is evaluated by the built-in runtime with no other file changed."""
+"""A method is one folder plus one row: a fifth method (`tests/twin_method/`: its head class and builder), registered
+as a row naming them by reference, trains, exports and is evaluated by the built-in runtime with no other file
+changed."""
 
 import dataclasses
 import json
@@ -8,18 +9,12 @@ import pytest
 
 from eagle_train import methods
 
-
-def build_twin_head(cfg, target_model, vocab_map):
-    """The fifth method's builder: EAGLE-3's head, under the fifth method's name."""
-    from eagle_train.eagle3_train import build_eagle3_head
-
-    head = build_eagle3_head(cfg, target_model, vocab_map)
-    head.config.method = "eagle3_twin"
-    return head
-
-
 TWIN = dataclasses.replace(
-    methods.METHODS["eagle3"], title="EAGLE-3 twin", build_head_at="test_methods:build_twin_head", layouts=("eagle3",)
+    methods.METHODS["eagle3"],
+    title="EAGLE-3 twin",
+    head_at="twin_method.head:TwinHead",
+    build_head_at="twin_method.train:build_twin_head",
+    layouts=("eagle3",),
 )
 
 
@@ -46,7 +41,7 @@ def test_a_fifth_method_is_one_row(monkeypatch, tiny_llama_dir, small_tokenized,
         + ["tokens_per_batch=256", "max_length=128", "eval_fraction=0", "report_to=none", "save_every=0"]
     )
     head = load_draft_head(run / "final")
-    assert head.config.method == "eagle3_twin" and type(head).__name__ == "Eagle3Head"
+    assert head.config.method == "eagle3_twin" and type(head).__name__ == "TwinHead"
     with pytest.raises(SystemExit) as exported:  # vLLM's rules: the tiny target's layers suit its aux layer ids
         export(
             [str(run / "final"), "--format", "eagle3", "--out", str(out), "--target", str(tiny_llama_dir)]

@@ -9,11 +9,11 @@ import torch
 from conftest import NH, D, H, V, tiny_head, tiny_target_config
 from safetensors import safe_open
 
-from eagle_train import peagle_batch as pb
 from eagle_train.checkpoint import load_draft_head
 from eagle_train.export import export_head
 from eagle_train.export.draft_files import DraftFiles
-from eagle_train.peagle import PEagleHead
+from eagle_train.methods.peagle import batch as pb
+from eagle_train.methods.peagle.head import PEagleHead
 from engines import check_directory
 from engines.rules import engine_state, head_from_engine_state
 

@@ -5,9 +5,9 @@ import torch
 from conftest import NH, NKV, VD, D, H, K, V, tiny_draft_config, tiny_head
 from safetensors.torch import load_file
 
-from eagle_train import peagle_batch as pb
 from eagle_train.checkpoint import load_draft_head
-from eagle_train.peagle import PEagleHead
+from eagle_train.methods.peagle import batch as pb
+from eagle_train.methods.peagle.head import PEagleHead
 from inference.drafting import TreeShape
 from inference.parallel_drafting import ParallelDrafter
 from inference.sampling import Sampler

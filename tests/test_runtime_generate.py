@@ -4,7 +4,7 @@ import pytest
 import torch
 from conftest import EagerStep, load_script, tiny_pair
 
-from eagle_train.eagle3 import Eagle3Head
+from eagle_train.methods.eagle3.head import Eagle3Head
 from inference.drafting import TreeShape
 from inference.evaluate import chat_ids, load_bench
 from inference.generate import Runtime
@@ -238,8 +238,9 @@ def test_chain_walk_over_the_greedy_text_is_what_the_runtime_accepts(k):
     the rounds greedy chain drafting runs: as many verifications, emitting as many tokens, as `Runtime.generate`;
     sample by sample (quality.py's walk, scripts/bench/sampled_acceptance.py's) and in the trainer's eval, whose
     objective walks a padded batch of the same samples (its metrics give chain_al)."""
+    from eagle_train.distill import target_distribution
     from eagle_train.hidden_states import TargetLogits, target_hidden_states
-    from eagle_train.ttt import chain_walk, target_distribution, ttt_loss
+    from eagle_train.methods.eagle3.ttt import chain_walk, ttt_loss
 
     sampled = load_script("bench/sampled_acceptance.py")
 

@@ -132,7 +132,7 @@ def test_few_row_linear_equals_linear(rows):
 
 def test_few_row_linears_keep_the_head_and_its_state_dict():
     from eagle_train.draft_config import DraftConfig
-    from eagle_train.eagle3 import Eagle3Head
+    from eagle_train.methods.eagle3.head import Eagle3Head
     from inference.llama import FewRowLinear, use_few_row_linears
 
     model = tiny_target(**TARGET, **BIAS["llama"])

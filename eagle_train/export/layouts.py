@@ -39,12 +39,11 @@ from types import SimpleNamespace
 
 import torch
 
-from eagle_train.dflash import num_drafts
 from eagle_train.draft_config import DraftConfig, target_rope
 from eagle_train.hidden_states import engine_aux_layer_ids
-from eagle_train.methods import METHODS, family_of
-from eagle_train.peagle import NUM_DEPTHS
+from eagle_train.methods import METHODS, family_of, row
 from eagle_train.target import HUB_IDS
+from eagle_train.train_config import NUM_DEPTHS
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 PROVENANCE_KEY = "eagle_train"  # our own block in config.json; every engine ignores unknown keys
@@ -323,6 +322,12 @@ def dspark_keys(cfg: DraftConfig) -> dict:
     return keys
 
 
+SPECULATORS_BLOCK_KEYS = {  # speculators' block algorithms and the keys each writes beyond the common ones
+    "dflash": lambda cfg: {"sliding_window_non_causal": not cfg.causal},  # vLLM: dflash_config.causal = not this
+    "dspark": dspark_keys,
+}
+
+
 def block_common(cfg: DraftConfig, dtype: torch.dtype) -> dict:
     config = {**qwen3_keys(cfg, dtype), "block_size": cfg.block_size, "draft_vocab_size": cfg.draft_vocab_size}
     if cfg.target_hidden_size != cfg.hidden_size:
@@ -377,15 +382,12 @@ def block_speculators_config(cfg: DraftConfig, dtype: torch.dtype, extra: dict) 
         "torch_dtype": DTYPE_NAMES[dtype],
         "speculators_config": {
             "algorithm": cfg.method,
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": num_drafts(cfg)}],
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": row(cfg.method).drafts(cfg)}],
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": verifier, "architectures": list(cfg.target_architectures)},
         },
     }
-    if cfg.method == "dflash":
-        config["sliding_window_non_causal"] = not cfg.causal  # vLLM: dflash_config.causal = not this
-    else:
-        config.update(dspark_keys(cfg))
+    config.update(SPECULATORS_BLOCK_KEYS[cfg.method](cfg))
     config[PROVENANCE_KEY] = provenance(cfg, extra)
     return config
 
@@ -397,7 +399,7 @@ def block_settings(config: dict) -> dict:
     dflash = config.get("dflash_config") or {}
     if family_of(config.get("speculators_model_type")) == "block":
         method, aux = config["speculators_model_type"], config.get("aux_hidden_state_layer_ids")
-        causal = not config.get("sliding_window_non_causal", True) if method == "dflash" else config.get("is_causal")
+        causal = config.get("is_causal", not config.get("sliding_window_non_causal", True))
         from_anchor = config.get("sample_from_anchor", False)
     elif is_dflash(config):
         method, causal = "dflash", config.get("is_causal", dflash.get("causal"))

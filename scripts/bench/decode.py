@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from eagle_train.eagle3 import Eagle3Head
+from eagle_train.methods.eagle3.head import Eagle3Head
 from eagle_train.vocab_map import DRAFT_VOCAB_SIZE
 from inference.drafting import TreeShape
 from inference.generate import Runtime

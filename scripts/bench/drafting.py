@@ -20,8 +20,8 @@ import time
 import torch
 
 from eagle_train.checkpoint import load_draft_head
-from eagle_train.eagle3 import Eagle3Head
-from eagle_train.peagle import PEagleHead
+from eagle_train.methods.eagle3.head import Eagle3Head
+from eagle_train.methods.peagle.head import PEagleHead
 from eagle_train.target import load_target, load_target_config
 from inference.drafting import Drafter, TreeShape
 from inference.graphs import GraphedStep

@@ -13,7 +13,7 @@ Sections (`--only` picks some; each prints a table and goes into the JSON):
   (`data_prep.capture.capture_batch` + the store writer).
 - train: EAGLE-3 TTT training tokens/s on real batches and the head's MFU (fwd+bwd FLOPs counted by
   torch's FlopCounterMode / step time / the GPU's bf16 dense peak).
-Everything runs through the project's own functions (inference.generate.Runtime, eagle_train.ttt,
+Everything runs through the project's own functions (inference.generate.Runtime, eagle_train.methods.eagle3.ttt,
 data_prep.capture); nothing here is a second implementation.
 """
 
@@ -88,7 +88,7 @@ def bench_kernels(args, device) -> dict:
     probs = torch.softmax(torch.randn(n, vd, device=device, generator=g) * 3, dim=-1)
     supervised = torch.rand(n, device=device, generator=g) < 0.7
 
-    def reference(tv_weight):  # eagle_train.ttt.step_loss
+    def reference(tv_weight):  # eagle_train.methods.eagle3.ttt.step_loss
         def run():
             logits = torch.nn.functional.linear(x, weight)
             logp = torch.log_softmax(logits.float(), dim=-1)
@@ -419,8 +419,8 @@ def bench_capture(args, device, model, tokenizer) -> dict:
 def bench_train(args, device, model, tokenizer) -> dict:
     from torch.utils.flop_counter import FlopCounterMode
 
-    from eagle_train.eagle3_train import build_eagle3_head
     from eagle_train.methods import objective_for
+    from eagle_train.methods.eagle3.train import build_eagle3_head
     from eagle_train.store import read_vocab_map
     from eagle_train.train_config import TrainConfig
     from eagle_train.trainer import BatchSource, HeadRunner, draw_seed, micro_batch

@@ -33,7 +33,7 @@ guess is, to compare runs on other targets or prompts.
 Five prompts of 64 tokens cannot tell heads 0.03 AL apart. So each point also walks the chain (K = --chain)
 over the target's greedy answers to the first turns of the first --walk-prompts prompts of each bench (made
 once, batched, --walk-new-tokens long, with their hidden states): `ttt.chain_walk` (a block head:
-`block_loss.block_walk`) over the head's top-1
+`methods.block.loss.block_walk`) over the head's top-1
 agreement on that text runs the rounds greedy chain decoding runs there, without decoding
 (tests/test_runtime_generate.py checks it against the runtime), at ~20x the tokens in seconds.
 
@@ -61,14 +61,14 @@ from pathlib import Path
 import torch
 
 from data_prep.distil import generate_and_capture
-from eagle_train.block_loss import block_walk
 from eagle_train.checkpoint import load_draft_head
 from eagle_train.hidden_states import TargetLogits
 from eagle_train.methods import row
+from eagle_train.methods.block.loss import block_walk
+from eagle_train.methods.eagle3.ttt import chain_walk
 from eagle_train.target import end_of_turn_ids, load_target
 from eagle_train.train_checkpoint import finished_at, newest_checkpoint
 from eagle_train.train_config import load_train_config
-from eagle_train.ttt import chain_walk
 from inference.drafting import TreeShape
 from inference.evaluate import BENCHES, chat_ids, load_bench, run_bench, summarise
 from inference.generate import Runtime

@@ -24,8 +24,7 @@ from torch import nn
 from eagle_train.architectures import text_config
 from eagle_train.draft_config import DraftConfig
 from eagle_train.head import DecoderLayer, DraftHead, KVCache, LayerCaches
-
-NUM_DEPTHS = 7  # K, drafts per forward: the default, and the published P-EAGLE heads' K
+from eagle_train.train_config import NUM_DEPTHS
 
 
 def default_num_hidden_layers(target_hidden_size: int) -> int:
@@ -33,27 +32,6 @@ def default_num_hidden_layers(target_hidden_size: int) -> int:
     draft is then a sizeable fraction of the target already), 4 from there on, the depth the
     published P-EAGLE heads for 8B-class targets use."""
     return 2 if target_hidden_size < 2048 else 4
-
-
-def choose_mask_token_id(tokenizer, token_counts: torch.Tensor | None = None) -> int:
-    """A reserved token the training data never uses: the highest added/special token id that
-    is not bos/eos/pad/unk, does not occur in the chat template and (given the data's token
-    counts) never occurs in the data. SmolLM2 -> 16 (`<empty_output>`)."""
-    used = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
-    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
-    candidates = []
-    for token_id, token in tokenizer.added_tokens_decoder.items():
-        if token_id in used or token.content in template:
-            continue
-        if token_counts is not None and token_id < len(token_counts) and token_counts[token_id] > 0:
-            continue
-        candidates.append(token_id)
-    if not candidates:
-        raise ValueError(
-            "the tokenizer has no spare special token to use as the P-EAGLE mask token; "
-            "set `mask_token_id` in the run config to an id the training data never contains"
-        )
-    return max(candidates)
 
 
 @functools.cache

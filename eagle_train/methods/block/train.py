@@ -1,5 +1,5 @@
 """The block drafters' plug-ins for the shared trainer loop (`eagle_train.trainer.train`): the head builder,
-the objective (blocks at random anchors, `eagle_train.block_loss`) and the checks of their keys.
+the objective (blocks at random anchors, `eagle_train.methods.block.loss`) and the checks of their keys.
 
 `method: dflash` trains a DFlash head (block_size - 1 drafts a forward); `method: dspark` the same head with
 DSpark's options on: the anchor's slot drafts too (`sample_from_anchor`), the Markov bias of rank
@@ -9,11 +9,10 @@ DSpark's options on: the anchor's slot drafts too (`sample_from_anchor`), the Ma
 import torch
 
 from eagle_train.architectures import text_config
-from eagle_train.block_loss import block_loss, default_gamma, sample_anchors
-from eagle_train.checkpoint import load_draft_head
-from eagle_train.dflash import MARKOV_RANK, BlockHead
-from eagle_train.eagle3_train import noisy_features
-from eagle_train.peagle_train import check_layers_and_mask, mask_token_for
+from eagle_train.distill import check_layers_and_mask, head_from_init, mask_token_for, noisy_features
+from eagle_train.methods.block.head import BlockHead
+from eagle_train.methods.block.loss import block_loss, default_gamma, sample_anchors
+from eagle_train.train_config import MARKOV_RANK
 from eagle_train.warm_start import warm_start_from_target
 
 
@@ -31,16 +30,7 @@ def build_block_head(cfg, target_model, vocab_map: dict | None) -> BlockHead:
     spare special token the data never uses; with `warm_start`, its norm and lm_head are the target's), or the head
     of the same method at `init_from`."""
     if cfg.init_from:
-        head = load_draft_head(cfg.init_from, target_model)
-        if head.config.method != cfg.method:
-            raise ValueError(f"init_from {cfg.init_from} holds a {head.config.method} head, not a {cfg.method} head")
-        head.config.check_fits(target_model.config)
-        if head.config.block_size != cfg.block_size:
-            raise ValueError(
-                f"init_from {cfg.init_from} has block_size {head.config.block_size}, the run asks for "
-                f"{cfg.block_size}: set block_size={head.config.block_size}"
-            )
-        return head
+        return head_from_init(cfg, target_model, block_size=cfg.block_size)
     mask_token_id = mask_token_for(cfg, vocab_map)
     head = BlockHead.from_target(
         target_model,

@@ -1,12 +1,12 @@
 """EAGLE-3's two plug-ins for the shared trainer loop (`eagle_train.trainer.train`): the head
-builder and the objective (one training-time-test unroll per micro-batch, `eagle_train.ttt`)."""
+builder and the objective (one training-time-test unroll per micro-batch, `eagle_train.methods.eagle3.ttt`)."""
 
 import torch
 
-from eagle_train.checkpoint import load_draft_head
-from eagle_train.eagle3 import Eagle3Head
+from eagle_train.distill import head_from_init, noisy_features
+from eagle_train.methods.eagle3.head import Eagle3Head
+from eagle_train.methods.eagle3.ttt import ttt_loss
 from eagle_train.train_config import TrainConfig
-from eagle_train.ttt import ttt_loss
 from eagle_train.warm_start import warm_start_from_target
 
 
@@ -15,11 +15,7 @@ def build_eagle3_head(cfg: TrainConfig, target_model, vocab_map: dict | None) ->
     and lm_head are the target's), or the head at `init_from` (an eagle-train head/checkpoint or an
     engine-layout EAGLE-3 dir), which keeps its own vocab map."""
     if cfg.init_from:
-        head = load_draft_head(cfg.init_from, target_model)
-        if head.config.method != "eagle3":
-            raise ValueError(f"init_from {cfg.init_from} holds a {head.config.method} head, not an EAGLE-3 head")
-        head.config.check_fits(target_model.config)
-        return head
+        return head_from_init(cfg, target_model)
     head = Eagle3Head.from_target(
         target_model, draft_vocab_size=len(vocab_map["d2t"]), aux_layer_ids=cfg.aux_layer_ids, target=cfg.target
     )
@@ -31,7 +27,7 @@ def build_eagle3_head(cfg: TrainConfig, target_model, vocab_map: dict | None) ->
 
 def eagle3_objective(cfg: TrainConfig):
     """The trainer's objective for EAGLE-3, from the run's config: one TTT unroll and one backward per micro-batch
-    (training batches with `feature_noise`, see `noisy_features`; evaluation, under no_grad, without)."""
+    (training batches with `feature_noise`, see `distill.noisy_features`; evaluation, under no_grad, without)."""
     feature_noise = cfg.feature_noise
     loss_options = {
         "ttt_length": cfg.ttt_length,
@@ -59,13 +55,3 @@ def eagle3_objective(cfg: TrainConfig):
         return metrics
 
     return objective
-
-
-def noisy_features(aux_hidden, scale: float, generator):
-    """The target's fused hidden states [B, T, 3H] plus Gaussian noise, for each of the three layers of each
-    token `scale` times that layer's RMS there: an augmentation against a head that memorises a small store
-    (the layers' scales differ about tenfold, so one absolute level would drown the low layer)."""
-    layers = aux_hidden.unflatten(-1, (3, -1))
-    rms = layers.pow(2).mean(-1, keepdim=True).sqrt()
-    noise = torch.randn(layers.shape, generator=generator).to(layers.device, layers.dtype)
-    return (layers + scale * rms * noise).flatten(-2)

@@ -3,7 +3,7 @@ builder and the objective.
 
 `objective(model, batch, backward) -> metrics`, with the trainer's batch (`input_ids`, `loss_mask`,
 `aux_hidden`, and the target distribution `target_probs` [B, T, Vd] / `in_draft` [B, T] from
-`ttt.target_distribution`, the very tensors EAGLE-3 trains on). Per batch: sample the (anchor,
+`distill.target_distribution`, the very tensors EAGLE-3 trains on). Per batch: sample the (anchor,
 depth) elements, split them into `num_segments` sequence segments, and run one forward+backward
 per segment through `model(fn, ...)` (so DDP/FSDP see every pass). Each segment's loss is its
 owned supervised loss (soft cross-entropy, or its mix with total variation) divided by the
@@ -19,30 +19,19 @@ import contextlib
 
 import torch
 
-from eagle_train import peagle_batch as pb
 from eagle_train.architectures import text_config
-from eagle_train.checkpoint import load_draft_head
+from eagle_train.distill import check_layers_and_mask, head_from_init, mask_token_for
 from eagle_train.fused_ce import soft_cross_entropy
-from eagle_train.peagle import PEagleHead, choose_mask_token_id
-from eagle_train.target import load_tokenizer
-from eagle_train.train_config import launched_with
-from eagle_train.ttt import TV_WEIGHT
+from eagle_train.methods.peagle import batch as pb
+from eagle_train.methods.peagle.head import PEagleHead
+from eagle_train.train_config import TV_WEIGHT, launched_with
 
 
 def build_peagle_head(cfg, target_model, vocab_map: dict | None) -> PEagleHead:
     """A new P-EAGLE head for the target with the data's vocab map (mask token: `cfg.mask_token_id`
     or a spare special token the data never uses), or the P-EAGLE head at `init_from`."""
     if cfg.init_from:
-        head = load_draft_head(cfg.init_from, target_model)
-        if head.config.method != "peagle":
-            raise ValueError(f"init_from {cfg.init_from} holds a {head.config.method} head, not a P-EAGLE head")
-        head.config.check_fits(target_model.config)
-        if head.config.num_depths != cfg.num_depths:
-            raise ValueError(
-                f"init_from {cfg.init_from} drafts K={head.config.num_depths} tokens per pass but "
-                f"num_depths={cfg.num_depths}: set num_depths={head.config.num_depths}"
-            )
-        return head
+        return head_from_init(cfg, target_model, num_depths=cfg.num_depths)
     mask_token_id = mask_token_for(cfg, vocab_map)
     head = PEagleHead.from_target(
         target_model,
@@ -74,24 +63,6 @@ def validate_peagle(cfg, target_config) -> None:
             "optimizer inside every backward: set num_segments=1, or train with DDP or FSDP"
         )
     check_layers_and_mask(cfg, vocab)
-
-
-def mask_token_for(cfg, vocab_map: dict) -> int:
-    """`cfg.mask_token_id`, or a spare special token the data (its vocab map's counts) never uses."""
-    if cfg.mask_token_id is not None:
-        return cfg.mask_token_id
-    return choose_mask_token_id(load_tokenizer(cfg.target), vocab_map.get("counts"))
-
-
-def check_layers_and_mask(cfg, vocab: int) -> None:
-    """The keys P-EAGLE and the block drafters share: `draft_num_layers` and `mask_token_id`."""
-    if cfg.draft_num_layers is not None and cfg.draft_num_layers < 1:
-        raise ValueError(f"draft_num_layers must be >= 1 (or null for the default), got {cfg.draft_num_layers}")
-    if cfg.mask_token_id is not None and not 0 <= cfg.mask_token_id < vocab:
-        raise ValueError(
-            f"mask_token_id {cfg.mask_token_id} is outside the target vocabulary [0, {vocab}); "
-            "leave it null to pick a spare special token"
-        )
 
 
 def segments_for(cfg) -> int:
@@ -138,7 +109,7 @@ def segment_loss(head, seg: pb.Elements, batch, total, tv_weight: float = TV_WEI
 
 class PEagleObjective:
     """`num_segments`: sequence partition count (1 = no partitioning; see
-    `peagle_batch.default_num_segments`). Depth sampling draws from the batch's `generator` (the
+    `batch.default_num_segments`). Depth sampling draws from the batch's `generator` (the
     trainer seeds one per micro-batch: `trainer.draw_seed`), else from torch's global RNG."""
 
     def __init__(self, num_depths: int, num_segments: int = 1, tv_weight: float = TV_WEIGHT):

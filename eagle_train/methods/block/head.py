@@ -32,10 +32,8 @@ from eagle_train.architectures import text_config
 from eagle_train.draft_config import DraftConfig
 from eagle_train.head import DraftHead, KVCache, LayerCaches
 from eagle_train.layers import MLP, Attention, RMSNorm
-
-BLOCK_METHODS = ("dflash", "dspark")
-BLOCK_SIZE = 8  # slots per block, the default: 7 drafts a forward for DFlash, 8 for DSpark
-MARKOV_RANK = 64  # DSpark's Markov bias rank, the default
+from eagle_train.methods import family_of
+from eagle_train.train_config import BLOCK_SIZE
 
 
 def default_num_hidden_layers(target_hidden_size: int) -> int:
@@ -98,9 +96,9 @@ class BlockHead(DraftHead):
     fused_first_layer = False
 
     def __init__(self, cfg: DraftConfig):
-        if cfg.method not in BLOCK_METHODS or cfg.mask_token_id is None or not cfg.block_size:
+        if family_of(cfg.method) != "block" or cfg.mask_token_id is None or not cfg.block_size:
             raise ValueError(
-                f"BlockHead needs a config with method dflash or dspark, mask_token_id and block_size "
+                f"BlockHead needs a config with a block method (dflash, dspark), mask_token_id and block_size "
                 f"(got method={cfg.method!r}, mask_token_id={cfg.mask_token_id}, block_size={cfg.block_size})"
             )
         if num_drafts(cfg) < 1:
