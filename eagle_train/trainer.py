@@ -532,7 +532,7 @@ def refuse_non_finite_step(run: Run, loss: float, grad_norm, group: list[list[in
     )
 
 
-def evaluate(run: Run, objective, when: str) -> dict | None:
+def held_out_metrics(run: Run, objective, when: str) -> dict | None:
     """Pooled metrics over the eval micro-batches, split round-robin over processes, logged as
     `eval <when>`. Processes with fewer batches repeat one without counting it, so sharded models
     see the same number of passes."""
@@ -639,7 +639,7 @@ def train(cfg: TrainConfig, build_head, objective) -> dict:
     )
     warn_idle_cores(run.accelerator, world)
     if state["step"] == 0:
-        result["eval_before"] = evaluate(run, objective, "before training")
+        result["eval_before"] = held_out_metrics(run, objective, "before training")
 
     # stopping is a kill right after that step's checkpoint: no final eval, no final head
     stopping = state["step"] < cfg.stop_after_step < run.total_steps
@@ -658,7 +658,7 @@ def train(cfg: TrainConfig, build_head, objective) -> dict:
                     log_metrics(run, metrics, "train")
                     show_step(bar, metrics, run)
                     if cfg.eval_every and state["step"] % cfg.eval_every == 0 and state["step"] < run.total_steps:
-                        evaluate(run, objective, f"step {state['step']}")
+                        held_out_metrics(run, objective, f"step {state['step']}")
                     if cfg.save_every and state["step"] % cfg.save_every == 0:
                         last_saved = save_checkpoint(run)
                     if state["step"] >= end:
@@ -670,7 +670,7 @@ def train(cfg: TrainConfig, build_head, objective) -> dict:
         if last_saved is None or last_saved.name != f"checkpoint-{state['step']}":
             last_saved = save_checkpoint(run)
         if not stopping:
-            result["eval_after"] = evaluate(run, objective, "after training")
+            result["eval_after"] = held_out_metrics(run, objective, "after training")
             write_final_head(run, last_saved)
     finally:
         run.accelerator.end_training()  # what was logged reaches TensorBoard / wandb even when the run stops

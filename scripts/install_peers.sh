@@ -12,13 +12,16 @@
 # exist"), and transformers imports torchvision whenever it is installed, so `from transformers import
 # PreTrainedModel` breaks. Neither peer's code imports them, so, as scripts/install_vllm.sh does, the ones that fail
 # go (pip check then names them as missing requirements of speculators, which is expected).
-# Idempotent: an existing .venv-peers is reused and pip skips what is already there.
+# Idempotent: an existing .venv-peers is reused, and pip runs only when it lacks one of the three pinned versions.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv-peers/bin/python ] || python3 -m venv .venv-peers
 PY=.venv-peers/bin/python
-"$PY" -m pip install -q torch==2.13.0
-"$PY" -m pip install -q speculators==0.9.0 'dflash[local]==0.1.0' torch==2.13.0
+if ! "$PY" -c "from importlib.metadata import version as v
+assert (v('torch'), v('speculators'), v('dflash')) == ('2.13.0+cpu', '0.9.0', '0.1.0')" 2>/dev/null; then
+  "$PY" -m pip install -q torch==2.13.0
+  "$PY" -m pip install -q speculators==0.9.0 'dflash[local]==0.1.0' torch==2.13.0
+fi
 for media in torchvision torchaudio; do
   if "$PY" -m pip show -q "$media" 2>/dev/null && ! "$PY" -c "import $media" 2>/dev/null; then
     "$PY" -m pip uninstall -y -q "$media"

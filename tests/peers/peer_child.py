@@ -26,7 +26,8 @@ Ops (request["op"]):
       dflash_config {target_layer_ids, mask_token_id, ...}, is_causal, ...).
 - load_and_run {library, dir, inputs, out, [verifier | target], [attn], [ttt_steps], [dtype]}: load dir with the
   library's own loader (the files as written; the only in-memory changes are a verifier path when
-  request["verifier"] is given, and the attention implementation when request["attn"] is) and run one forward.
+  request["verifier"] is given, and the attention implementation: request["attn"], for speculators "eager" unless
+  "flex" is asked for, for dflash sdpa as its benchmark loads it) and run one forward.
 
 Forward inputs (tensors in the inputs safetensors file; B = 1, since the peers pack sequences into one row):
 
@@ -133,8 +134,11 @@ def speculators_classes(name: str):
 
 
 def set_attn(config, attn: str | None) -> None:
-    if attn:
-        config.transformer_layer_config._attn_implementation = SPECULATORS_ATTN.get(attn, attn)
+    """speculators' models default to flex attention (a BlockMask in 128-token blocks, which its trainer pads
+    to): on a CPU that runs unfused, and with ttt_steps > 1 fails unless T is a multiple of 128. "eager" (the
+    default here) builds the same mask dense (speculators/models/attention.py create_float_mask)."""
+    attn = attn or "eager"
+    config.transformer_layer_config._attn_implementation = SPECULATORS_ATTN.get(attn, attn)
 
 
 def speculators_build(req: dict):
@@ -161,8 +165,11 @@ def speculators_build(req: dict):
     randomize(model, seed)
     if model.use_draft_vocab:
         ids = req.get("draft_token_ids")
-        ids = torch.tensor(ids) if ids is not None else random_draft_ids(model.verifier_vocab_size,
-                                                                          model.draft_vocab_size, seed)
+        ids = (
+            torch.tensor(ids)
+            if ids is not None
+            else random_draft_ids(model.verifier_vocab_size, model.draft_vocab_size, seed)
+        )
         model.load_vocab_mappings(*vocab_maps(ids, model.verifier_vocab_size))
     if verifier:
         # from_training_args' order: the maps, then the verifier's embed_tokens (and, for a full-vocabulary
@@ -177,12 +184,23 @@ def speculators_build(req: dict):
 
 def speculators_load(req: dict):
     from speculators import SpeculatorModel, SpeculatorModelConfig
+    from speculators.model import DraftVocabMixin
+    from speculators.models.eagle3 import Eagle3DraftModel
 
     config = SpeculatorModelConfig.from_pretrained(req["dir"])
     if "verifier" in req:  # in memory only: the files stay as written
         config.speculators_config.verifier.name_or_path = req["verifier"]
     set_attn(config, req.get("attn"))
-    return SpeculatorModel.from_pretrained(req["dir"], config=config)
+    if config.speculators_config.verifier.name_or_path is not None:
+        return SpeculatorModel.from_pretrained(req["dir"], config=config)
+    # No verifier: DraftVocabMixin skips the verifier's weights (model.py _load_verifier_weights returns), but
+    # Eagle3DraftModel.load_verifier_weights then calls AutoConfig.from_pretrained(None) (eagle3/core.py) and
+    # fails; for this load it is the mixin's, so what the checkpoint lacks stays NaN (see nan_parameters).
+    Eagle3DraftModel.load_verifier_weights = DraftVocabMixin.load_verifier_weights
+    try:
+        return SpeculatorModel.from_pretrained(req["dir"], config=config)
+    finally:
+        del Eagle3DraftModel.load_verifier_weights
 
 
 def speculators_forward(model, inputs: dict, req: dict) -> dict:
@@ -197,8 +215,9 @@ def speculators_forward(model, inputs: dict, req: dict) -> dict:
         steps = []
         hook = model.lm_head.register_forward_hook(lambda _m, _i, o: steps.append(o.detach().clone()))
         try:
-            draft_tokens = model(hidden, ids, document_ids, position_ids=position_ids,
-                                 ttt_steps=int(req.get("ttt_steps", 1)))
+            draft_tokens = model(
+                hidden, ids, document_ids, position_ids=position_ids, ttt_steps=int(req.get("ttt_steps", 1))
+            )
         finally:
             hook.remove()
         out["logits"] = steps[0]
@@ -225,8 +244,15 @@ def speculators_forward(model, inputs: dict, req: dict) -> dict:
     saved = module.compute_metrics
     module.compute_metrics = catch
     try:
-        model(hidden, ids, loss_mask, torch.zeros(1, T, model.hidden_size, dtype=model.dtype), document_ids,
-              position_ids=position_ids, max_anchors=int(anchors.numel()))
+        model(
+            hidden,
+            ids,
+            loss_mask,
+            torch.zeros(1, T, model.hidden_size, dtype=model.dtype),
+            document_ids,
+            position_ids=position_ids,
+            max_anchors=int(anchors.numel()),
+        )
     finally:
         module.compute_metrics = saved
     out.update(caught)
@@ -302,7 +328,11 @@ def zlab_forward(model, inputs: dict, req: dict) -> dict:
 def nan_parameters(model: torch.nn.Module) -> list[str]:
     """Weights still NaN after loading: speculators initialises verifier-owned ones to NaN (model.py
     _init_vocab) and fills them from the checkpoint or the verifier; any left means neither had them."""
-    return [n for n, p in model.named_parameters() if p.is_floating_point() and bool(p.isnan().any())]
+    return [
+        n
+        for n, p in model.named_parameters()
+        if p.is_floating_point() and bool(p.isnan().any()) and not n.startswith("verifier_")  # loss targets only
+    ]
 
 
 def run_forward(req: dict, model, library: str) -> dict:
@@ -311,7 +341,7 @@ def run_forward(req: dict, model, library: str) -> dict:
     inputs = load_file(req["inputs"])
     with torch.no_grad():
         out = speculators_forward(model, inputs, req) if library == "speculators" else zlab_forward(model, inputs, req)
-    out = {k: v.detach().to(torch.float32 if v.is_floating_point() else v.dtype).contiguous() for k, v in out.items()}
+    out = {k: v.detach().to(torch.float32 if v.is_floating_point() else v.dtype).clone() for k, v in out.items()}
     save_file(out, req["out"])
     return {"out": req["out"], "outputs": {k: list(v.shape) for k, v in out.items()}}
 
