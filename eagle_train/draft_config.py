@@ -43,6 +43,8 @@ def head_rope(cfg) -> tuple[float, dict | None]:
 
 
 HEAD_FORMAT = "eagle-train-draft"  # config.json's "format" in a head directory of ours (eagle_train.checkpoint)
+# the fields below a head trained elsewhere may set; an export layout states them or refuses the head
+VARIANTS = ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output", "qk_norm", "sliding_window")
 
 
 @dataclass
@@ -72,6 +74,13 @@ class DraftConfig:
     sample_from_anchor: bool = False  # the anchor's slot drafts the first token (DSpark's default)
     markov_rank: int = 0  # DSpark: rank of the logit bias from the token before each draft (0: none)
     confidence_head: bool = False  # DSpark: a head predicting whether each draft is accepted
+    # EAGLE-3 and P-EAGLE variants heads trained elsewhere carry (speculators' flags; eagle-train trains none of them)
+    norm_before_fc: bool = False  # one RMSNorm (`input_norm`) over the concatenated aux states before fc
+    fc_norm: bool = False  # an RMSNorm per aux layer (`fc_norm.{i}`) before fc
+    norm_before_residual: bool = False  # the fused layer's residual is hidden_norm(hidden), not hidden
+    norm_output: bool = False  # the layer's output passes the final norm before it is fed back and read by lm_head
+    qk_norm: bool = False  # Qwen3 attention: each head's query and key pass an RMSNorm (q_norm, k_norm)
+    sliding_window: int | None = None  # the layer attends to the last sliding_window positions only
 
     def __post_init__(self):
         self.aux_layer_ids = tuple(self.aux_layer_ids)
@@ -120,6 +129,10 @@ class DraftConfig:
             target_architectures=list(getattr(cfg, "architectures", None) or []),
             **extra,
         )
+
+    def variants(self) -> list[str]:
+        """The VARIANTS this head has set."""
+        return [name for name in VARIANTS if getattr(self, name)]
 
     def fit_problems(self, target_config) -> list[str]:
         """What keeps this head from reading `target_config`'s hidden states and vocabulary (none: it fits)."""

@@ -46,7 +46,8 @@ class LayerCaches(nn.Module):
 
 class DecoderLayer(nn.Module):
     """A Llama decoder layer; with `fused_input` its attention reads
-    cat(input_layernorm(embedding), hidden_norm(hidden)) and the residual is the hidden input."""
+    cat(input_layernorm(embedding), hidden_norm(hidden)) and the residual is the hidden input (with the config's
+    `norm_before_residual`, its hidden_norm)."""
 
     def __init__(self, cfg: DraftConfig, fused_input: bool):
         super().__init__()
@@ -55,8 +56,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         if fused_input:
             self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.norm_before_residual = fused_input and cfg.norm_before_residual
         self.self_attn = Attention(
-            2 * h if fused_input else h, h, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+            2 * h if fused_input else h,
+            h,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            qk_norm=cfg.qk_norm,
+            eps=cfg.rms_norm_eps,
         )
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.mlp = MLP(h, cfg.intermediate_size)
@@ -66,8 +74,10 @@ class DecoderLayer(nn.Module):
             return torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)
         return self.input_layernorm(hidden)
 
-    def finish(self, residual, attn_out):
-        h = residual + attn_out
+    def finish(self, hidden, attn_out):
+        """The layer's output from its hidden input and its attention's output: the residual is the hidden input,
+        or with `norm_before_residual` its hidden_norm."""
+        h = (self.hidden_norm(hidden) if self.norm_before_residual else hidden) + attn_out
         return h + self.mlp(self.post_attention_layernorm(h))
 
     def forward(self, hidden, emb, cos, sin, cache: KVCache | None, slots, mask):
@@ -80,7 +90,8 @@ class DecoderLayer(nn.Module):
 
 class DraftHead(nn.Module):
     """What every draft head shares: `fc` over the target's fused layers, the final norm, the draft
-    lm_head, the `d2t`/`t2d` vocab map and checkpoint I/O; with `fused_first_layer` (EAGLE-3, P-EAGLE)
+    lm_head, the `d2t`/`t2d` vocab map and checkpoint I/O (and the norms of the variants other trainers
+    write: `fuse`, `layer_output`); with `fused_first_layer` (EAGLE-3, P-EAGLE)
     EAGLE-3's fused first layer `midlayer`. A head that `owns_embedding` saves `embed_tokens` (P-EAGLE
     trains it; an EAGLE-3 head imported from another trainer may carry its own, frozen); otherwise it is
     the target's, frozen and left out of saves."""
@@ -94,6 +105,10 @@ class DraftHead(nn.Module):
         h = cfg.hidden_size
         self.embed_tokens = nn.Embedding(cfg.vocab_size, h)
         self.embed_tokens.weight.requires_grad_(self.owns_embedding)
+        if cfg.norm_before_fc:
+            self.input_norm = RMSNorm(3 * cfg.target_hidden_size, cfg.rms_norm_eps)
+        if cfg.fc_norm:
+            self.fc_norm = nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(3))
         self.fc = nn.Linear(3 * cfg.target_hidden_size, h, bias=False)
         if self.fused_first_layer:
             self.midlayer = DecoderLayer(cfg, fused_input=True)
@@ -147,9 +162,27 @@ class DraftHead(nn.Module):
     def draft_to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        """fc of the target's fused aux states [..., 3H] (normed first, as a whole or per layer, where the head
+        was trained so)."""
+        if self.config.norm_before_fc:
+            aux = self.input_norm(aux)
+        if self.config.fc_norm:
+            aux = torch.cat([norm(part) for norm, part in zip(self.fc_norm, aux.chunk(3, dim=-1), strict=True)], -1)
+        return self.fc(aux)
+
+    def layer_output(self, h: torch.Tensor) -> torch.Tensor:
+        """The hidden state a layer stack hands on (to the next draft step and to `logits`): its output, or with
+        `norm_output` its output through the final norm."""
+        return self.norm(h) if self.config.norm_output else h
+
+    def normed(self, h: torch.Tensor) -> torch.Tensor:
+        """What lm_head reads of a handed-on hidden state: the final norm of it, once."""
+        return h if self.config.norm_output else self.norm(h)
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits of the pre-norm hidden state `h`."""
-        return self.lm_head(self.norm(h))
+        """Draft-vocabulary logits of the handed-on hidden state `h` (`layer_output`)."""
+        return self.lm_head(self.normed(h))
 
 
 def non_finite_values(tensors: dict[str, torch.Tensor]) -> str:

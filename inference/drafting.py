@@ -103,9 +103,14 @@ class Drafter:
 
     def layer_step(self, hidden, input_ids, position_ids, cache, slots, mask):
         """`head.step` without the lm_head: a catch-up needs the logits of its last row only."""
-        head = self.head
-        cos, sin = head.rotary(position_ids)
-        return (head.midlayer(hidden, head.embed_tokens(input_ids), cos, sin, cache, slots, mask),)
+        return (self.head.layer(hidden, input_ids, position_ids, cache, slots, mask),)
+
+    def visible(self, keys, pos):
+        """bool [n, S]: the context slots (slot p holds position p) each of the positions `pos` [n] attends to: those
+        up to it, within the head's sliding window when it has one."""
+        seen = keys[None, :] <= pos[:, None]
+        window = self.head.config.sliding_window
+        return seen & (keys[None, :] > pos[:, None] - window) if window else seen
 
     def setup_cache(self, max_len: int):
         size = max_len + self.shape.spec_slots
@@ -122,9 +127,9 @@ class Drafter:
         dev = next_ids.device
         pos = torch.arange(start, start + n, device=dev)
         keys = torch.arange(self.max_len, device=dev)
-        mask = (keys[None, :] <= pos[:, None])[None, None]
+        mask = self.visible(keys, pos)[None, None]
         # eager: after a prefill its length varies (graphs replay only `catch_up_padded`)
-        (h,) = self.layer_step(self.head.fc(aux), next_ids, pos[None], self.cache, pos, mask)
+        (h,) = self.layer_step(self.head.fuse(aux), next_ids, pos[None], self.cache, pos, mask)
         return h[0, -1], self.head.logits(h[0, -1])
 
     def catch_up_padded(self, aux, next_ids, start: int):
@@ -138,9 +143,9 @@ class Drafter:
         ids = torch.cat([next_ids, next_ids[:, -1:].expand(1, pad)], dim=1)
         pos = torch.arange(start, start + size, device=dev)
         keys = torch.arange(self.max_len, device=dev)
-        mask = keys[None, :] <= pos[:, None]
+        mask = self.visible(keys, pos)
         mask[n:] = keys == 0
-        (h,) = self.layer_fn(self.head.fc(aux), ids, pos[None], self.cache, pos, mask[None, None])
+        (h,) = self.layer_fn(self.head.fuse(aux), ids, pos[None], self.cache, pos, mask[None, None])
         return h[0, n - 1], self.head.logits(h[0, n - 1])
 
     def children(self, logits):
@@ -173,16 +178,15 @@ class Drafter:
         hidden = h_root[None].expand(k, -1)
         n_spec = (s.depth - 1) * k
         keys = torch.arange(self.max_len, device=dev)
-        context = (keys < length)[None].expand(k, -1)
         seen = torch.zeros(k, n_spec, dtype=torch.bool, device=dev)  # frontier's visible spec slots
         for depth in range(1, s.depth):
             slots = length + (depth - 1) * k + torch.arange(k, device=dev)
             own_dist[frontier] = 1 + (depth - 1) * k + torch.arange(k, device=dev)
             seen[:, (depth - 1) * k : depth * k] |= torch.eye(k, dtype=torch.bool, device=dev)
-            mask = context.clone()
+            pos = torch.full((1, k), length - 1 + depth, device=dev)
+            mask = self.visible(keys, pos[0]) & (keys < length)
             mask[:, length : length + n_spec] = seen
             tokens = head.draft_to_target_ids(torch.cat(cand_ids)[frontier])
-            pos = torch.full((1, k), length - 1 + depth, device=dev)
             h, logits = self.step_fn(hidden[None], tokens[None], pos, self.cache, slots, mask[None, None])
             ids, steps, probs = self.children(logits[0])
             if probs is not None:

@@ -44,7 +44,7 @@ class ParallelDrafter(Drafter):
         mask_hidden, mask_ids = head.mask_inputs(1, k - 1, dev)
         rows = n + k - 1
         pad = 0 if size is None else size - rows
-        hidden = torch.cat([head.fc(aux), mask_hidden.to(aux.dtype), mask_hidden[:, :1].expand(1, pad, -1)], dim=1)
+        hidden = torch.cat([head.fuse(aux), mask_hidden.to(aux.dtype), mask_hidden[:, :1].expand(1, pad, -1)], dim=1)
         ids = torch.cat([next_ids, mask_ids, mask_ids[:, :1].expand(1, pad)], dim=1)
         pos = torch.arange(start, start + rows + pad, device=dev)
         keys = torch.arange(self.max_len, device=dev)

@@ -31,11 +31,12 @@ def reference_losses(head, aux, ids, mask, final, lm_head, steps, rejection_weig
     cache = head.new_cache(b, steps * t)
     full = final @ lm_head.T  # target logits [B, T, V]
     draft_targets = head.draft_to_target_ids(torch.arange(VD))  # target id of each draft id
-    hidden, rows = head.fc(aux), []
+    hidden, rows = head.fuse(aux), []
+    window = head.config.sliding_window
     correct = torch.zeros(b, steps, t, dtype=torch.bool)
     for i in range(steps):
         vis = torch.zeros(t, steps * t, dtype=torch.bool)
-        vis[:, :t] = torch.ones(t, t, dtype=torch.bool).tril()
+        vis[:, :t] = torch.ones(t, t, dtype=torch.bool).tril().triu(1 - (window or t))
         for j in range(1, i + 1):
             vis[torch.arange(t), j * t + torch.arange(t)] = True
         step_ids = F.pad(ids[:, 1 + i :], (0, 1 + i))
@@ -151,6 +152,39 @@ def test_every_ttt_step_loss_matches_the_cached_runtime_reference(fused_loss, re
         assert abs(metrics[f"acc_{i}"].item() - ref_acc) < 1e-9, f"step {i}"
     assert ref[3][2] < ref[0][2]  # later steps lose positions at the end
     assert abs(loss.item() - sum(0.8**i * r[0].item() for i, r in enumerate(ref))) < 1e-6
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {"norm_before_fc": True, "norm_before_residual": True, "norm_output": True, "sliding_window": 5},
+        {"fc_norm": True, "qk_norm": True},
+    ],
+    ids=["speculators-defaults", "fc-norm-qwen3"],
+)
+@pytest.mark.parametrize("fused_loss", [False, True])
+def test_a_head_of_speculators_variants_trains_as_its_runtime_drafts(variant, fused_loss):
+    """The variants a head imported from speculators carries (DraftConfig.VARIANTS) act alike in training-time test
+    and in the runtime's cached step: every step's loss equals the reference's, and each variant changes the loss
+    (a variant the training path ignored would leave it as a plain head's)."""
+    aux, ids, mask, final, lm_head = random_batch(seed=3, t=15)
+    losses = {}
+    for name, flags in [("variant", variant), *((key, {key: value}) for key, value in variant.items())]:
+        head = tiny_head(seed=3, **flags).double()
+        probs, in_draft = target_distribution(final, as_target_logits(lm_head), head.t2d)
+        with torch.no_grad():
+            _, metrics = ttt_loss(head, aux, ids, mask, probs.double(), in_draft, ttt_length=3, fused_loss=fused_loss)
+            ref = reference_losses(head, aux, ids, mask, final, lm_head, 3)
+        for i, (ref_loss, _, ref_n) in enumerate(ref):
+            assert metrics[f"count_{i}"] == ref_n, (name, i)
+            assert abs(metrics[f"loss_{i}"].item() - ref_loss.item()) < 1e-6, (name, i)
+        losses[name] = [metrics[f"loss_{i}"].item() for i in range(3)]
+    plain = tiny_head(seed=3).double()
+    probs, in_draft = target_distribution(final, as_target_logits(lm_head), plain.t2d)
+    with torch.no_grad():
+        _, metrics = ttt_loss(plain, aux, ids, mask, probs.double(), in_draft, ttt_length=3)
+    for name, per_step in losses.items():
+        assert max(abs(a - metrics[f"loss_{i}"].item()) for i, a in enumerate(per_step)) > 1e-4, name
 
 
 @pytest.mark.parametrize("fused_loss", [False, True])

@@ -75,6 +75,12 @@ def export_head(head, out_dir, format: str = "eagle3", dtype="bf16", target_embe
             f"(use --format {' or --format '.join(method.layouts)})"
         )
     check_vocab_map(head)
+    variants = head.config.variants()
+    if variants and not lay.states_variants:
+        raise ValueError(
+            f"this head applies {', '.join(variants)} (it was trained by speculators), which the {lay.name} layout "
+            "cannot state, so its readers would run another head: use --format speculators"
+        )
     if lay.ships_embedding:
         check_target_embedding(head.config, target_embedding, lay.name)
     out = Path(out_dir)

@@ -328,6 +328,11 @@ def export_gguf(head, out_path, target, outtype: str = "f32") -> Path:
     if outtype not in OUTTYPES:
         raise ValueError(f"unknown gguf outtype {outtype!r}; choose one of {', '.join(OUTTYPES)}")
     qtype, file_type = OUTTYPES[outtype]
+    if head.config.variants():
+        raise ValueError(
+            f"this head applies {', '.join(head.config.variants())} (it was trained by speculators), which "
+            "llama.cpp's draft heads do not: serve it with vLLM (eagle-export --format speculators)"
+        )
     reader = read_target(target)
     check_head(head, reader)
     out = Path(out_path)

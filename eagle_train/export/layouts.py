@@ -168,7 +168,11 @@ def draft_config_from_llama(llama: dict, top: dict, target_config=None, aux_laye
         aux = engine_aux_layer_ids(n)  # what the engines capture for it
     heads = llama["num_attention_heads"]
     theta, scaling = target_rope(
-        SimpleNamespace(rope_theta=llama.get("rope_theta", 10000.0), rope_scaling=llama.get("rope_scaling"))
+        SimpleNamespace(
+            rope_theta=llama.get("rope_theta", 10000.0),
+            rope_scaling=llama.get("rope_scaling"),
+            rope_parameters=llama.get("rope_parameters"),
+        )
     )
     if scaling:
         scaling.pop("type", None)
@@ -213,7 +217,13 @@ def speculators_config(cfg: DraftConfig, dtype: torch.dtype, extra: dict) -> dic
     extra = dict(extra)
     tokens = int(extra.pop("speculative_tokens", 3))
     verifier = extra.pop("verifier", None) or servable_target(cfg.target)
-    layer = llama_keys(cfg, dtype)
+    layer = qwen3_keys(cfg, dtype) if cfg.qk_norm else llama_keys(cfg, dtype)
+    if cfg.sliding_window:
+        layer.update(
+            sliding_window=cfg.sliding_window,
+            use_sliding_window=True,
+            layer_types=["sliding_attention"] * cfg.num_hidden_layers,
+        )
     peagle = family_of(cfg.method) == "parallel"
     config = {
         "speculators_model_type": cfg.method,
@@ -222,8 +232,9 @@ def speculators_config(cfg: DraftConfig, dtype: torch.dtype, extra: dict) -> dic
         "draft_vocab_size": cfg.draft_vocab_size,
         # vLLM reads these ids with our convention; written always, like the speculators library.
         "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
-        # vLLM defaults this to true for speculators configs; our layer keeps the un-normed residual.
-        "norm_before_residual": False,
+        # vLLM defaults this to true for speculators configs: written always
+        "norm_before_residual": cfg.norm_before_residual,
+        **{flag: True for flag in SPECULATORS_NORM_FLAGS if getattr(cfg, flag)},
         "tie_word_embeddings": False,
         "torch_dtype": DTYPE_NAMES[dtype],
         "speculators_config": {
@@ -247,17 +258,45 @@ def speculators_read(config: dict, target_config=None) -> DraftConfig:
         raise ValueError("speculators config.json has no transformer_layer_config dict")
     if family_of(config.get("speculators_model_type")) == "block":
         return block_read(config, target_config)
-    if config.get("norm_before_residual", config.get("speculators_model_type") != "peagle"):  # vLLM's defaults
-        raise ValueError(
-            "this speculators head applies hidden_norm before the residual "
-            "(norm_before_residual true or unset, as vLLM reads it); eagle-train heads keep "
-            "the un-normed residual, so it cannot be imported as an eagle3 head"
-        )
+    layer = full_layer_config(layer)
     cfg = draft_config_from_llama(layer, config, target_config)
-    if family_of(config.get("speculators_model_type")) == "parallel":
+    parallel = family_of(config.get("speculators_model_type")) == "parallel"
+    # absent, vLLM takes norm_before_residual as true for EAGLE-3 and false for P-EAGLE
+    cfg.norm_before_residual = bool(config.get("norm_before_residual", not parallel))
+    for flag in SPECULATORS_NORM_FLAGS:
+        setattr(cfg, flag, bool(config.get(flag, False)))
+    cfg.qk_norm = layer.get("model_type") == "qwen3"
+    types = layer.get("layer_types") or []
+    cfg.sliding_window = layer.get("sliding_window") if "sliding_attention" in types else None
+    if parallel:
+        if cfg.sliding_window:
+            raise ValueError(
+                f"this speculators P-EAGLE head attends over a sliding window ({cfg.sliding_window}), which "
+                "eagle-train's P-EAGLE head does not: it cannot be imported"
+            )
         tokens = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
         as_peagle(cfg, config, tokens[0].get("speculative_tokens"))
+    elif cfg.num_hidden_layers != 1:
+        raise ValueError(
+            f"this speculators EAGLE-3 head has {cfg.num_hidden_layers} decoder layers; eagle-train's EAGLE-3 head "
+            "has one, so it cannot be imported"
+        )
+    if types and len(set(types)) > 1:
+        raise ValueError(f"this speculators head mixes layer types {sorted(set(types))}: it cannot be imported")
     return cfg
+
+
+SPECULATORS_NORM_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")  # absent: false, in speculators and vLLM
+
+
+def full_layer_config(layer: dict) -> dict:
+    """speculators' `transformer_layer_config` as the config class its model_type names reads it: speculators saves
+    only the keys that differ from that class's defaults."""
+    if "model_type" not in layer:
+        return layer
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(**layer).to_dict()
 
 
 def is_speculators(config: dict) -> bool:
@@ -485,6 +524,7 @@ class Layout:
     matches: Callable[[dict], bool]
     mask_file: bool = False  # a block head's mask_embedding goes to MASK_EMBEDDING_FILE, not the weights
     ships_embedding: bool = False  # EMBEDDING_TENSOR: the target's, row mask_token_id the mask embedding
+    states_variants: bool = False  # its config states DraftConfig's VARIANTS (speculators' norm flags and layers)
 
 
 LAYOUTS: dict[str, Layout] = {
@@ -500,6 +540,7 @@ LAYOUTS: dict[str, Layout] = {
         by_method(rename([("layers.0.", "midlayer.")]), markov_from_file),
         is_speculators,
         mask_file=True,
+        states_variants=True,
     ),
     # On disk a P-EAGLE directory is the eagle3 layout plus keys, so it is read (and detected) as that
     # row, whose reader sees the mask token; this row only writes.

@@ -81,7 +81,7 @@ def acceptance(head, draft_ids, target_logits, sample, temperatures, steps):
     t = ids.shape[1]
     p_logits = target_logits(sample["final_hidden"][None].float()).float()  # [1, T, V]
     positions = torch.arange(t, device=ids.device)[None]
-    hidden, past = head.fc(sample["aux_hidden"][None].float()), []
+    hidden, past = head.fuse(sample["aux_hidden"][None].float()), []
     out = {temp: [[0.0, 0] for _ in range(steps)] for temp in temperatures}
     first = []
     correct = torch.zeros(1, steps, t, dtype=torch.bool)

@@ -17,11 +17,12 @@ from eagle_train.head import DraftHead, KVCache
 from eagle_train.layers import Attention
 
 
-def ttt_attention(attn: Attention, q, past: list[tuple[torch.Tensor, torch.Tensor]], where):
+def ttt_attention(attn: Attention, q, past: list[tuple[torch.Tensor, torch.Tensor]], where, window=None):
     """Attention of step i = len(past) - 1 during training-time test, at the positions `where` only.
 
-    past[0] holds step 0's keys/values (visible causally); past[j>0] holds step j's, each visible
-    only at the same position (a diagonal). Equivalent to the runtime's per-step cache.
+    past[0] holds step 0's keys/values (visible causally, within the last `window` positions when given);
+    past[j>0] holds step j's, each visible only at the same position (a diagonal). Equivalent to the runtime's
+    per-step cache.
     q [B, h, T, d]; where: the (batch, position) indices whose output is used. Returns o_proj's
     output there [N, H].
     """
@@ -30,6 +31,8 @@ def ttt_attention(attn: Attention, q, past: list[tuple[torch.Tensor, torch.Tenso
     scale = q.shape[-1] ** -0.5
     scores = torch.matmul(q, k0.transpose(-1, -2)) * scale
     causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    if window:
+        causal = causal.triu(1 - window)
     scores = scores.masked_fill(~causal, float("-inf"))
     diag = [(q * attn.expand_kv(k)).sum(-1, keepdim=True) * scale for k, _ in past[1:]]
     scores = torch.cat([scores, *diag], dim=-1)
@@ -64,7 +67,7 @@ class Eagle3Head(DraftHead):
         earlier steps' (k, v), appended to. rows bool [B, T]: the positions whose output is used
         (by a loss or a later step; None: all). Only these pay for the layer, but for step 0's q/k/v
         projections (its keys and values are what every later position attends to). Returns the
-        pre-norm output h [B, T, H], zero outside `rows`.
+        handed-on output h [B, T, H] (`DraftHead.layer_output`), zero outside `rows`.
         """
         layer, attn = self.midlayer, self.midlayer.self_attn
         if rows is None:
@@ -78,17 +81,23 @@ class Eagle3Head(DraftHead):
             x = layer.attention_input(hidden[where], self.embed_tokens(input_ids[where]))
             q, k, v = (scattered(rows.shape, where, y) for y in attn.qkv(x[None], cos, sin))
         past.append((k, v))
-        out = layer.finish(hidden[where], ttt_attention(attn, q, past, where))
+        out = self.layer_output(
+            layer.finish(hidden[where], ttt_attention(attn, q, past, where, self.config.sliding_window))
+        )
         return out.new_zeros(*rows.shape, out.shape[-1]).index_put(where, out)
 
     def step(self, hidden, input_ids, position_ids, cache: KVCache | None = None, slots=None, mask=None):
         """The runtime's draft step: new tokens [B, n] at `position_ids`, written into `cache` at
         `slots`, attending to the cache entries that `mask` [B or 1, 1, n, S] shows.
         `hidden` is fc(aux) for tokens following target-verified ones, else a draft's pre-norm
-        output. Returns (pre-norm h [B, n, H], draft logits [B, n, Vd])."""
-        cos, sin = self.rotary(position_ids)
-        h = self.midlayer(hidden, self.embed_tokens(input_ids), cos, sin, cache, slots, mask)
+        output. Returns (handed-on h [B, n, H], draft logits [B, n, Vd])."""
+        h = self.layer(hidden, input_ids, position_ids, cache, slots, mask)
         return h, self.logits(h)
+
+    def layer(self, hidden, input_ids, position_ids, cache: KVCache | None = None, slots=None, mask=None):
+        """`step` without the lm_head: the handed-on h [B, n, H]."""
+        cos, sin = self.rotary(position_ids)
+        return self.layer_output(self.midlayer(hidden, self.embed_tokens(input_ids), cos, sin, cache, slots, mask))
 
     def new_cache(self, batch: int, max_len: int, dtype=None, device=None) -> KVCache:
         c = self.config

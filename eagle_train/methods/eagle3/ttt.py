@@ -67,7 +67,7 @@ def ttt_loss(
     positions = torch.arange(t, device=input_ids.device).expand(b, t)
     # position p is supervised at step i iff p+i+2 < T, loss_mask[p+i+2] and in_draft[p+i+1]
     supervised_at = [loss_mask[:, i + 2 :] & in_draft[:, i + 1 : t - 1] for i in range(ttt_length)]
-    hidden, past = head.fc(aux_hidden), []
+    hidden, past = head.fuse(aux_hidden), []
     steps = []  # per step: its supervised mask [B, n] and per-row loss and agreement
     for i, supervised in enumerate(supervised_at):
         hidden = head.ttt_step(
@@ -78,7 +78,7 @@ def ttt_loss(
             where = supervised.nonzero()
             rows = where[:, 0] * t + where[:, 1] + i + 1
             loss_rows, agree = soft_cross_entropy(
-                head.norm(h), head.lm_head.weight, target_probs.reshape(b * t, -1), rows, tv_weight=tv_weight
+                head.normed(h), head.lm_head.weight, target_probs.reshape(b * t, -1), rows, tv_weight=tv_weight
             )
         else:
             probs = target_probs[:, i + 1 : t - 1][supervised]

@@ -96,12 +96,12 @@ class PEagleHead(DraftHead):
     def input_hidden(self, aux: torch.Tensor, is_mask: torch.Tensor) -> torch.Tensor:
         """fc of the 3H input: the target's aux states, or `mask_hidden` where `is_mask`."""
         aux = torch.where(is_mask[..., None], self.mask_hidden.to(aux.dtype), aux)
-        return self.fc(aux)
+        return self.fuse(aux)
 
     def mask_inputs(self, batch: int, count: int, device=None):
         """(fc(mask_hidden), mask token ids) for `count` parallel-drafting slots: [B, count, H], [B, count]."""
         device = device or self.fc.weight.device
-        hidden = self.fc(self.mask_hidden.to(self.fc.weight.dtype)).expand(batch, count, -1)
+        hidden = self.fuse(self.mask_hidden.to(self.fc.weight.dtype)).expand(batch, count, -1)
         ids = torch.full((batch, count), self.config.mask_token_id, dtype=torch.long, device=device)
         return hidden, ids
 
@@ -113,12 +113,12 @@ class PEagleHead(DraftHead):
         for i, layer in enumerate(self.blocks()):
             q, k, v = layer.self_attn.qkv(layer.attention_input(h, emb), cos, sin)
             h = layer.finish(h, attend(i, layer.self_attn, q, k, v))
-        return h
+        return self.layer_output(h)
 
     def hidden_states(self, aux, is_mask, input_ids, position_ids, mask) -> torch.Tensor:
         """Training over flattened elements: aux [B, E, 3H] (ignored where is_mask), is_mask [B, E],
         input_ids / position_ids [B, E], mask a bool [B or 1, 1, E, E] (True = visible) or a
-        FlexAttention BlockMask. Returns the last layer's output [B, E, H] (before `norm`)."""
+        FlexAttention BlockMask. Returns the last layer's handed-on output [B, E, H] (`layer_output`)."""
         if isinstance(mask, torch.Tensor):
 
             def attend(i, attn, q, k, v):

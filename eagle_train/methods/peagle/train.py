@@ -102,7 +102,7 @@ def segment_loss(head, seg: pb.Elements, batch, total, tv_weight: float = TV_WEI
     b, t, vd = probs.shape
     rows = (torch.arange(b, device=h.device)[:, None] * t + seg.anchor + seg.depth + 1)[sup]
     ce, agree = soft_cross_entropy(
-        head.norm(h[sup]), head.lm_head.weight, probs.reshape(b * t, vd), rows, tv_weight=tv_weight
+        head.normed(h[sup]), head.lm_head.weight, probs.reshape(b * t, vd), rows, tv_weight=tv_weight
     )
     return ce.sum() / total, ce.detach(), agree
 
