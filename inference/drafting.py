@@ -178,15 +178,18 @@ class Drafter:
         hidden = h_root[None].expand(k, -1)
         n_spec = (s.depth - 1) * k
         keys = torch.arange(self.max_len, device=dev)
+        # every node sees the context its root's row sees: training-time test's step i at anchor t reads step 0's keys
+        # as the row of t does
+        context = self.visible(keys, torch.full((k,), length - 1, device=dev))
         seen = torch.zeros(k, n_spec, dtype=torch.bool, device=dev)  # frontier's visible spec slots
         for depth in range(1, s.depth):
             slots = length + (depth - 1) * k + torch.arange(k, device=dev)
             own_dist[frontier] = 1 + (depth - 1) * k + torch.arange(k, device=dev)
             seen[:, (depth - 1) * k : depth * k] |= torch.eye(k, dtype=torch.bool, device=dev)
-            pos = torch.full((1, k), length - 1 + depth, device=dev)
-            mask = self.visible(keys, pos[0]) & (keys < length)
+            mask = context.clone()
             mask[:, length : length + n_spec] = seen
             tokens = head.draft_to_target_ids(torch.cat(cand_ids)[frontier])
+            pos = torch.full((1, k), length - 1 + depth, device=dev)
             h, logits = self.step_fn(hidden[None], tokens[None], pos, self.cache, slots, mask[None, None])
             ids, steps, probs = self.children(logits[0])
             if probs is not None:

@@ -353,3 +353,39 @@ def test_without_a_working_compiler_the_loss_runs_eagerly_and_says_so(monkeypatc
             assert distill.compiled_loss_rows() is distill.loss_rows
     finally:
         distill.compiled_loss_rows.cache_clear()
+
+
+def test_the_runtime_drafter_reads_the_window_training_time_test_reads():
+    """A head with a sliding window (speculators trains one) drafts in the runtime from the keys training-time test
+    trained it on: the catch-up row of the last position gives step 0's logits there, and the chain's next draft step
+    step 1's (whose step-0 keys are the anchor's window, as speculators' training reads them)."""
+    from inference.drafting import Drafter, TreeShape
+    from inference.sampling import Sampler
+
+    length = 11
+    g = torch.Generator().manual_seed(4)
+    aux = torch.randn(1, length, 3 * H, generator=g)
+    x = torch.randint(0, V, (1, length + 2), generator=g)  # x_0 .. x_{L+1}
+    for window in (4, None):
+        head = tiny_head(seed=4, sliding_window=window, norm_output=True).eval()
+        steps = []
+
+        def step(*args, head=head, steps=steps):
+            h, logits = head.step(*args)
+            steps.append(logits)
+            return h, logits
+
+        drafter = Drafter(head, TreeShape.chain(2), Sampler(), step_fn=step)
+        drafter.setup_cache(length + 2)
+        with torch.no_grad():
+            h_root, logits_root = drafter.catch_up(aux, x[:, 1 : length + 1], 0)
+            tree = drafter.draft(x[0, length], h_root, logits_root, length)  # the root: the pending token x_L
+            x[0, length + 1] = tree.tokens[1]  # the token step 1 reads at the last anchor: the first draft
+            positions, past = torch.arange(length)[None], []
+            h0 = head.ttt_step(head.fuse(aux), x[:, 1 : length + 1], positions, past)
+            h1 = head.ttt_step(h0, x[:, 2 : length + 2], positions + 1, past)
+        torch.testing.assert_close(logits_root, head.logits(h0)[0, -1], atol=1e-5, rtol=0)
+        torch.testing.assert_close(steps[0][0, 0], head.logits(h1)[0, -1], atol=1e-5, rtol=0)
+        if window:
+            windowed = logits_root
+    assert (windowed - logits_root).abs().max() > 1e-3  # the window changed what the head reads
