@@ -1,18 +1,10 @@
 #!/usr/bin/env bash
-# The peers' own libraries, for checking that heads go in and out of them: vllm-project's `speculators` 0.9.0
-# (EAGLE-3, DFlash, DSpark as SpeculatorModel checkpoints) and z-lab's `dflash` 0.1.0 (DFlashDraftModel, with its
-# `local` extra: torch and transformers). Each pins its own stack (dflash: torch==2.13.0 and transformers==5.15.0;
-# speculators: torch<=2.14.1, transformers<=5.19.0, datasets<=5.1.0, tqdm<=4.70.1, torchvision, torchaudio,
-# hs-connectors, openai...), which the project's environment must not take on, so they live in their own venv,
-# .venv-peers at the repo root; tests/peers/peer_child.py runs in it as a child process and speaks JSON and
-# safetensors files with the project. Both coexist: torch 2.13.0 satisfies both pins, and it is the CPU build
-# (`pip install torch==2.13.0` resolves to the local 2.13.0+cpu wheel, as in the project's own envs) installed first,
-# so neither library's resolution pulls a CUDA torch. speculators requires torchvision and torchaudio, whose PyPI
-# wheels are built for CUDA torch: against the CPU one they fail at import ("operator torchvision::nms does not
-# exist"), and transformers imports torchvision whenever it is installed, so `from transformers import
-# PreTrainedModel` breaks. Neither peer's code imports them, so, as scripts/install_vllm.sh does, the ones that fail
-# go (pip check then names them as missing requirements of speculators, which is expected).
-# Idempotent: an existing .venv-peers is reused, and pip runs only when it lacks one of the three pinned versions.
+# The peers' own libraries, which the round-trip tests (tests/peers/) run as a child process: vllm-project's
+# `speculators` 0.9.0 and z-lab's `dflash` 0.1.0, in .venv-peers, apart from the project's environment (each pins its
+# own stack). torch 2.13.0 (the local CPU wheel) satisfies both and is installed first, so no CUDA torch comes in.
+# speculators pulls torchvision and torchaudio built for CUDA torch, which break `import transformers` against the
+# CPU one; neither peer imports them, so, as in scripts/install_vllm.sh, the ones that fail to import go.
+# Idempotent: an existing .venv-peers holding the three pinned versions is kept as it is.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv-peers/bin/python ] || python3 -m venv .venv-peers
