@@ -55,6 +55,7 @@ class TrainConfig:
     warm_start: bool = (
         False  # a new head's norm and lm_head start as the target's (eagle_train.warm_start; not P-EAGLE)
     )
+    freeze_lm_head: bool = False  # EAGLE-3, with warm_start: the lm_head stays the target's rows (speculators' recipe)
     # the objective
     ttt_length: int = TTT_LENGTH
     ttt_decay: float = TTT_DECAY
@@ -300,9 +301,14 @@ def validate(cfg: TrainConfig, target_config) -> None:
     need(cfg.num_epochs >= 1, f"num_epochs must be >= 1 (max_steps > 0 overrides it), got {cfg.num_epochs}")
     need(cfg.keep_checkpoints >= 1, f"keep_checkpoints must be >= 1, got {cfg.keep_checkpoints}")
     need(
-        not cfg.warm_start or (cfg.method != "peagle" and not cfg.init_from),
-        "warm_start starts a new head from the target's norm and lm_head: not with method peagle (its own "
-        "embedding), nor with init_from (that head brings its own)",
+        not cfg.warm_start or not cfg.init_from,
+        "warm_start starts a new head from the target's norm and lm_head: not with init_from (that head brings "
+        "its own)",
+    )
+    need(
+        not cfg.freeze_lm_head or cfg.warm_start,
+        "freeze_lm_head keeps the lm_head warm_start gives the head (the target's rows of the draft vocabulary): "
+        "set warm_start=true too",
     )
     output_dir = Path(cfg.output_dir).absolute()
     writable = next(p for p in (output_dir, *output_dir.parents) if p.exists())

@@ -4,9 +4,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 from eagle_train.checkpoint import load_draft_head
 from eagle_train.export import export_head
+from eagle_train.methods import check_method
 from eagle_train.methods.eagle3.head import Eagle3Head
 from eagle_train.methods.eagle3.train import build_eagle3_head
 from eagle_train.train_config import TrainConfig, validate
@@ -70,11 +72,42 @@ def test_train_config_warm_start_reaches_the_eagle3_builder(tiny_llama, warm_hea
     assert not torch.equal(cold.lm_head.weight, warm.lm_head.weight)
 
 
-@pytest.mark.parametrize("bad", [{"init_from": "some-head"}, {"method": "peagle"}])
-def test_warm_start_is_refused_where_it_means_nothing(tiny_llama, bad):
+@pytest.mark.parametrize(
+    "bad,check",
+    [
+        ({"warm_start": True, "init_from": "some-head"}, validate),
+        ({"freeze_lm_head": True}, validate),
+        ({"warm_start": True, "method": "peagle"}, check_method),
+        ({"warm_start": True, "freeze_lm_head": True, "method": "dflash"}, check_method),
+    ],
+)
+def test_warm_start_is_refused_where_it_means_nothing(tiny_llama, bad, check):
     model, _ = tiny_llama
-    with pytest.raises(ValueError, match="warm_start"):
-        validate(TrainConfig(warm_start=True, **bad), model.config)
+    with pytest.raises(ValueError, match="freeze_lm_head" if "freeze_lm_head" in bad else "warm_start"):
+        check(TrainConfig(**bad), model.config)
+
+
+def test_a_frozen_lm_head_stays_the_targets_rows_while_the_rest_trains(tiny_llama_dir, small_tokenized, tmp_path):
+    """speculators' recipe: the draft lm_head starts as the target's rows of the draft vocabulary and stays so."""
+    from eagle_train.train import main as train
+
+    runs = {}
+    for frozen in (True, False):
+        run = tmp_path / f"frozen-{frozen}"
+        train(
+            ["--config", "eagle3_smollm2", "mode=online", f"target={tiny_llama_dir}", f"data_path={small_tokenized}"]
+            + [f"output_dir={run}", "max_steps=3", "warmup_steps=0", "ttt_length=2", "tokens_per_batch=256"]
+            + ["max_length=128", "eval_fraction=0", "report_to=none", "warm_start=true", f"freeze_lm_head={frozen}"]
+            + ["learning_rate=1e-2", "mixed_precision=no"]
+        )
+        runs[frozen] = load_draft_head(run / "final")
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    rows = model.get_output_embeddings().weight[
+        runs[True].draft_to_target_ids(torch.arange(runs[True].config.draft_vocab_size))
+    ]
+    assert torch.equal(runs[True].lm_head.weight, rows.float())
+    assert not torch.allclose(runs[False].lm_head.weight, rows.float())
+    assert not torch.allclose(runs[True].fc.weight, runs[False].fc.weight)  # the rest trained, differently
 
 
 def test_a_target_whose_final_norm_is_not_a_plain_rms_norm_is_refused():

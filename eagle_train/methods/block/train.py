@@ -85,6 +85,8 @@ def block_objective(cfg):
 def validate_block(cfg, target_config) -> None:
     """The DFlash / DSpark keys of a TrainConfig, checked before any compute."""
     vocab = text_config(target_config).vocab_size
+    if cfg.freeze_lm_head:
+        raise ValueError(f"freeze_lm_head keeps EAGLE-3's warm-started lm_head: set it to false for {cfg.method}")
     if cfg.rejection_weight:
         raise ValueError(f"rejection_weight weighs EAGLE-3's chain walk (method eagle3): set it to 0 for {cfg.method}")
     if cfg.block_size < 2:

@@ -22,6 +22,7 @@ def build_eagle3_head(cfg: TrainConfig, target_model, vocab_map: dict | None) ->
     head.set_vocab_map(vocab_map["d2t"], vocab_map["t2d"])
     if cfg.warm_start:
         warm_start_from_target(head, target_model)
+    head.lm_head.weight.requires_grad_(not cfg.freeze_lm_head)
     return head
 
 

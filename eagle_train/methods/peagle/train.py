@@ -53,6 +53,11 @@ def validate_peagle(cfg, target_config) -> None:
         raise ValueError("rejection_weight weighs EAGLE-3's chain walk (method eagle3): set it to 0 for P-EAGLE")
     if cfg.feature_noise:
         raise ValueError("feature_noise augments EAGLE-3's training (method eagle3): set it to 0 for P-EAGLE")
+    if cfg.warm_start:
+        raise ValueError(
+            "warm_start starts a new head from the target's norm and lm_head: not for P-EAGLE, whose head trains "
+            "its own embedding; set warm_start=false"
+        )
     if cfg.num_depths < 2:
         raise ValueError(f"num_depths (K, drafts per forward) must be >= 2, got {cfg.num_depths}")
     if cfg.num_segments is not None and cfg.num_segments < 1:
