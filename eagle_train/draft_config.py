@@ -72,6 +72,8 @@ class DraftConfig:
     sample_from_anchor: bool = False  # the anchor's slot drafts the first token (DSpark's default)
     markov_rank: int = 0  # DSpark: rank of the logit bias from the token before each draft (0: none)
     confidence_head: bool = False  # DSpark: a head predicting whether each draft is accepted
+    block_mask: str = "learnt"  # DFlash, DSpark: the mask slots' embedding, learnt or the target's row mask_token_id
+    block_lm_head: str = "draft"  # DFlash, DSpark: the head's own lm_head, or the target's (full vocabulary, frozen)
 
     def __post_init__(self):
         self.aux_layer_ids = tuple(self.aux_layer_ids)
