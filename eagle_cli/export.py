@@ -224,7 +224,9 @@ def run(args) -> int:
         embedding = load_target(args.target)[0].get_input_embeddings().weight
     out = export_head(head, args.out, args.format, dtype=args.dtype, target_embedding=embedding, **provenance)
     written = ", ".join(sorted(p.name for p in out.iterdir() if p.is_file()))
-    print(f"wrote {out}/: {written} ({args.format}, {args.dtype})\n")
+    print(f"wrote {out}/: {written} ({args.format}, {args.dtype})")
+    notice = LAYOUTS[args.format].notice(head.config)  # a reader of the layout that cannot read this head
+    print(f"{notice}\n" if notice else "")
     return print_reports(check_directory(out, engines_asked(args.engine), tcfg))
 
 

@@ -75,5 +75,6 @@ def load_draft_head(path, target_model=None, target_config=None) -> DraftHead:
     else:
         cfg, state = read_export(found.path, target_config)
     embedding = target_model.get_input_embeddings().weight if target_model is not None else None
-    lm_head = target_model.get_output_embeddings().weight if target_model is not None else None
+    borrows_lm_head = target_model is not None and cfg.block_lm_head == "target"
+    lm_head = target_model.get_output_embeddings().weight if borrows_lm_head else None
     return head_from_state(cfg, state, embedding, source=found.path, target_lm_head=lm_head)

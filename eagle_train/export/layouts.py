@@ -103,6 +103,8 @@ def provenance(cfg: DraftConfig, extra: dict) -> dict:
     }
     if cfg.num_depths:
         ours["num_depths"] = cfg.num_depths
+    if family_of(cfg.method) == "block":
+        ours.update(block_mask=cfg.block_mask, block_lm_head=cfg.block_lm_head)
     return {**ours, **extra}
 
 
@@ -337,7 +339,8 @@ def block_common(cfg: DraftConfig, dtype: torch.dtype) -> dict:
 
 
 def dflash_config(cfg: DraftConfig, dtype: torch.dtype, extra: dict) -> dict:
-    config = {"architectures": [DFLASH_ARCHITECTURE], **block_common(cfg, dtype)}
+    """z-lab's keys: vLLM reads dflash_config.causal, z-lab's dflash library only the top-level is_causal."""
+    config = {"architectures": [DFLASH_ARCHITECTURE], **block_common(cfg, dtype), "is_causal": cfg.causal}
     config["dflash_config"] = {
         "mask_token_id": cfg.mask_token_id,
         "target_layer_ids": engine_target_layer_ids(cfg),
@@ -422,15 +425,57 @@ def block_settings(config: dict) -> dict:
 
 
 def block_read(config: dict, target_config=None) -> DraftConfig:
+    """A block head's config; block_mask / block_lm_head from our provenance block, else the defaults (an export
+    of another trainer's: `eagle_train.export.read_export` tells them from the files)."""
     layer = config.get("transformer_layer_config") if "speculators_model_type" in config else config
     settings = block_settings(config)
     if settings["mask_token_id"] is None or not settings["block_size"]:
         raise ValueError(f"{settings['method']} config.json names no mask_token_id or block_size")
     cfg = draft_config_from_llama(layer, config, target_config, aux_layer_ids=settings.pop("aux_layer_ids"))
     cfg.target_num_layers = cfg.target_num_layers or config.get("num_target_layers") or 0
+    ours = config.get(PROVENANCE_KEY) or {}
+    settings.update({k: ours[k] for k in ("block_mask", "block_lm_head") if k in ours})
     for key, value in settings.items():
         setattr(cfg, key, value)
     return cfg
+
+
+def speculators_refusal(cfg: DraftConfig) -> str:
+    """What speculators' DFlash / DSpark loader (SpeculatorModel.from_pretrained) would not read as trained: it
+    never saves or reads embed_tokens nor mask_embedding.pt (load_verifier_weights embeds the mask slots by the
+    verifier's row mask_token_id), and replaces a full-vocabulary lm_head by the verifier's."""
+    if family_of(cfg.method) != "block":
+        return ""
+    if cfg.block_mask != "target":
+        return (
+            "speculators embeds the mask slots by the verifier's row mask_token_id and never reads this head's "
+            "learnt mask embedding: train with block_mask: target, or export --format dflash"
+        )
+    if cfg.block_lm_head != "target" and cfg.draft_vocab_size == cfg.vocab_size:
+        return (
+            "speculators replaces a full-vocabulary lm_head by the verifier's, not this head's trained one: train "
+            "with block_lm_head: target or a reduced draft vocabulary, or export --format dflash"
+        )
+    return ""
+
+
+def zlab_notice(cfg: DraftConfig) -> str:
+    """What z-lab's dflash library (dflash.model.DFlashDraftModel) would not read of a dflash export: it embeds the
+    mask slots by the target's row mask_token_id and drafts through the target's lm_head, never reading
+    mask_embedding.pt, lm_head or d2t (vLLM and llama.cpp read them)."""
+    lost = [key for key in ("block_mask", "block_lm_head") if getattr(cfg, key) != "target"]
+    if not lost:
+        return ""
+    return (
+        f"note: z-lab's dflash library cannot read this head as trained ({', '.join(lost)} not target: it uses the "
+        "target's mask row and lm_head); vLLM and llama.cpp can. Train with block_mask: target and block_lm_head: "
+        "target for all three"
+    )
+
+
+def says_nothing(cfg: DraftConfig) -> str:
+    """No refusal, no notice: a layout whose readers read every head it can hold as trained."""
+    return ""
 
 
 def is_dflash(config: dict) -> bool:
@@ -484,7 +529,10 @@ class Layout:
     from_file: Callable[[str, str], str]  # (file tensor name, head method) -> head tensor name
     matches: Callable[[dict], bool]
     mask_file: bool = False  # a block head's mask_embedding goes to MASK_EMBEDDING_FILE, not the weights
-    ships_embedding: bool = False  # EMBEDDING_TENSOR: the target's, row mask_token_id the mask embedding
+    ships_embedding: bool = False  # EMBEDDING_TENSOR: the target's, row mask_token_id the learnt mask embedding
+    block_t2d: bool = False  # a reduced-vocabulary block head ships t2d beside d2t (its reader needs both)
+    refusal: Callable[[DraftConfig], str] = says_nothing  # why a head cannot be written so its reader reads it
+    notice: Callable[[DraftConfig], str] = says_nothing  # a line on a reader that cannot read the written head
 
 
 LAYOUTS: dict[str, Layout] = {
@@ -500,11 +548,23 @@ LAYOUTS: dict[str, Layout] = {
         by_method(rename([("layers.0.", "midlayer.")]), markov_from_file),
         is_speculators,
         mask_file=True,
+        block_t2d=True,
+        refusal=speculators_refusal,
     ),
     # On disk a P-EAGLE directory is the eagle3 layout plus keys, so it is read (and detected) as that
     # row, whose reader sees the mask token; this row only writes.
     "peagle": Layout("peagle", ("vllm",), peagle_config, eagle3_read, rename([]), rename([]), lambda config: False),
-    "dflash": Layout("dflash", ("vllm",), dflash_config, block_read, rename([]), rename([]), is_dflash, mask_file=True),
+    "dflash": Layout(
+        "dflash",
+        ("vllm",),
+        dflash_config,
+        block_read,
+        rename([]),
+        rename([]),
+        is_dflash,
+        mask_file=True,
+        notice=zlab_notice,
+    ),
     "dspark": Layout(
         "dspark",
         ("vllm",),
