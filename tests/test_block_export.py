@@ -288,3 +288,15 @@ def test_a_dflash_export_says_in_one_line_when_z_labs_library_cannot_read_it(tmp
     else:
         (line,) = lines
         assert noted in line and "block_mask: target and block_lm_head: target" in line
+
+
+@pytest.mark.parametrize("method, layout", [("dflash", "dflash"), ("dspark", "dspark"), ("dspark", "speculators")])
+def test_a_published_recipe_export_ships_no_mask_or_lm_head_and_passes_vllms_rules(tmp_path, method, layout):
+    head = tiny_head(method, block_mask="target", block_lm_head="target", draft_vocab_size=V)
+    out = export_head(head, tmp_path / layout, layout, dtype="fp32")  # dspark: no target embedding to ship
+    assert not set(load_file(out / "model.safetensors")) & {"embed_tokens.weight", "lm_head.weight", "d2t"}
+    assert not (out / MASK_EMBEDDING_FILE).exists()
+    (report,) = check_directory(out).values()
+    assert report.ok, report.render()
+    assert "lm_head <- the target's lm_head" in report.filled
+    assert any("the target's row of token 49, as trained" in f.message for f in report.findings)
