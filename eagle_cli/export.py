@@ -31,7 +31,8 @@ vLLM's parallel drafting; dflash = z-lab's DFlash layout (vLLM's DFlashDraftMode
 dspark = DeepSpec's DSpark layout (Qwen3DSparkModel; needs --target: it ships the target's embed_tokens with the
 mask token's row learnt, which vLLM embeds the mask slots by); both ship the learnt mask embedding as
 mask_embedding.pt, and speculators writes them too (speculators_model_type dflash / dspark, K = the drafts a
-block gives); gguf = one file for llama.cpp (`llama-server -m TARGET.gguf -md HEAD.gguf --spec-type
+block gives; a head trained with block_mask: target, since speculators embeds the mask slots by the verifier's
+row); gguf = one file for llama.cpp (`llama-server -m TARGET.gguf -md HEAD.gguf --spec-type
 draft-eagle3`, or draft-dflash / draft-dspark for block heads), which needs --target as the target's GGUF (or
 an alias shipping one) for its tokenizer. An export is then checked like --check, for --engine alone when
 given (a layer choice TensorRT-LLM cannot read from config.json fails no vLLM export). --check exits 1 when an

@@ -13,16 +13,18 @@ one. Adding a format is one more row built from the helpers below.
 - `peagle`: P-EAGLE for vLLM's parallel drafting: the eagle3 layout with N layers (`layers.1..N-1.*`),
   the trained `embed_tokens`, `mask_hidden`, the mask token id under all three names vLLM versions
   read, `parallel_drafting` true.
-- `dflash`: z-lab's DFlash layout (vLLM's `DFlashDraftModel`, llama.cpp's converter): Qwen3 keys,
-  `block_size`, `dflash_config` {mask_token_id, target_layer_ids = our aux ids - 1, causal}; tensors
-  `fc`, `hidden_norm`, `layers.{i}.*`, `norm`, `lm_head`, `d2t` (no `embed_tokens`: the target's).
+- `dflash`: z-lab's DFlash layout (vLLM's `DFlashDraftModel`, llama.cpp's converter, z-lab's library): Qwen3
+  keys, `block_size`, top-level `is_causal` (z-lab's), `dflash_config` {mask_token_id, target_layer_ids = our aux
+  ids - 1, causal} (vLLM's); tensors `fc`, `hidden_norm`, `layers.{i}.*`, `norm`, `lm_head`, `d2t` (no
+  `embed_tokens`: the target's). z-lab's library reads no mask embedding, lm_head or d2t (`zlab_notice`).
 - `dspark`: DeepSpec's native DSpark layout (vLLM's `Qwen3DSparkModel`): Qwen3 keys with top-level
   `target_layer_ids` (aux - 1), `mask_token_id`, `markov_rank`, `sample_from_anchor`, the confidence
   head's keys; the Markov head as `markov_head.markov_w1.weight` / `markov_w2.weight`; and `embed_tokens.weight`,
   the target's token embedding with row `mask_token_id` the head's mask embedding (vLLM's DSpark embeds the
   mask slots by that row and never reads mask_embedding.pt; DeepSpec's checkpoints ship embed_tokens too).
 - `speculators` also writes block heads (speculators_model_type dflash / dspark, the Qwen3 keys under
-  `transformer_layer_config`, `aux_hidden_state_layer_ids` = our aux ids).
+  `transformer_layer_config`, `aux_hidden_state_layer_ids` = our aux ids, `t2d` beside `d2t` for a reduced
+  vocabulary), of a head speculators reads as trained only (`speculators_refusal`).
 
 A block head's learnt mask embedding ships beside the weights as `mask_embedding.pt`, the dict
 {"mask_token_id", "embedding"} vLLM's DFlash loader and llama.cpp's converter read (`MASK_EMBEDDING_FILE`).
