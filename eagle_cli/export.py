@@ -31,7 +31,8 @@ vLLM's parallel drafting; dflash = z-lab's DFlash layout (vLLM's DFlashDraftMode
 dspark = DeepSpec's DSpark layout (Qwen3DSparkModel; needs --target: it ships the target's embed_tokens with the
 mask token's row learnt, which vLLM embeds the mask slots by); both ship the learnt mask embedding as
 mask_embedding.pt, and speculators writes them too (speculators_model_type dflash / dspark, K = the drafts a
-block gives); gguf = one file for llama.cpp (`llama-server -m TARGET.gguf -md HEAD.gguf --spec-type
+block gives; a head trained with block_mask: target, since speculators embeds the mask slots by the verifier's
+row); gguf = one file for llama.cpp (`llama-server -m TARGET.gguf -md HEAD.gguf --spec-type
 draft-eagle3`, or draft-dflash / draft-dspark for block heads), which needs --target as the target's GGUF (or
 an alias shipping one) for its tokenizer. An export is then checked like --check, for --engine alone when
 given (a layer choice TensorRT-LLM cannot read from config.json fails no vLLM export). --check exits 1 when an
@@ -224,7 +225,9 @@ def run(args) -> int:
         embedding = load_target(args.target)[0].get_input_embeddings().weight
     out = export_head(head, args.out, args.format, dtype=args.dtype, target_embedding=embedding, **provenance)
     written = ", ".join(sorted(p.name for p in out.iterdir() if p.is_file()))
-    print(f"wrote {out}/: {written} ({args.format}, {args.dtype})\n")
+    print(f"wrote {out}/: {written} ({args.format}, {args.dtype})")
+    notice = LAYOUTS[args.format].notice(head.config)  # a reader of the layout that cannot read this head
+    print(f"{notice}\n" if notice else "")
     return print_reports(check_directory(out, engines_asked(args.engine), tcfg))
 
 

@@ -59,8 +59,9 @@ def locate_head(path) -> HeadLocation:
 
 def load_draft_head(path, target_model=None, target_config=None) -> DraftHead:
     """The head stored at `path` (any kind `locate_head` knows), in fp32, sharing `target_model`'s
-    embedding when the head has none of its own. The target (model or config) is needed for a GGUF
-    file and for an export whose config.json does not say which target layers the head reads."""
+    embedding when the head has none of its own (and its lm_head when the head drafts through the target's).
+    The target (model or config) is needed for a GGUF file and for an export whose config.json does not say
+    which target layers the head reads."""
     found = locate_head(path)
     if target_model is not None and target_config is None:
         target_config = target_model.config
@@ -74,4 +75,6 @@ def load_draft_head(path, target_model=None, target_config=None) -> DraftHead:
     else:
         cfg, state = read_export(found.path, target_config)
     embedding = target_model.get_input_embeddings().weight if target_model is not None else None
-    return head_from_state(cfg, state, embedding, source=found.path)
+    borrows_lm_head = target_model is not None and cfg.block_lm_head == "target"
+    lm_head = target_model.get_output_embeddings().weight if borrows_lm_head else None
+    return head_from_state(cfg, state, embedding, source=found.path, target_lm_head=lm_head)

@@ -74,6 +74,8 @@ class DraftConfig:
     sample_from_anchor: bool = False  # the anchor's slot drafts the first token (DSpark's default)
     markov_rank: int = 0  # DSpark: rank of the logit bias from the token before each draft (0: none)
     confidence_head: bool = False  # DSpark: a head predicting whether each draft is accepted
+    block_mask: str = "learnt"  # DFlash, DSpark: the mask slots' embedding, learnt or the target's row mask_token_id
+    block_lm_head: str = "draft"  # DFlash, DSpark: the head's own lm_head, or the target's (full vocabulary, frozen)
     # EAGLE-3 and P-EAGLE variants heads trained elsewhere carry (speculators' flags; eagle-train trains none of them)
     norm_before_fc: bool = False  # one RMSNorm (`input_norm`) over the concatenated aux states before fc
     fc_norm: bool = False  # an RMSNorm per aux layer (`fc_norm.{i}`) before fc

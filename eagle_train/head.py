@@ -94,7 +94,9 @@ class DraftHead(nn.Module):
     write: `fuse`, `layer_output`); with `fused_first_layer` (EAGLE-3, P-EAGLE)
     EAGLE-3's fused first layer `midlayer`. A head that `owns_embedding` saves `embed_tokens` (P-EAGLE
     trains it; an EAGLE-3 head imported from another trainer may carry its own, frozen); otherwise it is
-    the target's, frozen and left out of saves."""
+    the target's, frozen and left out of saves. A head that `borrows_lm_head` (a block head with
+    `block_lm_head: target`) drafts through the target's lm_head the same way: frozen, never saved, NaN
+    until attached, so a head drafting without it shows at once."""
 
     owns_embedding = False
     fused_first_layer = True
@@ -114,6 +116,9 @@ class DraftHead(nn.Module):
             self.midlayer = DecoderLayer(cfg, fused_input=True)
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
+        if self.borrows_lm_head:
+            self.lm_head.weight.requires_grad_(False)
+            nn.init.constant_(self.lm_head.weight, torch.nan)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", t2d_from_d2t(self.d2t, cfg.vocab_size))
@@ -135,9 +140,26 @@ class DraftHead(nn.Module):
         else:
             self.embed_tokens.weight.data = weight.detach().to(device)
 
-    def use_target_embedding(self, target_model):
-        """Share the target's embedding (heads that do not own one)."""
+    @property
+    def borrows_lm_head(self) -> bool:
+        """Whether the lm_head is the target's (frozen, left out of saves) rather than the head's own."""
+        return self.config.block_lm_head == "target"
+
+    def attach_lm_head(self, weight: torch.Tensor):
+        """The one way a head that `borrows_lm_head` gets it: the target's tensor itself, frozen."""
+        if tuple(weight.shape) != (self.config.draft_vocab_size, self.config.hidden_size):
+            raise ValueError(
+                f"lm_head {tuple(weight.shape)} does not match the head (draft vocab {self.config.draft_vocab_size}, "
+                f"hidden {self.config.hidden_size}): the head was built for another target"
+            )
+        self.lm_head.weight.data = weight.detach().to(self.fc.weight.device)
+
+    def use_target_weights(self, target_model):
+        """Share the target's frozen tensors the head does not own: the embedding, and the lm_head of a head that
+        `borrows_lm_head`."""
         self.attach_embedding(target_model.get_input_embeddings().weight)
+        if self.borrows_lm_head:
+            self.attach_lm_head(target_model.get_output_embeddings().weight)
 
     def set_vocab_map(self, d2t: torch.Tensor, t2d: torch.Tensor):
         if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
@@ -149,8 +171,10 @@ class DraftHead(nn.Module):
         self.t2d.copy_(t2d)
 
     def saved_state_dict(self) -> dict[str, torch.Tensor]:
-        """The checkpoint tensors: all of them, but a borrowed (frozen target) embedding."""
-        return {k: v for k, v in self.state_dict().items() if self.owns_embedding or not k.startswith("embed_tokens.")}
+        """The checkpoint tensors: all of them, but the borrowed (frozen target) embedding and lm_head."""
+        borrowed = () if self.owns_embedding else ("embed_tokens.weight",)
+        borrowed += ("lm_head.weight",) if self.borrows_lm_head else ()
+        return {k: v for k, v in self.state_dict().items() if k not in borrowed}
 
     def save_pretrained(self, directory):
         directory = Path(directory)
@@ -201,19 +225,23 @@ def non_finite_values(tensors: dict[str, torch.Tensor]) -> str:
     return ", and ".join(f"{kinds} in {listed(names)}" for kinds, names in found.items())
 
 
-def head_from_state(cfg: DraftConfig, state: dict[str, torch.Tensor], target_embedding=None, source="") -> DraftHead:
+def head_from_state(
+    cfg: DraftConfig, state: dict[str, torch.Tensor], target_embedding=None, source="", target_lm_head=None
+) -> DraftHead:
     """The head of `cfg.method` holding `state` (head tensor names), in fp32.
 
     Every reader ends here: our checkpoints, engine layouts and GGUF files. `t2d` follows from
     `d2t` when absent, and a full-vocabulary head without `d2t` gets the identity map. An embedding
     in `state` that the head class does not save is the head's own (a head trained elsewhere with its
-    own); otherwise a borrowing head takes `target_embedding` (the target's), when given.
+    own); otherwise a borrowing head takes `target_embedding` (the target's), when given. A head that
+    `borrows_lm_head` takes `target_lm_head` (the target's), else a copy of it that `state` carries.
     A head holding nan or inf anywhere is refused: it diverged or was trained on broken data.
     """
     head = row(cfg.method).head_class(cfg)
     state = dict(state)
     expected = head.saved_state_dict()
     own_embedding = None if "embed_tokens.weight" in expected else state.pop("embed_tokens.weight", None)
+    shipped_lm_head = state.pop("lm_head.weight", None) if head.borrows_lm_head else None
     if "d2t" not in state and cfg.draft_vocab_size == cfg.vocab_size:
         state["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
     missing = sorted(set(expected) - set(state) - {"t2d"})
@@ -243,4 +271,7 @@ def head_from_state(cfg: DraftConfig, state: dict[str, torch.Tensor], target_emb
         head.attach_embedding(own_embedding, own=True)
     elif target_embedding is not None and not head.owns_embedding:
         head.attach_embedding(target_embedding)
+    lm_head = target_lm_head if target_lm_head is not None else shipped_lm_head
+    if head.borrows_lm_head and lm_head is not None:
+        head.attach_lm_head(lm_head if target_lm_head is not None else lm_head.float())
     return head

@@ -31,6 +31,8 @@ BLOCK_SIZE = 8  # DFlash and DSpark: slots per block, 7 drafts a forward for DFl
 NUM_ANCHORS = 32  # DFlash and DSpark: blocks per sequence
 CONFIDENCE_WEIGHT = 1.0  # DSpark: the confidence loss's weight
 MARKOV_RANK = 64  # DSpark: the Markov bias's rank
+BLOCK_MASKS = ("learnt", "target")  # DFlash and DSpark: the mask slots' embedding (block_mask)
+BLOCK_LM_HEADS = ("draft", "target")  # DFlash and DSpark: the lm_head the drafts are read through (block_lm_head)
 
 EVERY_OFF = {
     "save_every": "only at the end",
@@ -77,6 +79,12 @@ class TrainConfig:
     causal: bool = False  # attention inside a block is causal (the engines' default: not)
     markov_rank: int | None = None  # DSpark's Markov bias rank; None: 64 for dspark, none for dflash
     confidence_weight: float = CONFIDENCE_WEIGHT  # DSpark: weight of the confidence head's loss
+    # learnt: a trained mask embedding; target: the target's frozen row mask_token_id (the published recipe; what
+    # z-lab's dflash and speculators read)
+    block_mask: str = "learnt"
+    # draft: the head's own lm_head over the draft vocabulary; target: the target's frozen lm_head over its whole
+    # vocabulary (the published recipe; draft_vocab_size is the target's)
+    block_lm_head: str = "draft"
     # batching (per process): padded tokens per micro-batch; samples longer than max_length are truncated
     max_length: int | None = None  # None: the data's (the max_length it was prepared with)
     tokens_per_batch: int = 8192
@@ -201,7 +209,8 @@ def load_train_config(
 
 def from_data(cfg: TrainConfig) -> TrainConfig:
     """`cfg` with the keys it leaves to the data (None) taken from the data at `data_path`: `max_length` (the
-    one the data was prepared with), `draft_vocab_size` (its vocab map's, unless `init_from` brings one) and,
+    one the data was prepared with), `draft_vocab_size` (its vocab map's, the whole vocabulary with
+    `block_lm_head: target`, unless `init_from` brings one) and,
     offline, `aux_layer_ids` (the store's layers). A value the data contradicts is refused: offline, aux layers
     the store does not hold. A shorter `max_length` is no contradiction: it truncates the longer samples, as
     asked. Without data at `data_path`, `cfg` as it is (`validate` names the missing path)."""
@@ -214,7 +223,8 @@ def from_data(cfg: TrainConfig) -> TrainConfig:
             raise ValueError(f"{cfg.data_path} does not record the max_length it was prepared with: set max_length")
         values["max_length"] = manifest["max_length"]
     if cfg.draft_vocab_size is None and not cfg.init_from:  # a head to start from brings its own vocab map
-        values["draft_vocab_size"] = len(read_vocab_map(cfg.data_path)["d2t"])
+        vocab_map = read_vocab_map(cfg.data_path)  # t2d spans the target's vocabulary, which the target's lm_head reads
+        values["draft_vocab_size"] = len(vocab_map["t2d" if cfg.block_lm_head == "target" else "d2t"])
     if cfg.mode == "offline" and manifest["format"] == HIDDEN_FORMAT:
         held = list(manifest["aux_layer_ids"])
         if cfg.aux_layer_ids is None:

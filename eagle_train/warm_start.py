@@ -24,7 +24,8 @@ def warm_start_from_target(head, target_model) -> None:
             "target"
         )
     check_plain_rms_norm(target_model.model.norm, head)
-    head.lm_head.weight.copy_(lm_head[target_ids.to(lm_head.device)])
+    if not head.borrows_lm_head:  # a borrowed lm_head is the target's already
+        head.lm_head.weight.copy_(lm_head[target_ids.to(lm_head.device)])
     head.norm.weight.copy_(norm)
 
 

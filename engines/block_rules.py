@@ -273,9 +273,13 @@ def check_block_weights(report, title, files, cfg, settings) -> None:
 
 
 def check_mask_embedding(report, title, files, cfg, settings) -> None:
-    """The learnt mask embedding: mask_embedding.pt for DFlash; DSpark in vLLM embeds the vocab row instead."""
+    """The learnt mask embedding: mask_embedding.pt for DFlash; DSpark in vLLM embeds the vocab row instead. A head
+    trained on the target's row (block_mask: target) needs neither."""
     mask_id = settings["mask_token_id"]
     path = files.directory / MASK_EMBEDDING_FILE
+    if cfg.block_mask == "target" and not path.is_file() and EMBEDDING_TENSOR not in files.meta:
+        report.add("info", f"the mask slots: the target's row of token {mask_id}, as trained (block_mask: target)")
+        return
     if settings["method"] == "dspark":
         check_dspark_mask_row(report, title, files, cfg, mask_id)
         return

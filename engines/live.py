@@ -166,7 +166,7 @@ def check(
         else:
             head = source_head
             if not head.owns_embedding:
-                head.use_target_embedding(model)
+                head.use_target_weights(model)
         method = row(head.config.method)
         if method.family == "block":  # a block head drafts its whole block in every engine
             k = method.drafts(head.config)

@@ -192,7 +192,8 @@ def set_random_vocab_map(head, among=None):
 def tiny_head(method="eagle3", seed=0, init_std=0.3, draft_ids="random", target_model=None, **config_changes):
     """A random fp32 head of `method` (eagle3, peagle, dflash, dspark) of tiny_draft_config(**config_changes), or, given
     a `target_model`, sized like it (DraftConfig.from_target_config(**config_changes)) and on its
-    embedding: borrowed by EAGLE-3, an own copy for P-EAGLE, as their from_target give them.
+    embedding (and lm_head, for a block head with block_lm_head target): borrowed by EAGLE-3 and the block heads, an
+    own copy for P-EAGLE, as their from_target give them.
 
     seed: torch's seed first (None: go on from the caller's); init_std: every weight drawn from
     N(0, init_std) (None: the constructor's initialisation), large enough that tests see the head's
@@ -219,8 +220,10 @@ def tiny_head(method="eagle3", seed=0, init_std=0.3, draft_ids="random", target_
         t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
         t2d[draft_ids] = True
         head.set_vocab_map(draft_ids - torch.arange(len(draft_ids)), t2d)
-    if target_model is not None:
-        head.attach_embedding(target_model.get_input_embeddings().weight, own=method == "peagle")
+    if method == "peagle" and target_model is not None:
+        head.attach_embedding(target_model.get_input_embeddings().weight, own=True)
+    elif target_model is not None:
+        head.use_target_weights(target_model)
     return head
 
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_head
+from conftest import V, tiny_head
 from safetensors.torch import load_file, save_file
 
 from eagle_train.checkpoint import load_draft_head
@@ -20,12 +20,16 @@ from engines.block_rules import restated_hf_config
 CASES = [  # (method, layout, config changes)
     ("dflash", "dflash", {}),
     ("dflash", "dflash", {"causal": True}),
-    ("dflash", "speculators", {}),
+    ("dflash", "speculators", {"block_mask": "target"}),  # speculators reads the verifier's mask row
     ("dspark", "dspark", {}),
     ("dspark", "dspark", {"sample_from_anchor": False, "confidence_head": False}),
-    ("dspark", "speculators", {}),
+    ("dspark", "speculators", {"block_mask": "target"}),
+    ("dflash", "dflash", {"block_mask": "target", "block_lm_head": "target", "draft_vocab_size": V}),
 ]
-SETTINGS = ("method", "aux_layer_ids", "mask_token_id", "block_size", "causal", "sample_from_anchor", "markov_rank")
+SETTINGS = (
+    *("method", "aux_layer_ids", "mask_token_id", "block_size", "causal", "sample_from_anchor", "markov_rank"),
+    *("block_mask", "block_lm_head"),
+)
 
 
 def target_embedding(head) -> torch.Tensor:
@@ -56,6 +60,7 @@ def test_dflash_layout_is_z_labs(tmp_path):
     head, out = export(tmp_path)
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    assert config["is_causal"] is False  # z-lab's library reads it at the top level, vLLM under dflash_config
     assert config["dflash_config"] == {
         "mask_token_id": head.config.mask_token_id,
         "target_layer_ids": [i - 1 for i in head.config.aux_layer_ids],
@@ -93,7 +98,7 @@ def test_speculators_block_config_is_what_vllms_speculators_reader_wants(tmp_pat
     proposal_methods[0].speculative_tokens, speculators_config.verifier.name_or_path and a transformer_layer_config
     dict required; algos.py update_dflash: aux_hidden_state_layer_ids required, eagle_aux_hidden_state_layer_ids =
     those ids, the drafter's target_layer_ids = each id - 1), against the tiny head's values written out."""
-    _, out = export(tmp_path, method, "speculators", block_size=8, **changes)
+    _, out = export(tmp_path, method, "speculators", block_size=8, block_mask="target", **changes)
     config = json.loads((out / "config.json").read_text())
     assert config["speculators_model_type"] == method
     assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == drafts
@@ -211,9 +216,6 @@ def test_vllms_rules_catch_a_dspark_export_whose_mask_row_is_not_learnt(tmp_path
     save_file(tensors, out / "model.safetensors")
     assert any("no embed_tokens.weight" in e and "never reads mask_embedding.pt" in e for e in errors(out))
 
-    _, out = export(tmp_path / "spec", "dspark", "speculators")  # speculators ships no embed_tokens
-    assert any("no embed_tokens.weight" in e for e in errors(out))
-
 
 def test_other_engines_have_no_block_loader(tmp_path):
     _, out = export(tmp_path, "dspark")
@@ -239,3 +241,62 @@ def test_dspark_asked_of_vllm_on_a_cpu_is_refused_in_one_line(tmp_path, monkeypa
     assert ENGINES["vllm"].head_refusal("dflash") == ""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert vllm_child.dspark_refusal() == ""  # vLLM's V2 GPU runner drafts DSpark
+
+
+@pytest.mark.parametrize(
+    "changes, fix",
+    [
+        ({}, "train with block_mask: target, or export --format dflash"),
+        ({"block_mask": "target", "draft_vocab_size": V}, "train with block_lm_head: target or a reduced draft"),
+    ],
+)
+def test_speculators_refuses_in_one_line_a_block_head_it_would_not_read_as_trained(tmp_path, changes, fix):
+    with pytest.raises(ValueError) as refused:
+        export(tmp_path, "dflash", "speculators", **changes)
+    assert len(str(refused.value).splitlines()) == 1 and fix in str(refused.value)
+    assert not (tmp_path / "speculators").exists()
+
+
+def test_speculators_ships_t2d_beside_d2t_for_a_reduced_vocabulary_and_neither_for_the_whole(tmp_path):
+    head, out = export(tmp_path, "dspark", "speculators", block_mask="target")
+    tensors = load_file(out / "model.safetensors")
+    assert torch.equal(tensors["t2d"], head.t2d) and torch.equal(tensors["d2t"], head.d2t)
+    _, out = export(
+        tmp_path / "whole", "dflash", "speculators", block_mask="target", block_lm_head="target", draft_vocab_size=V
+    )
+    assert not set(load_file(out / "model.safetensors")) & {"t2d", "d2t", "lm_head.weight", "mask_embedding"}
+    assert not (out / MASK_EMBEDDING_FILE).exists()
+
+
+@pytest.mark.parametrize(
+    "changes, noted",
+    [
+        ({}, "block_mask, block_lm_head not target"),
+        ({"block_mask": "target"}, "block_lm_head not target"),
+        ({"block_mask": "target", "block_lm_head": "target", "draft_vocab_size": V}, None),
+    ],
+)
+def test_a_dflash_export_says_in_one_line_when_z_labs_library_cannot_read_it(tmp_path, capsys, changes, noted):
+    from eagle_cli.export import main as export_main
+
+    tiny_head("dflash", **changes).save_pretrained(tmp_path / "head")
+    with pytest.raises(SystemExit):
+        export_main([str(tmp_path / "head"), "--format", "dflash", "--out", str(tmp_path / "out")])
+    lines = [line for line in capsys.readouterr().out.splitlines() if "z-lab" in line]
+    if noted is None:
+        assert lines == []
+    else:
+        (line,) = lines
+        assert noted in line and "block_mask: target and block_lm_head: target" in line
+
+
+@pytest.mark.parametrize("method, layout", [("dflash", "dflash"), ("dspark", "dspark"), ("dspark", "speculators")])
+def test_a_published_recipe_export_ships_no_mask_or_lm_head_and_passes_vllms_rules(tmp_path, method, layout):
+    head = tiny_head(method, block_mask="target", block_lm_head="target", draft_vocab_size=V)
+    out = export_head(head, tmp_path / layout, layout, dtype="fp32")  # dspark: no target embedding to ship
+    assert not set(load_file(out / "model.safetensors")) & {"embed_tokens.weight", "lm_head.weight", "d2t"}
+    assert not (out / MASK_EMBEDDING_FILE).exists()
+    (report,) = check_directory(out).values()
+    assert report.ok, report.render()
+    assert "lm_head <- the target's lm_head" in report.filled
+    assert any("the target's row of token 49, as trained" in f.message for f in report.findings)

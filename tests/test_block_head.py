@@ -6,8 +6,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import VD, H, V, as_target_logits, tiny_head
+from conftest import TINY_BLOCK, VD, H, V, as_target_logits, tiny_head, tiny_target
 
+from eagle_train.checkpoint import load_draft_head
 from eagle_train.distill import target_distribution
 from eagle_train.methods.block.head import block_attention_mask
 from eagle_train.methods.block.loss import block_loss, sample_anchors
@@ -103,3 +104,29 @@ def test_anchors_read_only_states_the_runtime_has():
     a = int(anchors[row, i])
     changed[row, a:] = torch.randn_like(changed[row, a:])
     torch.testing.assert_close(head.forward_blocks(changed, ids, anchors)[row, i], h[row, i], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_the_published_recipe_drafts_through_the_targets_mask_row_and_lm_head(method, tmp_path):
+    """block_mask: target and block_lm_head: target: the mask slots are the target's row mask_token_id and the drafts
+    its lm_head, neither trained nor saved; the head reloaded on the target drafts the same."""
+    target = tiny_target()
+    options = dict(TINY_BLOCK[method], block_mask="target", block_lm_head="target", draft_vocab_size=V)
+    head = tiny_head(method, target_model=target, **options).double()
+    saved = head.saved_state_dict()
+    assert "mask_embedding" not in saved and "lm_head.weight" not in saved and "embed_tokens.weight" not in saved
+    trainable = {n for n, p in head.named_parameters() if p.requires_grad}
+    assert "lm_head.weight" not in trainable and "embed_tokens.weight" not in trainable
+
+    anchors = torch.tensor([[2, 6]])
+    embedded = head.block_embeddings(anchors, anchors.shape)
+    mask_row = target.get_input_embeddings().weight[head.config.mask_token_id].double()
+    assert torch.equal(embedded[0, 0, 1:], mask_row.expand(head.config.block_size - 1, -1))
+    aux, ids, *_ = random_batch(b=1, t=12)
+    h = head.forward_blocks(aux, ids, anchors)
+    unbiased = head.slot_logits(h)[1]
+    torch.testing.assert_close(unbiased, target.lm_head(head.norm(h).float()).double(), rtol=1e-5, atol=1e-5)
+
+    head.float().save_pretrained(tmp_path / "head")
+    back = load_draft_head(tmp_path / "head", target).double()
+    torch.testing.assert_close(back.slot_logits(back.forward_blocks(aux, ids, anchors))[1], unbiased)

@@ -100,7 +100,16 @@ def test_refusals_name_the_fix(tmp_path, target):
         export_gguf(tiny_head("dspark"), tmp_path / "q.gguf", target, "q8_0")  # markov rank 4
     with pytest.raises(ValueError, match="mask_token_id 50 is outside the vocabulary"):
         export_gguf(tiny_head("dflash", mask_token_id=V), tmp_path / "m.gguf", target)
+    with pytest.raises(ValueError, match="block_lm_head: target.*export --format dflash"):
+        export_gguf(tiny_head("dflash", block_lm_head="target", draft_vocab_size=V), tmp_path / "l.gguf", target)
     assert not list(tmp_path.glob("?.gguf"))
+
+
+def test_a_target_mask_head_keeps_the_targets_mask_row(tmp_path, target):
+    head = tiny_head("dflash", block_mask="target")
+    reader = GGUFReader(export_gguf(head, tmp_path / "head.gguf", target))
+    [t] = [t for t in reader.tensors if t.name == "token_embd.weight"]
+    assert np.array_equal(np.array(t.data).reshape(V, H), target_embedding(target))
 
 
 @pytest.mark.parametrize(

@@ -24,6 +24,9 @@ CASES = {  # tiny heads of each kind, sized like the confident target
     "dflash": dict(TINY_BLOCK["dflash"], **BLOCK),
     "dflash-causal": dict(TINY_BLOCK["dflash"], causal=True, **BLOCK),
     "dspark": dict(TINY_BLOCK["dspark"], **BLOCK),
+    # the published recipe: the mask slots embed by the target's row mask_token_id, the drafts read its lm_head
+    "dflash-target": dict(TINY_BLOCK["dflash"], block_mask="target", block_lm_head="target", **BLOCK),
+    "dspark-target": dict(TINY_BLOCK["dspark"], block_mask="target", block_lm_head="target", **BLOCK),
 }
 
 

@@ -40,6 +40,19 @@ def test_a_block_head_learns_resumes_exactly_and_loads_back(method, train_store,
     assert not torch.equal(head.mask_embedding, torch.zeros_like(head.mask_embedding))
 
 
+def test_the_published_recipe_trains_on_the_targets_mask_row_and_lm_head(train_store, smollm2, tmp_path):
+    """block_mask: target and block_lm_head: target: the head learns over the whole vocabulary, saves neither
+    borrowed tensor and loads back on the target's."""
+    overrides = ["method=dflash", *BLOCK, "num_epochs=1", "block_mask=target", "block_lm_head=target"]
+    done = run(config(train_store, tmp_path, *overrides))
+    assert done["eval_after"]["loss"] < done["eval_before"]["loss"]
+    target = smollm2[0]
+    head = load_draft_head(tmp_path / "final", target)
+    assert head.config.draft_vocab_size == target.config.vocab_size and not hasattr(head, "mask_embedding")
+    assert head.lm_head.weight.data_ptr() == target.get_output_embeddings().weight.data_ptr()
+    assert "lm_head.weight" not in head.saved_state_dict()
+
+
 @pytest.mark.parametrize(
     "overrides, match",
     [
@@ -49,6 +62,9 @@ def test_a_block_head_learns_resumes_exactly_and_loads_back(method, train_store,
         (["method=dspark", "block_gamma=0"], "block_gamma must be > 0"),
         (["method=dflash", "rejection_weight=1"], "rejection_weight weighs EAGLE-3's"),
         (["method=dflash", "aux_layer_ids=[0,15,27]", "mode=online"], "layer index 0 is the embedding's"),
+        (["method=dflash", "block_mask=shared"], "block_mask 'shared' is not one of"),
+        (["method=dspark", "block_lm_head=tied"], "block_lm_head 'tied' is not one of"),
+        (["method=dflash", "block_lm_head=target", "draft_vocab_size=1000"], "drafts over the target's whole"),
     ],
 )
 def test_block_keys_are_refused_before_any_compute(overrides, match, train_tokenized, smollm2, tmp_path):

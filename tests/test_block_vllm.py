@@ -58,7 +58,7 @@ def test_the_installed_vllms_cpu_runner_refuses_dspark(monkeypatch):
 @needs_vllm
 @pytest.mark.parametrize("method", ["dflash", "dspark"])
 def test_the_rules_read_speculators_block_configs_through_the_installed_vllm(tmp_path, method):
-    out = export_head(tiny_head(method), tmp_path, "speculators", dtype="fp32")
+    out = export_head(tiny_head(method, block_mask="target"), tmp_path, "speculators", dtype="fp32")
     config = json.loads((out / "config.json").read_text())
     theirs, said = vllm_hf_config(config)
     assert said == "the installed vLLM" and engine_settings(theirs) == engine_settings(restated_hf_config(config))

@@ -22,6 +22,7 @@ from eagle_train.export.layouts import (
     INTEGER_TENSORS,
     LAYOUTS,
     MASK_EMBEDDING_FILE,
+    PROVENANCE_KEY,
     detect_layout,
     layout,
 )
@@ -64,7 +65,9 @@ def export_head(head, out_dir, format: str = "eagle3", dtype="bf16", target_embe
     Floating tensors are cast to `dtype`; d2t stays int64 and t2d bool. `provenance` (e.g. data,
     steps, eval_results, speculative_tokens for speculators) goes into config.json's "eagle_train"
     block and the model card. `target_embedding` (the target's input embedding, [V, H]) is required by
-    the layouts that ship it (dspark): a head's own `embed_tokens` is only the target's once attached.
+    the layouts that ship it (dspark, for a learnt mask): a head's own `embed_tokens` is only the target's once
+    attached. A head the layout's reader would not read as trained is refused (`Layout.refusal`); what a reader
+    of the written layout cannot read is the layout's `notice`, which eagle-export prints.
     """
     lay = layout(format)
     dtype = resolve_dtype(dtype)
@@ -81,20 +84,24 @@ def export_head(head, out_dir, format: str = "eagle3", dtype="bf16", target_embe
             f"this head applies {', '.join(variants)} (it was trained by speculators), which the {lay.name} layout "
             "cannot state, so its readers would run another head: use --format speculators"
         )
-    if lay.ships_embedding:
+    refusal = lay.refusal(head.config)
+    if refusal:
+        raise ValueError(refusal)
+    ships_embedding = lay.ships_embedding and head.config.block_mask == "learnt"  # else the target's row as it is
+    if ships_embedding:
         check_target_embedding(head.config, target_embedding, lay.name)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for name, t in head.saved_state_dict().items():
-        if lay.mask_file and family_of(head.config.method) == "block" and name in block_skipped(head.config):
+        if lay.mask_file and family_of(head.config.method) == "block" and name in block_skipped(head.config, lay):
             continue
         t = t.detach().cpu()
         tensors[lay.to_file(name, head.config.method)] = (t if name in INTEGER_TENSORS else t.to(dtype)).contiguous()
     card_fields = {k: provenance.pop(k) for k in ("eval_results",) if k in provenance}
     config = lay.write_config(head.config, dtype, provenance)
     write_json(out / "config.json", config)
-    if lay.ships_embedding:
+    if ships_embedding:
         tensors[EMBEDDING_TENSOR] = embedding_with_mask(
             target_embedding, head.config.mask_token_id, tensors["mask_embedding"], dtype
         )
@@ -128,10 +135,13 @@ def embedding_with_mask(embedding, mask_token_id: int, mask: torch.Tensor, dtype
     return out
 
 
-def block_skipped(cfg) -> tuple[str, ...]:
-    """Vocab-map tensors a block layout leaves out: t2d (engines skip it; it follows from d2t), and d2t for a
-    full vocabulary (vLLM's block models then have no parameter for it and the load fails)."""
-    return ("t2d", "d2t") if cfg.draft_vocab_size == cfg.vocab_size else ("t2d",)
+def block_skipped(cfg, lay) -> tuple[str, ...]:
+    """Vocab-map tensors a block layout leaves out: both for a full vocabulary (vLLM's block models then have no
+    parameter for d2t and the load fails), else t2d (engines skip it; it follows from d2t) unless the layout's
+    reader needs it (`Layout.block_t2d`: speculators' from_pretrained refuses a reduced vocabulary without it)."""
+    if cfg.draft_vocab_size == cfg.vocab_size:
+        return ("t2d", "d2t")
+    return () if lay.block_t2d else ("t2d",)
 
 
 def write_mask_embedding(out: Path, mask_token_id: int, embedding: torch.Tensor) -> None:
@@ -166,4 +176,17 @@ def read_export(directory, target_config=None) -> tuple[DraftConfig, dict[str, t
         mask = shipped[cfg.mask_token_id] if mask is None else mask
     if mask is not None:
         tensors["mask_embedding"] = mask
+    if family_of(cfg.method) == "block":
+        block_recipe_from_files(cfg, files.config, tensors)
     return cfg, tensors
+
+
+def block_recipe_from_files(cfg: DraftConfig, config: dict, tensors: dict) -> None:
+    """block_mask / block_lm_head of a block export whose config.json does not state them (another trainer's, as
+    z-lab's): without a mask embedding the mask slots are the target's row, and without an lm_head a
+    full-vocabulary head drafts through the target's."""
+    ours = config.get(PROVENANCE_KEY) or {}
+    if "block_mask" not in ours and "mask_embedding" not in tensors:
+        cfg.block_mask = "target"
+    if "block_lm_head" not in ours and "lm_head.weight" not in tensors and cfg.draft_vocab_size == cfg.vocab_size:
+        cfg.block_lm_head = "target"

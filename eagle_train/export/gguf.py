@@ -142,6 +142,11 @@ def check_head(head, target: GGUFReader) -> None:
             raise ValueError(f"llama.cpp's dflash model has no place for the head's tensors {sorted(unplaced)}")
         if not 0 <= cfg.mask_token_id < cfg.vocab_size:
             raise ValueError(f"the head's mask_token_id {cfg.mask_token_id} is outside the vocabulary")
+        if head.borrows_lm_head:
+            raise ValueError(
+                "the head drafts through the target's lm_head (block_lm_head: target), which this GGUF writer does "
+                "not copy into the head's output tensor yet: export --format dflash, or train with block_lm_head: draft"
+            )
     elif cfg.method != "eagle3":
         raise ValueError(
             f"a {cfg.method} head cannot be written as a llama.cpp GGUF: llama.cpp drafts with "
@@ -297,7 +302,8 @@ def add_block_tensors(writer: GGUFWriter, head, qtype: GGMLQuantizationType, tar
     state = {k: v.detach().cpu() for k, v in head.saved_state_dict().items()}
     own = state[EMBEDDING[0]].float().numpy() if EMBEDDING[0] in state else None
     embedding = np.array(target_embedding(target, cfg) if own is None else own, dtype=np.float32)  # row replaced
-    embedding[cfg.mask_token_id] = state[MASK_EMBEDDING].float().numpy()
+    if MASK_EMBEDDING in state:  # block_mask target: the target's row as it is
+        embedding[cfg.mask_token_id] = state[MASK_EMBEDDING].float().numpy()
     add_matrix(writer, EMBEDDING[1], embedding, qtype, EMBEDDING[0])
     matmuls, small = block_names(cfg.num_hidden_layers)
     for name, gguf_name in matmuls.items():

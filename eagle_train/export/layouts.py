@@ -13,16 +13,18 @@ one. Adding a format is one more row built from the helpers below.
 - `peagle`: P-EAGLE for vLLM's parallel drafting: the eagle3 layout with N layers (`layers.1..N-1.*`),
   the trained `embed_tokens`, `mask_hidden`, the mask token id under all three names vLLM versions
   read, `parallel_drafting` true.
-- `dflash`: z-lab's DFlash layout (vLLM's `DFlashDraftModel`, llama.cpp's converter): Qwen3 keys,
-  `block_size`, `dflash_config` {mask_token_id, target_layer_ids = our aux ids - 1, causal}; tensors
-  `fc`, `hidden_norm`, `layers.{i}.*`, `norm`, `lm_head`, `d2t` (no `embed_tokens`: the target's).
+- `dflash`: z-lab's DFlash layout (vLLM's `DFlashDraftModel`, llama.cpp's converter, z-lab's library): Qwen3
+  keys, `block_size`, top-level `is_causal` (z-lab's), `dflash_config` {mask_token_id, target_layer_ids = our aux
+  ids - 1, causal} (vLLM's); tensors `fc`, `hidden_norm`, `layers.{i}.*`, `norm`, `lm_head`, `d2t` (no
+  `embed_tokens`: the target's). z-lab's library reads no mask embedding, lm_head or d2t (`zlab_notice`).
 - `dspark`: DeepSpec's native DSpark layout (vLLM's `Qwen3DSparkModel`): Qwen3 keys with top-level
   `target_layer_ids` (aux - 1), `mask_token_id`, `markov_rank`, `sample_from_anchor`, the confidence
   head's keys; the Markov head as `markov_head.markov_w1.weight` / `markov_w2.weight`; and `embed_tokens.weight`,
   the target's token embedding with row `mask_token_id` the head's mask embedding (vLLM's DSpark embeds the
   mask slots by that row and never reads mask_embedding.pt; DeepSpec's checkpoints ship embed_tokens too).
 - `speculators` also writes block heads (speculators_model_type dflash / dspark, the Qwen3 keys under
-  `transformer_layer_config`, `aux_hidden_state_layer_ids` = our aux ids).
+  `transformer_layer_config`, `aux_hidden_state_layer_ids` = our aux ids, `t2d` beside `d2t` for a reduced
+  vocabulary), of a head speculators reads as trained only (`speculators_refusal`).
 
 A block head's learnt mask embedding ships beside the weights as `mask_embedding.pt`, the dict
 {"mask_token_id", "embedding"} vLLM's DFlash loader and llama.cpp's converter read (`MASK_EMBEDDING_FILE`).
@@ -103,6 +105,8 @@ def provenance(cfg: DraftConfig, extra: dict) -> dict:
     }
     if cfg.num_depths:
         ours["num_depths"] = cfg.num_depths
+    if family_of(cfg.method) == "block":
+        ours.update(block_mask=cfg.block_mask, block_lm_head=cfg.block_lm_head)
     return {**ours, **extra}
 
 
@@ -376,7 +380,8 @@ def block_common(cfg: DraftConfig, dtype: torch.dtype) -> dict:
 
 
 def dflash_config(cfg: DraftConfig, dtype: torch.dtype, extra: dict) -> dict:
-    config = {"architectures": [DFLASH_ARCHITECTURE], **block_common(cfg, dtype)}
+    """z-lab's keys: vLLM reads dflash_config.causal, z-lab's dflash library only the top-level is_causal."""
+    config = {"architectures": [DFLASH_ARCHITECTURE], **block_common(cfg, dtype), "is_causal": cfg.causal}
     config["dflash_config"] = {
         "mask_token_id": cfg.mask_token_id,
         "target_layer_ids": engine_target_layer_ids(cfg),
@@ -461,15 +466,57 @@ def block_settings(config: dict) -> dict:
 
 
 def block_read(config: dict, target_config=None) -> DraftConfig:
+    """A block head's config; block_mask / block_lm_head from our provenance block, else the defaults (an export
+    of another trainer's: `eagle_train.export.read_export` tells them from the files)."""
     layer = config.get("transformer_layer_config") if "speculators_model_type" in config else config
     settings = block_settings(config)
     if settings["mask_token_id"] is None or not settings["block_size"]:
         raise ValueError(f"{settings['method']} config.json names no mask_token_id or block_size")
     cfg = draft_config_from_llama(layer, config, target_config, aux_layer_ids=settings.pop("aux_layer_ids"))
     cfg.target_num_layers = cfg.target_num_layers or config.get("num_target_layers") or 0
+    ours = config.get(PROVENANCE_KEY) or {}
+    settings.update({k: ours[k] for k in ("block_mask", "block_lm_head") if k in ours})
     for key, value in settings.items():
         setattr(cfg, key, value)
     return cfg
+
+
+def speculators_refusal(cfg: DraftConfig) -> str:
+    """What speculators' DFlash / DSpark loader (SpeculatorModel.from_pretrained) would not read as trained: it
+    never saves or reads embed_tokens nor mask_embedding.pt (load_verifier_weights embeds the mask slots by the
+    verifier's row mask_token_id), and replaces a full-vocabulary lm_head by the verifier's."""
+    if family_of(cfg.method) != "block":
+        return ""
+    if cfg.block_mask != "target":
+        return (
+            "speculators embeds the mask slots by the verifier's row mask_token_id and never reads this head's "
+            "learnt mask embedding: train with block_mask: target, or export --format dflash"
+        )
+    if cfg.block_lm_head != "target" and cfg.draft_vocab_size == cfg.vocab_size:
+        return (
+            "speculators replaces a full-vocabulary lm_head by the verifier's, not this head's trained one: train "
+            "with block_lm_head: target or a reduced draft vocabulary, or export --format dflash"
+        )
+    return ""
+
+
+def zlab_notice(cfg: DraftConfig) -> str:
+    """What z-lab's dflash library (dflash.model.DFlashDraftModel) would not read of a dflash export: it embeds the
+    mask slots by the target's row mask_token_id and drafts through the target's lm_head, never reading
+    mask_embedding.pt, lm_head or d2t (vLLM and llama.cpp read them)."""
+    lost = [key for key in ("block_mask", "block_lm_head") if getattr(cfg, key) != "target"]
+    if not lost:
+        return ""
+    return (
+        f"note: z-lab's dflash library cannot read this head as trained ({', '.join(lost)} not target: it uses the "
+        "target's mask row and lm_head); vLLM and llama.cpp can. Train with block_mask: target and block_lm_head: "
+        "target for all three"
+    )
+
+
+def says_nothing(cfg: DraftConfig) -> str:
+    """No refusal, no notice: a layout whose readers read every head it can hold as trained."""
+    return ""
 
 
 def is_dflash(config: dict) -> bool:
@@ -523,8 +570,11 @@ class Layout:
     from_file: Callable[[str, str], str]  # (file tensor name, head method) -> head tensor name
     matches: Callable[[dict], bool]
     mask_file: bool = False  # a block head's mask_embedding goes to MASK_EMBEDDING_FILE, not the weights
-    ships_embedding: bool = False  # EMBEDDING_TENSOR: the target's, row mask_token_id the mask embedding
+    ships_embedding: bool = False  # EMBEDDING_TENSOR: the target's, row mask_token_id the learnt mask embedding
     states_variants: bool = False  # its config states DraftConfig's VARIANTS (speculators' norm flags and layers)
+    block_t2d: bool = False  # a reduced-vocabulary block head ships t2d beside d2t (its reader needs both)
+    refusal: Callable[[DraftConfig], str] = says_nothing  # why a head cannot be written so its reader reads it
+    notice: Callable[[DraftConfig], str] = says_nothing  # a line on a reader that cannot read the written head
 
 
 LAYOUTS: dict[str, Layout] = {
@@ -541,11 +591,23 @@ LAYOUTS: dict[str, Layout] = {
         is_speculators,
         mask_file=True,
         states_variants=True,
+        block_t2d=True,
+        refusal=speculators_refusal,
     ),
     # On disk a P-EAGLE directory is the eagle3 layout plus keys, so it is read (and detected) as that
     # row, whose reader sees the mask token; this row only writes.
     "peagle": Layout("peagle", ("vllm",), peagle_config, eagle3_read, rename([]), rename([]), lambda config: False),
-    "dflash": Layout("dflash", ("vllm",), dflash_config, block_read, rename([]), rename([]), is_dflash, mask_file=True),
+    "dflash": Layout(
+        "dflash",
+        ("vllm",),
+        dflash_config,
+        block_read,
+        rename([]),
+        rename([]),
+        is_dflash,
+        mask_file=True,
+        notice=zlab_notice,
+    ),
     "dspark": Layout(
         "dspark",
         ("vllm",),

@@ -15,9 +15,11 @@ DSpark's options: the Markov bias, logits_j += W2 W1[prev_j] (rank `markov_rank`
 draft j: the anchor for j = 1, else draft j-1), and the confidence head, sigmoid(proj([h_j; W1[prev_j]]))
 with h_j the normed hidden state the lm_head reads: whether draft j is accepted.
 
-The target has no spare trained mask token: the mask's embedding is learnt (`mask_embedding` [H]) and exports
-ship it as the engines expect (a `mask_token_id` plus mask_embedding.pt). The token embedding is the
-target's, frozen and left out of saves.
+The target has no spare trained mask token: by default the mask's embedding is learnt (`mask_embedding` [H]) and
+exports ship it as the engines expect (a `mask_token_id` plus mask_embedding.pt); with `block_mask: target` the
+mask slots embed by the target's row `mask_token_id`, as the DFlash paper's heads do and as z-lab's dflash and
+speculators read every head. The token embedding is the target's, frozen and left out of saves; so is the
+lm_head with `block_lm_head: target` (the target's, over its whole vocabulary), else the head's own.
 
 Tensor names follow the z-lab layout vLLM and llama.cpp load: `fc`, `hidden_norm`, `layers.{i}.*`, `norm`,
 `lm_head`, `d2t`, `mask_embedding`; DSpark's `markov_head.markov_w1` [V, R], `markov_head.markov_w2` [Vd, R],
@@ -33,7 +35,7 @@ from eagle_train.draft_config import DraftConfig
 from eagle_train.head import DraftHead, KVCache, LayerCaches
 from eagle_train.layers import MLP, Attention, RMSNorm
 from eagle_train.methods import family_of
-from eagle_train.train_config import BLOCK_SIZE
+from eagle_train.train_config import BLOCK_LM_HEADS, BLOCK_MASKS, BLOCK_SIZE
 
 
 def default_num_hidden_layers(target_hidden_size: int) -> int:
@@ -105,11 +107,22 @@ class BlockHead(DraftHead):
             raise ValueError(f"block_size {cfg.block_size} drafts nothing: use block_size >= 2")
         if cfg.confidence_head and not cfg.markov_rank:
             raise ValueError("the confidence head reads the Markov head's W1[prev]: set markov_rank > 0")
+        if cfg.block_mask not in BLOCK_MASKS or cfg.block_lm_head not in BLOCK_LM_HEADS:
+            raise ValueError(
+                f"block_mask {cfg.block_mask!r} / block_lm_head {cfg.block_lm_head!r}: use block_mask "
+                f"{' or '.join(BLOCK_MASKS)} and block_lm_head {' or '.join(BLOCK_LM_HEADS)}"
+            )
+        if cfg.block_lm_head == "target" and cfg.draft_vocab_size != cfg.vocab_size:
+            raise ValueError(
+                f"block_lm_head target drafts over the target's whole vocabulary ({cfg.vocab_size}), not a draft "
+                f"vocabulary of {cfg.draft_vocab_size}: set draft_vocab_size {cfg.vocab_size}, or block_lm_head draft"
+            )
         super().__init__(cfg)
         h = cfg.hidden_size
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(BlockLayer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.mask_embedding = nn.Parameter(torch.randn(h) * 0.02)
+        if cfg.block_mask == "learnt":
+            self.mask_embedding = nn.Parameter(torch.randn(h) * 0.02)
         if cfg.markov_rank:
             self.markov_head = MarkovHead(cfg.vocab_size, cfg.draft_vocab_size, cfg.markov_rank)
         if cfg.confidence_head:
@@ -126,7 +139,8 @@ class BlockHead(DraftHead):
         num_hidden_layers: int | None = None,
         **config_kwargs,
     ) -> "BlockHead":
-        """A head for `target_model` sharing its frozen embedding; DSpark's options come in `config_kwargs`."""
+        """A head for `target_model` sharing its frozen embedding (and lm_head with block_lm_head target); DSpark's
+        options and block_mask / block_lm_head come in `config_kwargs`."""
         tcfg = text_config(target_model.config)
         cfg = DraftConfig.from_target_config(
             target_model.config,
@@ -137,7 +151,7 @@ class BlockHead(DraftHead):
             **config_kwargs,
         )
         head = cls(cfg)
-        head.use_target_embedding(target_model)
+        head.use_target_weights(target_model)
         return head
 
     # ---- the pieces both uses share ---------------------------------------------------------
@@ -146,10 +160,17 @@ class BlockHead(DraftHead):
         """The context states the layers' keys and values are made from: hidden_norm(fc(aux)) [..., H]."""
         return self.hidden_norm(self.fc(aux))
 
+    def mask_vector(self):
+        """The mask slots' embedding [H]: the learnt one, or the target's row `mask_token_id` (`block_mask`)."""
+        if self.config.block_mask == "target":
+            return self.embed_tokens.weight[self.config.mask_token_id]
+        return self.mask_embedding
+
     def block_embeddings(self, anchor_ids, num_blocks_shape):
         """Embeddings [*shape, B, H] of blocks [anchor, mask, ...]: anchor_ids [*shape]."""
-        first = self.embed_tokens(anchor_ids)[..., None, :].to(self.mask_embedding.dtype)
-        masks = self.mask_embedding.expand(*num_blocks_shape, self.config.block_size - 1, -1)
+        mask = self.mask_vector()
+        first = self.embed_tokens(anchor_ids)[..., None, :].to(mask.dtype)
+        masks = mask.expand(*num_blocks_shape, self.config.block_size - 1, -1)
         return torch.cat([first, masks], dim=-2)
 
     def draft_slots(self) -> list[int]:

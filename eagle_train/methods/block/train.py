@@ -12,7 +12,7 @@ from eagle_train.architectures import text_config
 from eagle_train.distill import check_layers_and_mask, head_from_init, mask_token_for, noisy_features
 from eagle_train.methods.block.head import BlockHead
 from eagle_train.methods.block.loss import block_loss, default_gamma, sample_anchors
-from eagle_train.train_config import MARKOV_RANK
+from eagle_train.train_config import BLOCK_LM_HEADS, BLOCK_MASKS, MARKOV_RANK
 from eagle_train.warm_start import warm_start_from_target
 
 
@@ -26,11 +26,14 @@ def dspark_options(cfg) -> dict:
 
 
 def build_block_head(cfg, target_model, vocab_map: dict | None) -> BlockHead:
-    """A new DFlash or DSpark head for the target with the data's vocab map (mask token: `cfg.mask_token_id` or a
-    spare special token the data never uses; with `warm_start`, its norm and lm_head are the target's), or the head
-    of the same method at `init_from`."""
+    """A new DFlash or DSpark head for the target with the data's vocab map (the whole vocabulary with
+    `block_lm_head: target`; mask token: `cfg.mask_token_id` or a spare special token the data never uses; with
+    `warm_start`, its norm and lm_head are the target's), or the head of the same method and options at
+    `init_from`."""
     if cfg.init_from:
-        return head_from_init(cfg, target_model, block_size=cfg.block_size)
+        return head_from_init(
+            cfg, target_model, block_size=cfg.block_size, block_mask=cfg.block_mask, block_lm_head=cfg.block_lm_head
+        )
     mask_token_id = mask_token_for(cfg, vocab_map)
     head = BlockHead.from_target(
         target_model,
@@ -42,6 +45,8 @@ def build_block_head(cfg, target_model, vocab_map: dict | None) -> BlockHead:
         aux_layer_ids=cfg.aux_layer_ids,
         target=cfg.target,
         causal=cfg.causal,
+        block_mask=cfg.block_mask,
+        block_lm_head=cfg.block_lm_head,
         **dspark_options(cfg),
     )
     head.set_vocab_map(vocab_map["d2t"], vocab_map["t2d"])
@@ -100,6 +105,21 @@ def validate_block(cfg, target_config) -> None:
     if cfg.markov_rank is not None and cfg.markov_rank < 0:
         raise ValueError(f"markov_rank must be >= 0 (0: no Markov bias; null: {MARKOV_RANK}), got {cfg.markov_rank}")
     check_layers_and_mask(cfg, vocab)
+    if cfg.block_mask not in BLOCK_MASKS:
+        raise ValueError(
+            f"block_mask {cfg.block_mask!r} is not one of {BLOCK_MASKS} (learnt: a trained mask embedding; target: "
+            "the target's row mask_token_id)"
+        )
+    if cfg.block_lm_head not in BLOCK_LM_HEADS:
+        raise ValueError(
+            f"block_lm_head {cfg.block_lm_head!r} is not one of {BLOCK_LM_HEADS} (draft: the head's own over the draft "
+            "vocabulary; target: the target's, frozen)"
+        )
+    if cfg.block_lm_head == "target" and cfg.draft_vocab_size not in (None, vocab):
+        raise ValueError(
+            f"block_lm_head: target drafts over the target's whole vocabulary ({vocab}), draft_vocab_size is "
+            f"{cfg.draft_vocab_size}: leave draft_vocab_size unset, or use block_lm_head: draft"
+        )
     if cfg.aux_layer_ids is not None and min(cfg.aux_layer_ids) < 1:
         raise ValueError(
             f"aux_layer_ids {list(cfg.aux_layer_ids)}: a block head reads decoder layers' outputs, and layer index 0 "

@@ -56,7 +56,7 @@ class Eagle3Head(DraftHead):
         """A head for `target_model` (any Llama-family HF causal LM) sharing its frozen embedding."""
         cfg = DraftConfig.from_target_config(target_model.config, **config_kwargs)
         head = cls(cfg)
-        head.use_target_embedding(target_model)
+        head.use_target_weights(target_model)
         return head
 
     def ttt_step(self, hidden, input_ids, position_ids, past: list, rows=None):
