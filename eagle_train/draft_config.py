@@ -62,7 +62,7 @@ class DraftConfig:
     max_position_embeddings: int
     target_hidden_size: int
     target_num_layers: int
-    aux_layer_ids: tuple[int, int, int]
+    aux_layer_ids: tuple[int, ...]  # three for the heads trained here; a z-lab DFlash head may read more
     num_hidden_layers: int = 1
     method: str = "eagle3"  # a row of eagle_train.methods.METHODS: its head class, family and training
     target: str = ""  # name or path the head was built for
@@ -131,6 +131,11 @@ class DraftConfig:
             target_architectures=list(getattr(cfg, "architectures", None) or []),
             **extra,
         )
+
+    @property
+    def num_aux(self) -> int:
+        """How many target layers the head reads (fc's input is that many times the target's hidden size)."""
+        return len(self.aux_layer_ids)
 
     def variants(self) -> list[str]:
         """The VARIANTS this head has set."""

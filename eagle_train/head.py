@@ -108,10 +108,10 @@ class DraftHead(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, h)
         self.embed_tokens.weight.requires_grad_(self.owns_embedding)
         if cfg.norm_before_fc:
-            self.input_norm = RMSNorm(3 * cfg.target_hidden_size, cfg.rms_norm_eps)
+            self.input_norm = RMSNorm(cfg.num_aux * cfg.target_hidden_size, cfg.rms_norm_eps)
         if cfg.fc_norm:
-            self.fc_norm = nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(3))
-        self.fc = nn.Linear(3 * cfg.target_hidden_size, h, bias=False)
+            self.fc_norm = nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(cfg.num_aux))
+        self.fc = nn.Linear(cfg.num_aux * cfg.target_hidden_size, h, bias=False)
         if self.fused_first_layer:
             self.midlayer = DecoderLayer(cfg, fused_input=True)
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
@@ -192,7 +192,10 @@ class DraftHead(nn.Module):
         if self.config.norm_before_fc:
             aux = self.input_norm(aux)
         if self.config.fc_norm:
-            aux = torch.cat([norm(part) for norm, part in zip(self.fc_norm, aux.chunk(3, dim=-1), strict=True)], -1)
+            aux = torch.cat(
+                [norm(part) for norm, part in zip(self.fc_norm, aux.chunk(self.config.num_aux, dim=-1), strict=True)],
+                -1,
+            )
         return self.fc(aux)
 
     def layer_output(self, h: torch.Tensor) -> torch.Tensor:

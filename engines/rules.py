@@ -77,7 +77,7 @@ def head_shapes(cfg: DraftConfig, parallel: bool) -> dict[str, tuple]:
     h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
     shapes = {
-        "fc.weight": (h, 3 * cfg.target_hidden_size),
+        "fc.weight": (h, cfg.num_aux * cfg.target_hidden_size),
         "norm.weight": (h,),
         "lm_head.weight": (cfg.draft_vocab_size, h),
         "d2t": (cfg.draft_vocab_size,),

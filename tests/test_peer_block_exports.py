@@ -5,42 +5,21 @@ drafts on the same inputs. The peers run in their own environment (.venv-peers, 
 tests/peers/peer_child.py; EAGLE_PEERS_PYTHON names that environment's python where it lives elsewhere."""
 
 import dataclasses
-import json
-import os
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 from conftest import TINY_BLOCK, tiny_head, tiny_target
+from peers.run import peer_python, run_peer
 from safetensors.torch import load_file, save_file
 
 from eagle_train.export import LAYOUTS, export_head
 from eagle_train.export.layouts import says_nothing
 
-REPO = Path(__file__).resolve().parent.parent
-PEERS_PYTHON = Path(os.environ.get("EAGLE_PEERS_PYTHON") or REPO / ".venv-peers" / "bin" / "python")
-CHILD = REPO / "tests" / "peers" / "peer_child.py"
 pytestmark = pytest.mark.skipif(
-    not PEERS_PYTHON.exists(),
-    reason=f"no peers' python at {PEERS_PYTHON} (bash scripts/install_peers.sh, or set EAGLE_PEERS_PYTHON)",
+    peer_python() is None, reason="the peers' libraries are not installed: bash scripts/install_peers.sh"
 )
 RECIPE = {"block_mask": "target", "block_lm_head": "target"}
 ATOL = 1e-4  # fp32 on both sides
-
-
-def run_peer(request: dict, tmp_path: Path) -> dict:
-    """The child's result for `request`, failing the test with the peer's own error when it refuses."""
-    ask, answer = tmp_path / "request.json", tmp_path / "result.json"
-    ask.write_text(json.dumps(request))
-    done = subprocess.run(
-        [str(PEERS_PYTHON), str(CHILD), str(ask), str(answer)], capture_output=True, text=True, timeout=600
-    )
-    if not answer.exists():
-        pytest.fail(f"peer_child wrote no result (exit {done.returncode}): {done.stderr[-2000:]}")
-    result = json.loads(answer.read_text())
-    assert result["ok"], result.get("traceback") or result
-    return result
 
 
 @pytest.fixture(scope="module")

@@ -2,16 +2,20 @@
 tests/peers/run.py) builds an EAGLE-3 head with its training defaults and saves it with its own save_pretrained;
 `load_draft_head` reads that directory, and our head gives the logits speculators' forward gives on the same
 inputs at every training-time-test step. Exported again (`--format speculators`), speculators loads it as written
-and gives those logits again; a layout that cannot state the head's variants refuses it."""
+and gives those logits again; a layout that cannot state the head's variants refuses it. z-lab's DFlash heads
+(`DFlashDraftModel`) import the same way and draft losslessly in the built-in runtime."""
 
 import pytest
 import torch
+from conftest import tiny_target
 from peers.run import run_peer
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from eagle_train.checkpoint import load_draft_head
 from eagle_train.export import export_head
+from inference.drafting import TreeShape
+from inference.generate import Runtime
 
 TARGET = {
     "model_type": "llama",
@@ -100,3 +104,50 @@ def test_a_speculators_eagle3_head_imports_with_its_logits(name, verifier, tmp_p
     again = load_file(tmp_path / "again.safetensors")
     for i in range(STEPS):
         torch.testing.assert_close(again[f"logits_step{i}"], theirs[f"logits_step{i}"], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "layers,target_layer_ids", [(1, [0, 2, 3]), (3, [0, 1, 2, 3])], ids=["1-layer", "3-layer-4-aux"]
+)
+def test_a_z_lab_dflash_head_imports_with_its_logits(layers, target_layer_ids, tmp_path):
+    """z-lab's released DFlash heads: any depth, any number of target layers, no lm_head, d2t or mask embedding (they
+    draft through the target's lm_head and embed the mask slots by its row). z-lab's own DFlashDraftModel, saved by
+    its save_pretrained, imports as a head on the published recipe that drafts z-lab's logits for a block."""
+    target = tiny_target("qwen3", seed=3, noise=0.1, head_dim=8)
+    target_dir = tmp_path / "target"
+    target.save_pretrained(target_dir, safe_serialization=True)
+    tc, mask_token_id, block_size, context = target.config, target.config.vocab_size - 1, 8, 9
+    config = {
+        key: getattr(tc, key)
+        for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+    }
+    config |= {"vocab_size": tc.vocab_size, "rms_norm_eps": tc.rms_norm_eps, "rope_theta": 10000.0}
+    config |= {"num_hidden_layers": layers, "num_target_layers": tc.num_hidden_layers, "block_size": block_size}
+    config |= {"dflash_config": {"target_layer_ids": target_layer_ids, "mask_token_id": mask_token_id}}
+    config |= {"architectures": ["DFlashDraftModel"], "max_position_embeddings": 256}
+    g = torch.Generator().manual_seed(6)
+    aux = torch.randn(1, context + 1, len(target_layer_ids) * tc.hidden_size, generator=g)
+    ids = torch.randint(0, mask_token_id, (1, context + 1), generator=g)
+    block = torch.full((1, block_size), mask_token_id)
+    block[0, 0] = ids[0, context]  # the anchor: the last verified token; the masks after it
+    save_file({"hidden_states": aux[:, :context].contiguous(), "block_ids": block}, tmp_path / "inputs.safetensors")
+    request = {"op": "build_and_save", "library": "dflash", "model": "dflash", "config": config, "seed": 2}
+    request |= {
+        "dir": str(tmp_path / "head"),
+        "target": str(target_dir),
+        "inputs": str(tmp_path / "inputs.safetensors"),
+    }
+    run_peer(request | {"out": str(tmp_path / "out.safetensors")}, tmp_path)
+    theirs = load_file(tmp_path / "out.safetensors")["logits"][0]  # [block_size, V]
+
+    head = load_draft_head(tmp_path / "head", target).eval()
+    assert (head.config.block_mask, head.config.block_lm_head) == ("target", "target")
+    assert list(head.config.aux_layer_ids) == [i + 1 for i in target_layer_ids]
+    assert head.config.num_hidden_layers == layers
+    with torch.no_grad():
+        ours = head.slot_logits(head.forward_blocks(aux, ids, torch.tensor([[context]])))[1][0, 0]
+    assert ours.shape == theirs.shape == (block_size, tc.vocab_size)
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+    runtime = Runtime(target, head, TreeShape.chain(block_size - 1), cuda_graphs=False)
+    prompt = ids[0, :context].tolist()
+    assert runtime.generate(prompt, 16).output_ids == runtime.generate_plain(prompt, 16).output_ids  # lossless
