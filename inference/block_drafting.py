@@ -102,7 +102,9 @@ class BlockDrafter(Drafter):
         `root_token` = x_L (L = `length`)."""
         size, dev = self.head.config.block_size, root_token.device
         positions = torch.arange(length, length + size, device=dev)
-        mask = block_attention_mask(positions[:1], size, self.max_len, self.head.config.causal)
+        mask = block_attention_mask(
+            positions[:1], size, self.max_len, self.head.config.causal, self.head.config.sliding_window
+        )
         (h,) = self.step_fn(root_token.reshape(1), positions, mask, self.cache)
         ids, probs = self.drafts(h, root_token)
         k = self.shape.depth

@@ -27,6 +27,8 @@ CASES = {  # tiny heads of each kind, sized like the confident target
     # the published recipe: the mask slots embed by the target's row mask_token_id, the drafts read its lm_head
     "dflash-target": dict(TINY_BLOCK["dflash"], block_mask="target", block_lm_head="target", **BLOCK),
     "dspark-target": dict(TINY_BLOCK["dspark"], block_mask="target", block_lm_head="target", **BLOCK),
+    # speculators' training default: causal blocks over a sliding window of the context (shorter than the prompt)
+    "dflash-window": dict(TINY_BLOCK["dflash"], causal=True, sliding_window=5, **BLOCK),
 }
 
 

@@ -150,3 +150,41 @@ def test_speculators_drafts_a_learnt_mask_head_from_the_verifiers_row_as_its_ref
     assert (theirs["logits"][0] - our_anchored_logits(head, *inputs)[0]).abs().max().item() > 0.1
     head.config.block_mask = "target"  # the same weights, the mask slots on the target's row: speculators' reading
     assert (theirs["logits"][0] - our_anchored_logits(head, *inputs)[0]).abs().max().item() < ATOL
+
+
+@pytest.mark.parametrize("method, window", [("dflash", None), ("dspark", None), ("dflash", 6), ("dspark", 6)], ids=str)
+def test_a_head_speculators_trains_imports_with_its_logits(target_dir, tmp_path, method, window):
+    """The other way: speculators' own DFlash / DSpark model (random weights, a reduced vocabulary, the verifier's
+    embedding; full-attention layers, or its training default: sliding-window layers, causal blocks), saved by its
+    save_pretrained, imports (`load_draft_head`) as a target-mask head that drafts speculators' logits at the same
+    anchors."""
+    from eagle_train.checkpoint import load_draft_head
+
+    model, path = target_dir
+    tc = model.config
+    layer = {key: getattr(tc, key) for key in ("hidden_size", "intermediate_size", "num_attention_heads")}
+    layer |= {"num_key_value_heads": tc.num_key_value_heads, "head_dim": 8, "vocab_size": tc.vocab_size}
+    layer |= {"model_type": "qwen3", "num_hidden_layers": 2, "rms_norm_eps": tc.rms_norm_eps}
+    if window:
+        layer |= {"sliding_window": window, "use_sliding_window": True, "layer_types": ["sliding_attention"] * 2}
+    config = {"transformer_layer_config": layer, "draft_vocab_size": 40, "block_size": 4}
+    config |= {"sliding_window_non_causal": False}  # speculators' default: causal where the layers slide
+    config |= {"aux_hidden_state_layer_ids": [1, 2, 3], "mask_token_id": tc.vocab_size - 1}
+    if method == "dspark":
+        config |= {"markov_rank": 4}
+    aux, ids = random_context(model, 20)
+    save_file({"hidden_states": aux, "input_ids": ids, "anchor_positions": ANCHORS}, tmp_path / "inputs.safetensors")
+    request = {"op": "build_and_save", "library": "speculators", "model": method, "config": config, "seed": 2}
+    request |= {"dir": str(tmp_path / "head"), "verifier": str(path), "inputs": str(tmp_path / "inputs.safetensors")}
+    run_peer(request | {"out": str(tmp_path / "out.safetensors")}, tmp_path)
+    theirs = load_file(tmp_path / "out.safetensors")
+
+    head = load_draft_head(tmp_path / "head", model).eval()
+    assert (head.config.method, head.config.block_mask, head.config.draft_vocab_size) == (method, "target", 40)
+    assert (head.config.sliding_window, head.config.causal) == (window, bool(window))
+    logits, confidence = our_anchored_logits(head, aux, ids)
+    difference = (theirs["logits"][0] - logits).abs().max().item()
+    print(f"speculators' {method} imported: max |logit difference| {difference:.2e}")
+    assert difference < ATOL
+    if confidence is not None:
+        assert (theirs["confidence_logits"][0] - confidence).abs().max().item() < ATOL

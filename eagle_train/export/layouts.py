@@ -366,7 +366,7 @@ def dspark_keys(cfg: DraftConfig) -> dict:
 
 
 SPECULATORS_BLOCK_KEYS = {  # speculators' block algorithms and the keys each writes beyond the common ones
-    "dflash": lambda cfg: {"sliding_window_non_causal": not cfg.causal},  # vLLM: dflash_config.causal = not this
+    "dflash": lambda cfg: {},
     "dspark": dspark_keys,
 }
 
@@ -412,16 +412,25 @@ def block_speculators_config(cfg: DraftConfig, dtype: torch.dtype, extra: dict) 
     K = the drafts a block gives, whatever --speculative-tokens says."""
     extra = {k: v for k, v in extra.items() if k != "speculative_tokens"}
     verifier = extra.pop("verifier", None) or servable_target(cfg.target)
+    layer = qwen3_keys(cfg, dtype)
+    if cfg.sliding_window:
+        layer.update(
+            sliding_window=cfg.sliding_window,
+            use_sliding_window=True,
+            layer_types=["sliding_attention"] * cfg.num_hidden_layers,
+        )
     config = {
         "speculators_model_type": cfg.method,
         "architectures": [SPECULATOR_ARCHITECTURES[cfg.method]],
-        "transformer_layer_config": qwen3_keys(cfg, dtype),
+        "transformer_layer_config": layer,
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.target_hidden_size,
         "block_size": cfg.block_size,
         "mask_token_id": cfg.mask_token_id,
         "aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
         "sample_from_anchor": cfg.sample_from_anchor,
+        # speculators: causal in sliding-window layers unless true (full-attention ones never are); vLLM: causal = not
+        "sliding_window_non_causal": not cfg.causal,
         "tie_word_embeddings": False,
         "torch_dtype": DTYPE_NAMES[dtype],
         "speculators_config": {
@@ -436,14 +445,26 @@ def block_speculators_config(cfg: DraftConfig, dtype: torch.dtype, extra: dict) 
     return config
 
 
+def speculators_window(config: dict) -> int | None:
+    """The sliding window of a speculators config's layers (None: full attention); ValueError for mixed layers."""
+    layer = full_layer_config(config.get("transformer_layer_config") or {})
+    types = set(layer.get("layer_types") or [])
+    if len(types) > 1:
+        raise ValueError(f"this speculators head mixes layer types {sorted(types)}: it cannot be imported")
+    return layer.get("sliding_window") if types == {"sliding_attention"} else None
+
+
 def block_settings(config: dict) -> dict:
     """What a block config states beyond the Qwen3 keys, whichever of the three layouts it is in, with the
     engines' defaults for absent keys (sample_from_anchor: false for DFlash and speculators, true for native
     DSpark): method, aux ids (ours), mask token, block size, causal, sample_from_anchor, Markov rank, confidence."""
     dflash = config.get("dflash_config") or {}
+    window = None
     if family_of(config.get("speculators_model_type")) == "block":
         method, aux = config["speculators_model_type"], config.get("aux_hidden_state_layer_ids")
-        causal = config.get("is_causal", not config.get("sliding_window_non_causal", True))
+        # speculators: a block is causal in sliding-window layers unless sliding_window_non_causal, never in others
+        window = speculators_window(config)
+        causal = bool(window) and not config.get("sliding_window_non_causal", False)
         from_anchor = config.get("sample_from_anchor", False)
     elif is_dflash(config):
         method, causal = "dflash", config.get("is_causal", dflash.get("causal"))
@@ -462,13 +483,14 @@ def block_settings(config: dict) -> dict:
         "sample_from_anchor": bool(from_anchor),
         "markov_rank": int(config.get("markov_rank") or 0),
         "confidence_head": bool(config.get("enable_confidence_head")),
+        "sliding_window": window,
     }
 
 
 def block_read(config: dict, target_config=None) -> DraftConfig:
     """A block head's config; block_mask / block_lm_head from our provenance block, else the defaults (an export
     of another trainer's: `eagle_train.export.read_export` tells them from the files)."""
-    layer = config.get("transformer_layer_config") if "speculators_model_type" in config else config
+    layer = full_layer_config(config["transformer_layer_config"]) if "speculators_model_type" in config else config
     settings = block_settings(config)
     if settings["mask_token_id"] is None or not settings["block_size"]:
         raise ValueError(f"{settings['method']} config.json names no mask_token_id or block_size")
@@ -491,6 +513,11 @@ def speculators_refusal(cfg: DraftConfig) -> str:
         return (
             "speculators embeds the mask slots by the verifier's row mask_token_id and never reads this head's "
             "learnt mask embedding: train with block_mask: target, or export --format dflash"
+        )
+    if cfg.causal and not cfg.sliding_window:
+        return (
+            "speculators reads a block as causal only in sliding-window layers (its full-attention layers see the "
+            "whole block), so it would not read this causal head as trained: export --format dflash"
         )
     if cfg.block_lm_head != "target" and cfg.draft_vocab_size == cfg.vocab_size:
         return (

@@ -212,7 +212,10 @@ class BlockHead(DraftHead):
         positions = (anchors[..., None] + offsets).reshape(b, n * size)
         cos, sin = self.rotary(positions)
         x = self.block_embeddings(input_ids.gather(1, anchors), (b, n)).reshape(b, n * size, -1)
-        sees_context = torch.arange(t, device=aux.device) < anchors.reshape(b, n, 1, 1)  # [B, n, 1, T]
+        context = torch.arange(t, device=aux.device)
+        sees_context = context < anchors.reshape(b, n, 1, 1)  # [B, n, 1, T]
+        if self.config.sliding_window:  # the last sliding_window positions before the anchor (speculators')
+            sees_context &= context >= anchors.reshape(b, n, 1, 1) - self.config.sliding_window
         same_block = torch.eye(n, dtype=torch.bool, device=aux.device)[:, None, :, None]  # [n, 1, n, 1]
         inside = offsets[None, :] <= offsets[:, None] if self.config.causal else torch.ones(size, size, dtype=bool)
         sees_block = same_block & inside.to(aux.device)[None, :, None, :]  # [n, B, n, B]
@@ -277,10 +280,16 @@ class BlockHead(DraftHead):
         return torch.stack(ids, 1), torch.stack(all_logits, 1), confidence
 
 
-def block_attention_mask(block_start: torch.Tensor, size: int, cache_len: int, causal: bool) -> torch.Tensor:
+def block_attention_mask(
+    block_start: torch.Tensor, size: int, cache_len: int, causal: bool, window: int | None = None
+) -> torch.Tensor:
     """The runtime's mask [B, 1, size, cache_len] for a block at slots = positions block_start.. (slot =
-    position): every context slot before the block, and the block's slots (causally with `causal`)."""
+    position): every context slot before the block (the last `window` of them when given), and the block's slots
+    (causally with `causal`)."""
     slots = torch.arange(cache_len, device=block_start.device)
     offsets = torch.arange(size, device=block_start.device)
     end = block_start[:, None] + (offsets + 1 if causal else torch.full_like(offsets, size))  # [B, size]
-    return (slots[None, None] < end[..., None])[:, None]
+    mask = slots[None, None] < end[..., None]
+    if window:
+        mask &= slots[None, None] >= block_start[:, None, None] - window
+    return mask[:, None]
