@@ -151,3 +151,38 @@ def test_a_z_lab_dflash_head_imports_with_its_logits(layers, target_layer_ids, t
     runtime = Runtime(target, head, TreeShape.chain(block_size - 1), cuda_graphs=False)
     prompt = ids[0, :context].tolist()
     assert runtime.generate(prompt, 16).output_ids == runtime.generate_plain(prompt, 16).output_ids  # lossless
+
+
+def test_a_speculators_head_fine_tunes_here_and_keeps_its_variants(tiny_llama_dir, small_tokenized, tmp_path):
+    """`init_from` a head speculators built with its training defaults: eagle-train trains it further (its loss
+    falls) and the checkpoint is still that kind of head, which speculators' layout writes back."""
+    from eagle_train.hidden_states import default_aux_layer_ids
+    from eagle_train.train import config_from_command_line
+    from eagle_train.train import run as train
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    tc = target.config
+    layer = {key: getattr(tc, key) for key in ("hidden_size", "intermediate_size", "num_attention_heads")}
+    layer |= {"num_key_value_heads": tc.num_key_value_heads, "head_dim": tc.head_dim, "vocab_size": tc.vocab_size}
+    layer |= {"model_type": "llama", "num_hidden_layers": 1, "rope_theta": tc.rope_parameters["rope_theta"]}
+    flags = {"norm_before_residual": True, "norm_before_fc": True, "norm_output": True}
+    config = {
+        "transformer_layer_config": layer,
+        "draft_vocab_size": tc.vocab_size,  # a random target: its argmax would mostly miss a reduced vocabulary
+        "eagle_aux_hidden_state_layer_ids": list(default_aux_layer_ids(tc.num_hidden_layers)),  # online's layers
+    }
+    request = {"op": "build_and_save", "library": "speculators", "model": "eagle3", "config": config | flags}
+    run_peer(request | {"seed": 1, "dir": str(tmp_path / "head"), "verifier": str(tiny_llama_dir)}, tmp_path)
+    run = tmp_path / "run"
+    result = train(
+        config_from_command_line(
+            ["--config", "eagle3_smollm2", "mode=online", f"target={tiny_llama_dir}", f"data_path={small_tokenized}"]
+            + [f"output_dir={run}", "max_steps=6", "warmup_steps=0", "ttt_length=2", "tokens_per_batch=256"]
+            + ["max_length=128", "eval_fraction=0.2", "report_to=none", f"init_from={tmp_path / 'head'}"]
+            + ["feature_noise=0", "learning_rate=3e-3", "mixed_precision=no"]
+        )
+    )
+    assert result["eval_after"]["loss"] < result["eval_before"]["loss"]
+    head = load_draft_head(run / "final", target)
+    assert {flag: getattr(head.config, flag) for flag in flags} == flags
+    export_head(head, tmp_path / "out", "speculators")
