@@ -187,7 +187,7 @@ class DraftHead(nn.Module):
         return draft_ids + self.d2t[draft_ids]
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
-        """fc of the target's fused aux states [..., 3H] (normed first, as a whole or per layer, where the head
+        """fc of the target's fused aux states [..., num_aux * H] (normed first, as a whole or per layer, where the head
         was trained so)."""
         if self.config.norm_before_fc:
             aux = self.input_norm(aux)

@@ -379,3 +379,11 @@ def test_equals_what_llama_cpps_own_converter_writes(tmp_path, changes, own_embe
     for name in ta:
         assert ta[name].tensor_type == tb[name].tensor_type, name
         assert np.array_equal(np.array(ta[name].data), np.array(tb[name].data)), name
+
+
+def test_a_head_with_speculators_variants_is_refused_in_one_line(tmp_path):
+    """llama.cpp's draft heads apply none of DraftConfig's VARIANTS: such a head (imported from speculators) is
+    refused before anything is read or written, naming the layout that states them."""
+    with pytest.raises(ValueError, match=r"applies norm_output .* use --format speculators") as refused:
+        export_gguf(tiny_head(norm_output=True), tmp_path / "head.gguf", target=tmp_path / "no-target.gguf")
+    assert "\n" not in str(refused.value) and not (tmp_path / "head.gguf").exists()

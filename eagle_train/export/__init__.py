@@ -78,12 +78,6 @@ def export_head(head, out_dir, format: str = "eagle3", dtype="bf16", target_embe
             f"(use --format {' or --format '.join(method.layouts)})"
         )
     check_vocab_map(head)
-    variants = head.config.variants()
-    if variants and not lay.states_variants:
-        raise ValueError(
-            f"this head applies {', '.join(variants)} (it was trained by speculators), which the {lay.name} layout "
-            "cannot state, so its readers would run another head: use --format speculators"
-        )
     refusal = lay.refusal(head.config)
     if refusal:
         raise ValueError(refusal)

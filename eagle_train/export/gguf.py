@@ -34,6 +34,7 @@ from gguf.quants import dequantize, quantize
 
 from eagle_train.draft_config import DraftConfig
 from eagle_train.export import check_vocab_map
+from eagle_train.export.layouts import variants_refusal
 from eagle_train.layers import rope_inv_freq
 from eagle_train.methods import family_of
 from eagle_train.target import target_gguf
@@ -334,11 +335,9 @@ def export_gguf(head, out_path, target, outtype: str = "f32") -> Path:
     if outtype not in OUTTYPES:
         raise ValueError(f"unknown gguf outtype {outtype!r}; choose one of {', '.join(OUTTYPES)}")
     qtype, file_type = OUTTYPES[outtype]
-    if head.config.variants():
-        raise ValueError(
-            f"this head applies {', '.join(head.config.variants())} (it was trained by speculators), which "
-            "llama.cpp's draft heads do not: serve it with vLLM (eagle-export --format speculators)"
-        )
+    refusal = variants_refusal(head.config)  # llama.cpp's draft heads apply none of them
+    if refusal:
+        raise ValueError(refusal)
     reader = read_target(target)
     check_head(head, reader)
     out = Path(out_path)

@@ -221,13 +221,7 @@ def speculators_config(cfg: DraftConfig, dtype: torch.dtype, extra: dict) -> dic
     extra = dict(extra)
     tokens = int(extra.pop("speculative_tokens", 3))
     verifier = extra.pop("verifier", None) or servable_target(cfg.target)
-    layer = qwen3_keys(cfg, dtype) if cfg.qk_norm else llama_keys(cfg, dtype)
-    if cfg.sliding_window:
-        layer.update(
-            sliding_window=cfg.sliding_window,
-            use_sliding_window=True,
-            layer_types=["sliding_attention"] * cfg.num_hidden_layers,
-        )
+    layer = with_window(cfg, qwen3_keys(cfg, dtype) if cfg.qk_norm else llama_keys(cfg, dtype))
     peagle = family_of(cfg.method) == "parallel"
     config = {
         "speculators_model_type": cfg.method,
@@ -270,8 +264,7 @@ def speculators_read(config: dict, target_config=None) -> DraftConfig:
     for flag in SPECULATORS_NORM_FLAGS:
         setattr(cfg, flag, bool(config.get(flag, False)))
     cfg.qk_norm = layer.get("model_type") == "qwen3"
-    types = layer.get("layer_types") or []
-    cfg.sliding_window = layer.get("sliding_window") if "sliding_attention" in types else None
+    cfg.sliding_window = layer_window(layer)
     if parallel:
         if cfg.sliding_window:
             raise ValueError(
@@ -285,8 +278,6 @@ def speculators_read(config: dict, target_config=None) -> DraftConfig:
             f"this speculators EAGLE-3 head has {cfg.num_hidden_layers} decoder layers; eagle-train's EAGLE-3 head "
             "has one, so it cannot be imported"
         )
-    if types and len(set(types)) > 1:
-        raise ValueError(f"this speculators head mixes layer types {sorted(set(types))}: it cannot be imported")
     return cfg
 
 
@@ -301,6 +292,27 @@ def full_layer_config(layer: dict) -> dict:
     from transformers import AutoConfig
 
     return AutoConfig.for_model(**layer).to_dict()
+
+
+def layer_window(layer: dict) -> int | None:
+    """The sliding window of a speculators `transformer_layer_config` (`full_layer_config`'s; None: full attention);
+    ValueError for layers of mixed types."""
+    types = set(layer.get("layer_types") or [])
+    if len(types) > 1:
+        raise ValueError(f"this speculators head mixes layer types {sorted(types)}: it cannot be imported")
+    return layer.get("sliding_window") if types == {"sliding_attention"} else None
+
+
+def with_window(cfg: DraftConfig, layer: dict) -> dict:
+    """`layer` (the keys a speculators `transformer_layer_config` holds) with the head's sliding window, as speculators
+    writes one: every layer a sliding_attention layer."""
+    if cfg.sliding_window:
+        layer.update(
+            sliding_window=cfg.sliding_window,
+            use_sliding_window=True,
+            layer_types=["sliding_attention"] * cfg.num_hidden_layers,
+        )
+    return layer
 
 
 def is_speculators(config: dict) -> bool:
@@ -412,17 +424,10 @@ def block_speculators_config(cfg: DraftConfig, dtype: torch.dtype, extra: dict) 
     K = the drafts a block gives, whatever --speculative-tokens says."""
     extra = {k: v for k, v in extra.items() if k != "speculative_tokens"}
     verifier = extra.pop("verifier", None) or servable_target(cfg.target)
-    layer = qwen3_keys(cfg, dtype)
-    if cfg.sliding_window:
-        layer.update(
-            sliding_window=cfg.sliding_window,
-            use_sliding_window=True,
-            layer_types=["sliding_attention"] * cfg.num_hidden_layers,
-        )
     config = {
         "speculators_model_type": cfg.method,
         "architectures": [SPECULATOR_ARCHITECTURES[cfg.method]],
-        "transformer_layer_config": layer,
+        "transformer_layer_config": with_window(cfg, qwen3_keys(cfg, dtype)),
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.target_hidden_size,
         "block_size": cfg.block_size,
@@ -445,15 +450,6 @@ def block_speculators_config(cfg: DraftConfig, dtype: torch.dtype, extra: dict) 
     return config
 
 
-def speculators_window(config: dict) -> int | None:
-    """The sliding window of a speculators config's layers (None: full attention); ValueError for mixed layers."""
-    layer = full_layer_config(config.get("transformer_layer_config") or {})
-    types = set(layer.get("layer_types") or [])
-    if len(types) > 1:
-        raise ValueError(f"this speculators head mixes layer types {sorted(types)}: it cannot be imported")
-    return layer.get("sliding_window") if types == {"sliding_attention"} else None
-
-
 def block_settings(config: dict) -> dict:
     """What a block config states beyond the Qwen3 keys, whichever of the three layouts it is in, with the
     engines' defaults for absent keys (sample_from_anchor: false for DFlash and speculators, true for native
@@ -463,7 +459,7 @@ def block_settings(config: dict) -> dict:
     if family_of(config.get("speculators_model_type")) == "block":
         method, aux = config["speculators_model_type"], config.get("aux_hidden_state_layer_ids")
         # speculators: a block is causal in sliding-window layers unless sliding_window_non_causal, never in others
-        window = speculators_window(config)
+        window = layer_window(full_layer_config(config.get("transformer_layer_config") or {}))
         causal = bool(window) and not config.get("sliding_window_non_causal", False)
         from_anchor = config.get("sample_from_anchor", False)
     elif is_dflash(config):
@@ -541,6 +537,18 @@ def zlab_notice(cfg: DraftConfig) -> str:
     )
 
 
+def variants_refusal(cfg: DraftConfig) -> str:
+    """Why a layout that cannot state DraftConfig's VARIANTS (every one but speculators') refuses a head that has
+    some: its readers would run another head."""
+    variants = cfg.variants()
+    if not variants:
+        return ""
+    return (
+        f"this head applies {', '.join(variants)} (it was trained by speculators), which this layout cannot state, "
+        "so its readers would run another head: use --format speculators"
+    )
+
+
 def says_nothing(cfg: DraftConfig) -> str:
     """No refusal, no notice: a layout whose readers read every head it can hold as trained."""
     return ""
@@ -598,9 +606,8 @@ class Layout:
     matches: Callable[[dict], bool]
     mask_file: bool = False  # a block head's mask_embedding goes to MASK_EMBEDDING_FILE, not the weights
     ships_embedding: bool = False  # EMBEDDING_TENSOR: the target's, row mask_token_id the learnt mask embedding
-    states_variants: bool = False  # its config states DraftConfig's VARIANTS (speculators' norm flags and layers)
     block_t2d: bool = False  # a reduced-vocabulary block head ships t2d beside d2t (its reader needs both)
-    refusal: Callable[[DraftConfig], str] = says_nothing  # why a head cannot be written so its reader reads it
+    refusal: Callable[[DraftConfig], str] = variants_refusal  # why a head cannot be written so its reader reads it
     notice: Callable[[DraftConfig], str] = says_nothing  # a line on a reader that cannot read the written head
 
 
@@ -617,7 +624,6 @@ LAYOUTS: dict[str, Layout] = {
         by_method(rename([("layers.0.", "midlayer.")]), markov_from_file),
         is_speculators,
         mask_file=True,
-        states_variants=True,
         block_t2d=True,
         refusal=speculators_refusal,
     ),

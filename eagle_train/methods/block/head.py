@@ -157,8 +157,8 @@ class BlockHead(DraftHead):
     # ---- the pieces both uses share ---------------------------------------------------------
 
     def context(self, aux):
-        """The context states the layers' keys and values are made from: hidden_norm(fc(aux)) [..., H]."""
-        return self.hidden_norm(self.fc(aux))
+        """The context states the layers' keys and values are made from: hidden_norm(fuse(aux)) [..., H]."""
+        return self.hidden_norm(self.fuse(aux))
 
     def mask_vector(self):
         """The mask slots' embedding [H]: the learnt one, or the target's row `mask_token_id` (`block_mask`)."""
