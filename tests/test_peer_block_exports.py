@@ -62,7 +62,7 @@ def zlab_and_our_logits(model, path, head, tmp_path):
     save_file({"hidden_states": aux[:, :CONTEXT].contiguous(), "block_ids": block}, tmp_path / "inputs.safetensors")
     request = {"op": "load_and_run", "library": "dflash", "dir": str(out), "target": str(path)}
     request.update(inputs=str(tmp_path / "inputs.safetensors"), out=str(tmp_path / "out.safetensors"))
-    result = run_peer(request, tmp_path)
+    result = run_peer(request)
     return load_file(result["out"])["logits"][0], our_block_logits(head, aux, ids), (aux, ids)
 
 
@@ -111,7 +111,7 @@ def speculators_logits(model, path, head, tmp_path):
     save_file({"hidden_states": aux, "input_ids": ids, "anchor_positions": ANCHORS}, tmp_path / "inputs.safetensors")
     request = {"op": "load_and_run", "library": "speculators", "dir": str(out)}
     request.update(inputs=str(tmp_path / "inputs.safetensors"), out=str(tmp_path / "out.safetensors"))
-    result = run_peer(request, tmp_path)
+    result = run_peer(request)
     assert result["nan_parameters"] == []  # every weight came from the files or the verifier
     return load_file(result["out"]), (aux, ids)
 
@@ -176,7 +176,7 @@ def test_a_head_speculators_trains_imports_with_its_logits(target_dir, tmp_path,
     save_file({"hidden_states": aux, "input_ids": ids, "anchor_positions": ANCHORS}, tmp_path / "inputs.safetensors")
     request = {"op": "build_and_save", "library": "speculators", "model": method, "config": config, "seed": 2}
     request |= {"dir": str(tmp_path / "head"), "verifier": str(path), "inputs": str(tmp_path / "inputs.safetensors")}
-    run_peer(request | {"out": str(tmp_path / "out.safetensors")}, tmp_path)
+    run_peer(request | {"out": str(tmp_path / "out.safetensors")})
     theirs = load_file(tmp_path / "out.safetensors")
 
     head = load_draft_head(tmp_path / "head", model).eval()

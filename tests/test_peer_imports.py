@@ -47,7 +47,7 @@ def verifier(tmp_path_factory):
     """A tiny random Llama saved by the peers' transformers: the verifier speculators reads its embedding from, and
     the target we load."""
     path = tmp_path_factory.mktemp("verifier")
-    run_peer({"op": "build_verifier", "config": TARGET, "seed": 3, "dir": str(path / "model")}, path)
+    run_peer({"op": "build_verifier", "config": TARGET, "seed": 3, "dir": str(path / "model")})
     return path / "model"
 
 
@@ -76,9 +76,7 @@ def test_a_speculators_eagle3_head_imports_with_its_logits(name, verifier, tmp_p
     head_dir = tmp_path / "head"
     request = {"op": "build_and_save", "library": "speculators", "model": "eagle3", "config": config, "seed": 1}
     request |= {"dir": str(head_dir), "verifier": str(verifier), "ttt_steps": STEPS}
-    run_peer(
-        request | {"inputs": str(tmp_path / "inputs.safetensors"), "out": str(tmp_path / "out.safetensors")}, tmp_path
-    )
+    run_peer(request | {"inputs": str(tmp_path / "inputs.safetensors"), "out": str(tmp_path / "out.safetensors")})
     theirs = load_file(tmp_path / "out.safetensors")
 
     target = AutoModelForCausalLM.from_pretrained(verifier)
@@ -100,7 +98,7 @@ def test_a_speculators_eagle3_head_imports_with_its_logits(name, verifier, tmp_p
     export_head(head, tmp_path / "again", "speculators", dtype="fp32")
     request = {"op": "load_and_run", "library": "speculators", "dir": str(tmp_path / "again"), "ttt_steps": STEPS}
     request |= {"verifier": str(verifier), "inputs": str(tmp_path / "inputs.safetensors")}
-    run_peer(request | {"out": str(tmp_path / "again.safetensors")}, tmp_path)
+    run_peer(request | {"out": str(tmp_path / "again.safetensors")})
     again = load_file(tmp_path / "again.safetensors")
     for i in range(STEPS):
         torch.testing.assert_close(again[f"logits_step{i}"], theirs[f"logits_step{i}"], atol=1e-4, rtol=0)
@@ -137,7 +135,7 @@ def test_a_z_lab_dflash_head_imports_with_its_logits(layers, target_layer_ids, t
         "target": str(target_dir),
         "inputs": str(tmp_path / "inputs.safetensors"),
     }
-    run_peer(request | {"out": str(tmp_path / "out.safetensors")}, tmp_path)
+    run_peer(request | {"out": str(tmp_path / "out.safetensors")})
     theirs = load_file(tmp_path / "out.safetensors")["logits"][0]  # [block_size, V]
 
     head = load_draft_head(tmp_path / "head", target).eval()
@@ -172,7 +170,7 @@ def test_a_speculators_head_fine_tunes_here_and_keeps_its_variants(tiny_llama_di
         "eagle_aux_hidden_state_layer_ids": list(default_aux_layer_ids(tc.num_hidden_layers)),  # online's layers
     }
     request = {"op": "build_and_save", "library": "speculators", "model": "eagle3", "config": config | flags}
-    run_peer(request | {"seed": 1, "dir": str(tmp_path / "head"), "verifier": str(tiny_llama_dir)}, tmp_path)
+    run_peer(request | {"seed": 1, "dir": str(tmp_path / "head"), "verifier": str(tiny_llama_dir)})
     run = tmp_path / "run"
     result = train(
         config_from_command_line(

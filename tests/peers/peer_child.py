@@ -1,12 +1,14 @@
 """The peers' own code on a head directory, in .venv-peers (scripts/install_peers.sh), as a child process.
 
-    .venv-peers/bin/python tests/peers/peer_child.py REQUEST.json RESULT.json
+    .venv-peers/bin/python tests/peers/peer_child.py
 
-The project's environment never imports `speculators` or z-lab's `dflash` (each pins its own stack): a test writes a
-request, runs this script with .venv-peers' python, and reads RESULT.json ({"ok": true, ...} or {"ok": false,
-"error": ...}) and the safetensors files it names. Every path in a request is taken as given (relative paths from
-the working directory of the child). No Hub: HF_HUB_OFFLINE is set, so a verifier named by a Hub id fails at once;
-give a local directory instead ("verifier" / "target", e.g. one made by op build_verifier).
+The project's environment never imports `speculators` or z-lab's `dflash` (each pins its own stack): a test sends
+requests to this script run with .venv-peers' python (tests/peers/run.py keeps one such child per test process, so
+the libraries are imported once), one JSON object per line on its stdin; for each it writes one line on its stdout,
+{"ok": true, ...} or {"ok": false, "error": ...}, and the safetensors files it names. What the libraries print goes
+to stderr. Every path in a request is taken as given (relative paths from the working directory of the child). No
+Hub: HF_HUB_OFFLINE is set, so a verifier named by a Hub id fails at once; give a local directory instead
+("verifier" / "target", e.g. one made by op build_verifier).
 
 Ops (request["op"]):
 
@@ -383,14 +385,16 @@ def handle(req: dict) -> dict:
 
 
 def main() -> int:
-    request_path, result_path = sys.argv[1], sys.argv[2]
-    try:
-        req = json.loads(Path(request_path).read_text())
-        result = {"ok": True, **handle(req)}
-    except Exception as exc:  # the parent reads every failure from RESULT.json
-        result = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
-    Path(result_path).write_text(json.dumps(result, indent=1, default=str))
-    return 0 if result["ok"] else 1
+    answers = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # the libraries' prints must not mix with the answers
+    for line in sys.stdin:
+        try:
+            result = {"ok": True, **handle(json.loads(line))}
+        except Exception as exc:  # the parent reads every failure from the answer
+            result = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+        answers.write(json.dumps(result, default=str) + "\n")
+        answers.flush()
+    return 0
 
 
 if __name__ == "__main__":

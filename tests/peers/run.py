@@ -1,16 +1,19 @@
 """The peers' own code on our files: `peer_child.py` in their environment (.venv-peers, scripts/install_peers.sh, or
-the python EAGLE_PEERS_PYTHON names), one child process per request."""
+the python EAGLE_PEERS_PYTHON names), one child per test process that answers every request (its imports of the
+libraries take seconds: paid once, not per request)."""
 
+import atexit
 import json
 import os
 import subprocess
-import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 CHILD = Path(__file__).with_name("peer_child.py")
+_child: subprocess.Popen | None = None
 
 
 def peer_python() -> str | None:
@@ -19,20 +22,34 @@ def peer_python() -> str | None:
     return path if Path(path).is_file() else None
 
 
-def run_peer(request: dict, tmp: Path) -> dict:
-    """The child's result for `request` (its docstring lists the ops); the test fails with the peer's own error when
+def child(python: str) -> subprocess.Popen:
+    """The running child, started (again, if the last one died) when needed."""
+    global _child
+    if _child is None or _child.poll() is not None:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ""}
+        log = tempfile.TemporaryFile("w+")  # its stderr: the libraries' prints and a crash's traceback
+        _child = subprocess.Popen(
+            [python, str(CHILD)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env, text=True
+        )
+        _child.log = log
+        atexit.register(_child.kill)
+    return _child
+
+
+def run_peer(request: dict) -> dict:
+    """The child's answer to `request` (its docstring lists the ops); the test fails with the peer's own error when
     it fails, and skips when the peers' environment is not installed."""
     python = peer_python()
     if python is None:
         pytest.skip("the peers' libraries (speculators, z-lab dflash) are not installed: bash scripts/install_peers.sh")
-    tmp.mkdir(parents=True, exist_ok=True)
-    ask, answer = tmp / "request.json", tmp / "result.json"
-    ask.write_text(json.dumps(request))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ""}
-    done = subprocess.run([python, str(CHILD), str(ask), str(answer)], env=env, capture_output=True, text=True)
-    if not answer.is_file():
-        sys.stderr.write(done.stderr[-4000:])
-        pytest.fail(f"the peers' child wrote no result (exit {done.returncode})")
-    result = json.loads(answer.read_text())
+    peer = child(python)
+    peer.stdin.write(json.dumps(request) + "\n")
+    peer.stdin.flush()
+    answer = peer.stdout.readline()
+    if not answer:
+        peer.wait()
+        peer.log.seek(0)
+        pytest.fail(f"the peers' child died (exit {peer.returncode}):\n{peer.log.read()[-4000:]}")
+    result = json.loads(answer)
     assert result["ok"], f"{request['op']} in the peers' library failed: {result.get('error')}"
     return result
