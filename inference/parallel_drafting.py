@@ -12,6 +12,7 @@ the chain is laid out from those K distributions and verified exactly like an EA
 
 import torch
 
+from eagle_train.methods.peagle import batch as pb
 from inference.drafting import Drafter, DraftTree, TreeShape
 
 
@@ -36,6 +37,18 @@ class ParallelDrafter(Drafter):
             self.cache = self.head.new_cache(1, size)
             self.max_len = size
 
+    def visible_slots(self, keys, pos, last: int):
+        """bool [n, S]: the slots `keys` [S] each row at `pos` [n] attends to, by training's rule (`batch.visible`,
+        the head's sliding window included): slot p holds element (p, 0) up to the last accepted position `last`,
+        and the mask row (last, p - last) after it, and so does row p."""
+
+        def element(p):
+            anchor = p.clamp(max=last)
+            return anchor, p - anchor
+
+        (q_anchor, q_depth), (k_anchor, k_depth) = element(pos[:, None]), element(keys[None, :])
+        return pb.visible(q_anchor, q_depth, 0, k_anchor, k_depth, 0, self.head.config.sliding_window)
+
     def step_rows(self, aux, next_ids, start: int, size: int | None = None):
         """One forward over the n catch-up rows, the K-1 mask rows and (for a fixed `size`) padding
         rows that see slot 0 only and write past the mask slots. Returns draft logits [K, Vd]."""
@@ -48,7 +61,7 @@ class ParallelDrafter(Drafter):
         ids = torch.cat([next_ids, mask_ids, mask_ids[:, :1].expand(1, pad)], dim=1)
         pos = torch.arange(start, start + rows + pad, device=dev)
         keys = torch.arange(self.max_len, device=dev)
-        mask = keys[None, :] <= pos[:, None]
+        mask = self.visible_slots(keys, pos, start + n - 1)
         mask[rows:] = keys == 0
         drafts = torch.arange(n - 1, rows, device=dev)  # the last accepted row and the mask rows
         _, logits = self.step_fn(hidden, ids, pos[None], self.cache, pos, mask[None, None], drafts)

@@ -20,7 +20,7 @@ def training_logits(head, aux, ids, anchor: int, k: int):
     one = torch.ones(len(a), dtype=torch.bool)
     el = pb.Elements.stack([dict(anchor=a, depth=d, supervised=one, owned=one)])
     x, is_mask, tok, pos = pb.gather_inputs(el, ids, aux, head.config.mask_token_id)
-    return head(x, is_mask, tok, pos, pb.dense_mask(el))[0, anchor:]
+    return head(x, is_mask, tok, pos, pb.dense_mask(el, head.config.sliding_window))[0, anchor:]
 
 
 def parallel_drafts(head, k=K, max_len=32):
@@ -30,8 +30,11 @@ def parallel_drafts(head, k=K, max_len=32):
     return drafter
 
 
-def test_parallel_drafts_equal_training_outputs():
-    head = tiny_head("peagle", num_hidden_layers=3).double()
+@pytest.mark.parametrize("window", [None, 3], ids=["full", "window-3"])
+def test_parallel_drafts_equal_training_outputs(window):
+    """Also for a head with a sliding window (speculators'), shorter than a chain here: a mask row sees the context
+    within the window of its own position and, whatever the window, its chain."""
+    head = tiny_head("peagle", num_hidden_layers=3, sliding_window=window).double()
     t = 14
     aux = torch.randn(1, t, 3 * H, dtype=torch.double)
     ids = torch.randint(0, V - 1, (1, t))

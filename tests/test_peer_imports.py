@@ -2,8 +2,9 @@
 tests/peers/run.py) builds an EAGLE-3 head with its training defaults and saves it with its own save_pretrained;
 `load_draft_head` reads that directory, and our head gives the logits speculators' forward gives on the same
 inputs at every training-time-test step. Exported again (`--format speculators`), speculators loads it as written
-and gives those logits again; a layout that cannot state the head's variants refuses it. z-lab's DFlash heads
-(`DFlashDraftModel`) import the same way and draft losslessly in the built-in runtime."""
+and gives those logits again; a layout that cannot state the head's variants refuses it. speculators' P-EAGLE heads
+do the same at every drafting depth. z-lab's DFlash heads (`DFlashDraftModel`) import the same way and draft
+losslessly in the built-in runtime."""
 
 import pytest
 import torch
@@ -184,3 +185,102 @@ def test_a_speculators_head_fine_tunes_here_and_keeps_its_variants(tiny_llama_di
     head = load_draft_head(run / "final", target)
     assert {flag: getattr(head.config, flag) for flag in flags} == flags
     export_head(head, tmp_path / "out", "speculators")
+
+
+def sliding(window: int, layers: int) -> dict:
+    """A speculators transformer_layer_config's keys for `layers` sliding-window layers (train/cli.py's)."""
+    return {"sliding_window": window, "use_sliding_window": True, "layer_types": ["sliding_attention"] * layers}
+
+
+# speculators' training defaults for P-EAGLE (train/config/schema.py: a Qwen3 layer, norm_before_residual, every
+# layer a sliding window; norm_before_fc and norm_output off), its library defaults on three Llama layers, and a
+# window shorter than a chain (K = 8), where a draft still sees its own chain's anchor (peagle/attention.py)
+PEAGLE_HEADS = {
+    "training-defaults": (
+        {"norm_before_residual": True},
+        {"model_type": "qwen3", "head_dim": 16, **sliding(WINDOW, 1)},
+    ),
+    "plain-3-layers": ({}, {"model_type": "llama", "num_hidden_layers": 3}),
+    "norms-short-window": (
+        {"norm_before_fc": True, "norm_output": True},
+        {"model_type": "llama", "num_hidden_layers": 2, **sliding(4, 2)},
+    ),
+}
+DEPTHS = 8  # speculators' num_depths (K)
+
+
+def peagle_logits(peer_out, head, tokens, aux):
+    """(speculators' logits, ours) [E, Vd] at the (anchor, depth) elements speculators drew, and their depths [E]:
+    ours through our training forward (the elements, their inputs and their attention mask, `batch`)."""
+    from eagle_train.methods.peagle import batch as pb
+
+    theirs = load_file(peer_out)
+    anchor, depth = theirs["anchor_pos"].long(), theirs["depth"].long()
+    everyone = torch.ones_like(anchor, dtype=torch.bool)
+    elements = pb.Elements.stack([dict(anchor=anchor, depth=depth, supervised=everyone, owned=everyone)])
+    with torch.no_grad():
+        inputs = pb.gather_inputs(elements, tokens, aux, head.config.mask_token_id)
+        ours = head(*inputs, pb.dense_mask(elements, head.config.sliding_window))[0]
+    return theirs["logits"][0], ours, depth
+
+
+def assert_every_depth_close(theirs, ours, depth, what: str):
+    assert sorted(set(depth.tolist())) == list(range(DEPTHS))
+    for d in range(DEPTHS):
+        difference = (ours[depth == d] - theirs[depth == d]).abs().max().item()
+        print(f"{what}, depth {d}: max |logit difference| {difference:.2e}")
+        assert difference <= 1e-4
+
+
+@pytest.mark.parametrize("name", PEAGLE_HEADS)
+def test_a_speculators_peagle_head_imports_with_its_logits(name, verifier, tmp_path):
+    """speculators' own PEagleDraftModel (random weights; its embedding, which P-EAGLE trains and saves, random too),
+    saved by its save_pretrained, imports (`load_draft_head`) as a P-EAGLE head whose training forward gives
+    speculators' logits at every depth of the chains speculators draws; speculators loads our `--format speculators`
+    export of it as written and drafts our logits; `--format peagle` refuses a head with speculators' variants."""
+    flags, layer = PEAGLE_HEADS[name]
+    layer = {
+        **{k: TARGET[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")},
+        "vocab_size": TARGET["vocab_size"],
+        "num_hidden_layers": 1,
+        "max_position_embeddings": 256,
+        **layer,
+    }
+    mask_token_id = TARGET["vocab_size"] - 1
+    g = torch.Generator().manual_seed(0)
+    aux = torch.randn(1, T, 3 * TARGET["hidden_size"], generator=g)
+    tokens = torch.randint(0, mask_token_id, (1, T + 1), generator=g)  # x_0..x_T; speculators reads x_{t+1} at t
+    loss_mask = torch.ones(1, T)
+    loss_mask[0, 0] = 0  # else a depth-1 chain may start at anchor -1 (data.py seeds at every loss_mask position)
+    inputs = {"hidden_states": aux, "input_ids": tokens[:, 1:], "loss_mask": loss_mask}
+    save_file(inputs, tmp_path / "inputs.safetensors")
+    config = {
+        "transformer_layer_config": layer,
+        "draft_vocab_size": 128,
+        "eagle_aux_hidden_state_layer_ids": [1, 2, 3],
+        "mask_token_id": mask_token_id,
+        **flags,
+    }
+    request = {"op": "build_and_save", "library": "speculators", "model": "peagle", "config": config, "seed": 1}
+    request |= {"dir": str(tmp_path / "head"), "verifier": str(verifier), "speculative_tokens": DEPTHS}
+    request |= {"num_depths": DEPTHS, "inputs": str(tmp_path / "inputs.safetensors")}
+    run_peer(request | {"out": str(tmp_path / "out.safetensors")}, tmp_path)
+
+    target = AutoModelForCausalLM.from_pretrained(verifier)
+    head = load_draft_head(tmp_path / "head", target).eval()
+    assert (head.config.method, head.config.mask_token_id, head.config.num_depths) == ("peagle", mask_token_id, DEPTHS)
+    assert head.config.num_hidden_layers == layer["num_hidden_layers"]
+    stated = {**flags, "qk_norm": layer["model_type"] == "qwen3", "sliding_window": layer.get("sliding_window")}
+    assert {key: getattr(head.config, key) for key in stated} == stated
+    assert not torch.equal(head.embed_tokens.weight, target.get_input_embeddings().weight)  # the file's own
+    assert_every_depth_close(*peagle_logits(tmp_path / "out.safetensors", head, tokens, aux), f"{name} imported")
+
+    if head.config.variants():
+        with pytest.raises(ValueError, match="cannot state, so its readers would run another head: use --format spec"):
+            export_head(head, tmp_path / "peagle", "peagle")
+    export_head(head, tmp_path / "again", "speculators", dtype="fp32")
+    request = {"op": "load_and_run", "library": "speculators", "dir": str(tmp_path / "again"), "seed": 2}
+    request |= {"verifier": str(verifier), "num_depths": DEPTHS, "inputs": str(tmp_path / "inputs.safetensors")}
+    result = run_peer(request | {"out": str(tmp_path / "again.safetensors")}, tmp_path)
+    assert result["nan_parameters"] == []
+    assert_every_depth_close(*peagle_logits(tmp_path / "again.safetensors", head, tokens, aux), f"{name} re-exported")

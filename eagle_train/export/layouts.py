@@ -266,11 +266,6 @@ def speculators_read(config: dict, target_config=None) -> DraftConfig:
     cfg.qk_norm = layer.get("model_type") == "qwen3"
     cfg.sliding_window = layer_window(layer)
     if parallel:
-        if cfg.sliding_window:
-            raise ValueError(
-                f"this speculators P-EAGLE head attends over a sliding window ({cfg.sliding_window}), which "
-                "eagle-train's P-EAGLE head does not: it cannot be imported"
-            )
         tokens = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
         as_peagle(cfg, config, tokens[0].get("speculative_tokens"))
     elif cfg.num_hidden_layers != 1:

@@ -17,19 +17,23 @@ Ops (request["op"]):
   the peers read (speculators' load_verifier_weights; dflash's generate takes the target's embedding and head).
 - build_and_save {library, model, config, seed, dir, [verifier], [inputs, out], ...}: the peer's model class with
   random weights, saved with its own save_pretrained into dir; then, if inputs is given, the forward below.
-    speculators + eagle3 | dflash | dspark: config = keyword arguments of Eagle3SpeculatorConfig /
-      DFlashSpeculatorConfig / DSparkSpeculatorConfig (the library's defaults for anything left out, e.g.
-      norm_before_residual / norm_before_fc / fc_norm / norm_output all false); speculators_config, when left out,
-      is a greedy proposal (speculative_tokens, default 3) with verifier {name_or_path: request["verifier"] or
-      null}. A draft vocabulary smaller than transformer_layer_config.vocab_size gets a random t2d/d2t (or
-      request["draft_token_ids"]). With a verifier, embed_tokens is the verifier's (dflash/dspark: and lm_head too
-      when the vocabularies are equal), as the library's own from_training_args does.
+    speculators + eagle3 | peagle | dflash | dspark: config = keyword arguments of Eagle3SpeculatorConfig /
+      PEagleSpeculatorConfig / DFlashSpeculatorConfig / DSparkSpeculatorConfig (the library's defaults for
+      anything left out, e.g. norm_before_residual / norm_before_fc / fc_norm / norm_output all false);
+      speculators_config, when left out, is a greedy proposal (speculative_tokens, default 3) with verifier
+      {name_or_path: request["verifier"] or null}. A draft vocabulary smaller than
+      transformer_layer_config.vocab_size gets a random t2d/d2t (or request["draft_token_ids"]). With a verifier,
+      embed_tokens is the verifier's (dflash/dspark: and lm_head too when the vocabularies are equal), as the
+      library's own from_training_args does; but for peagle, which trains its embedding (embed_requires_grad) and
+      saves it, the random one stays, standing in for a trained one.
     dflash + dflash: config = a Qwen3Config dict for z-lab's DFlashDraftModel (num_target_layers, block_size,
       dflash_config {target_layer_ids, mask_token_id, ...}, is_causal, ...).
 - load_and_run {library, dir, inputs, out, [verifier | target], [attn], [ttt_steps], [dtype]}: load dir with the
   library's own loader (the files as written; the only in-memory changes are a verifier path when
   request["verifier"] is given, and the attention implementation: request["attn"], for speculators "eager" unless
   "flex" is asked for, for dflash sdpa as its benchmark loads it) and run one forward.
+  speculators peagle: request["num_depths"], ["down_sample_ratio"], ["down_sample_ratio_min"] (forward
+  arguments; the library's defaults 8, 0.7, 0.2 when left out).
 
 Forward inputs (tensors in the inputs safetensors file; B = 1, since the peers pack sequences into one row):
 
@@ -37,6 +41,16 @@ Forward inputs (tensors in the inputs safetensors file; B = 1, since the peers p
   input_ids [1, T] (token t+1 beside hidden t: speculators' shift_batch), optional position_ids [1, T] (the
   library's default is 1 + arange(T)), optional document_ids [1, T] (default zeros). request["ttt_steps"] (default
   1). Saved: logits [1, T, draft_vocab] of step 0 (lm_head's output), logits_step{i} of every step, draft_tokens.
+- speculators peagle: hidden_states [1, T, n_aux*H] and input_ids [1, T] as for eagle3 (token t+1 beside hidden t:
+  its trainer's shift_batch too), optional loss_mask [1, T] (default ones) and document_ids. The library draws
+  (anchor, depth) elements itself (data.py generate_cod_sample_indices, from torch's RNG seeded by
+  request["seed"]): depth 0 every position 0..T-1, depth d a subset of the chains of depth d-1 whose next
+  position is in loss_mask (a depth-1 chain starts at a - 1 for any loss_mask position a: give loss_mask[0] = 0
+  unless a chain at anchor -1, which sees itself only, is wanted). Element (a, d) reads input_ids[a] and
+  hidden_states[a] at depth 0, mask_token_id and mask_hidden beyond; its RoPE position is a + d (position_ids are
+  not read); it attends to depth-0 elements at anchors <= a (within sliding_window of a + d in sliding layers) and
+  to its own chain's depths <= d. Saved: logits [1, E, draft_vocab] (lm_head(norm(h)) of every element, in the
+  library's order), anchor_pos [E] and depth [E].
 - speculators dflash / dspark: hidden_states [1, T, n_aux*H], input_ids [1, T] (hidden t beside token t, no
   shift), anchor_positions [A] (each < T - block_size), optional position_ids [1, T] (default arange(T)) and
   document_ids. The library picks anchors at random among loss_mask positions; here loss_mask is one at exactly
@@ -127,9 +141,11 @@ def speculators_classes(name: str):
     from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
     from speculators.models.dspark import DSparkDraftModel, DSparkSpeculatorConfig
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+    from speculators.models.peagle import PEagleDraftModel, PEagleSpeculatorConfig
 
     return {
         "eagle3": (Eagle3SpeculatorConfig, Eagle3DraftModel),
+        "peagle": (PEagleSpeculatorConfig, PEagleDraftModel),
         "dflash": (DFlashSpeculatorConfig, DFlashDraftModel),
         "dspark": (DSparkSpeculatorConfig, DSparkDraftModel),
     }[name]
@@ -175,9 +191,11 @@ def speculators_build(req: dict):
         model.load_vocab_mappings(*vocab_maps(ids, model.verifier_vocab_size))
     if verifier:
         # from_training_args' order: the maps, then the verifier's embed_tokens (and, for a full-vocabulary
-        # block draft, its lm_head), which dflash/dspark checkpoints leave out and reload from the verifier.
-        model.embed_tokens.weight.data.fill_(torch.nan)
-        if req["model"] != "eagle3" and not model.use_draft_vocab:
+        # block draft, its lm_head), which dflash/dspark checkpoints leave out and reload from the verifier;
+        # P-EAGLE trains its embedding from the verifier's, so a random one stands for the trained one here.
+        if req["model"] != "peagle":
+            model.embed_tokens.weight.data.fill_(torch.nan)
+        if req["model"] not in ("eagle3", "peagle") and not model.use_draft_vocab:
             model.lm_head.weight.data.fill_(torch.nan)
         model.load_verifier_weights()
     model.save_pretrained(req["dir"])
@@ -226,10 +244,30 @@ def speculators_forward(model, inputs: dict, req: dict) -> dict:
         out.update({f"logits_step{i}": s for i, s in enumerate(steps)})
         out["draft_tokens"] = torch.stack(draft_tokens, 0)
         return out
-    # dflash / dspark: forward returns (None, loss, metrics); the logits are caught on their way to compute_metrics,
-    # which is replaced for this call (its targets come from verifier_last_hidden_states, not needed here).
+    # peagle / dflash / dspark: forward returns (None, loss, metrics); the logits are caught on their way to
+    # compute_metrics, which is replaced for this call (its targets come from verifier_last_hidden_states, not
+    # needed here).
     import speculators.models.dflash.core as dflash_core
     import speculators.models.dspark.core as dspark_core
+    import speculators.models.peagle.core as peagle_core
+
+    verifier_last = torch.zeros(1, T, model.hidden_size, dtype=model.dtype)
+    if name == "peagle":
+        caught = {}
+
+        def catch_peagle(logits, targets, loss_mask, anchor_pos, depth, **kwargs):
+            caught.update(logits=logits.detach().clone(), anchor_pos=anchor_pos.clone(), depth=depth.clone())
+            return torch.zeros(()), {}
+
+        loss_mask = inputs.get("loss_mask", torch.ones(1, T)).float()
+        depths = {k: req[k] for k in ("num_depths", "down_sample_ratio", "down_sample_ratio_min") if k in req}
+        saved = peagle_core.compute_metrics
+        peagle_core.compute_metrics = catch_peagle
+        try:
+            model(hidden, ids, document_ids, loss_mask=loss_mask, verifier_last_hidden_states=verifier_last, **depths)
+        finally:
+            peagle_core.compute_metrics = saved
+        return caught
 
     anchors = inputs["anchor_positions"].long().view(-1)
     loss_mask = torch.zeros(1, T, dtype=torch.long)
@@ -250,7 +288,7 @@ def speculators_forward(model, inputs: dict, req: dict) -> dict:
             hidden,
             ids,
             loss_mask,
-            torch.zeros(1, T, model.hidden_size, dtype=model.dtype),
+            verifier_last,
             document_ids,
             position_ids=position_ids,
             max_anchors=int(anchors.numel()),

@@ -12,7 +12,9 @@ further, so the chains are nested and (a, d) always finds (a, 0..d-1).
 
 Attention between elements: same document and either (key depth 0 and key anchor <= query
 anchor) or (same anchor and key depth <= query depth): exactly what the runtime's cache holds
-when it drafts from anchor a.
+when it drafts from anchor a. A head with a sliding window W (speculators trains its P-EAGLE heads
+so) sees the depth-0 keys of the last W positions before the query's own, a+d, only
+(speculators' peagle/attention.py), and its own chain whatever W.
 
 Sequence partitioning: element (a, d) falls in the segment of its bucket key (a for depth 0,
 a+1 for depth >= 1); a segment also carries, as keys/values only, every depth-0 element left of
@@ -117,37 +119,39 @@ def build_elements(loss_mask, in_draft, lengths, num_depths: int, generator=None
     return Elements.stack(rows).to(loss_mask.device)
 
 
-def visible(q_anchor, q_depth, q_doc, k_anchor, k_depth, k_doc):
-    """The attention rule of docs/design.md section 5 (True = the query sees the key). Works on
-    broadcast tensors (dense masks) and on FlexAttention's index scalars alike."""
+def visible(q_anchor, q_depth, q_doc, k_anchor, k_depth, k_doc, window: int | None = None):
+    """The attention rule of docs/design.md section 5 (True = the query sees the key), within the head's sliding
+    `window` when it has one. Works on broadcast tensors (dense masks) and on FlexAttention's index scalars alike."""
     chain_context = (k_depth == 0) & (k_anchor <= q_anchor)
+    if window:
+        chain_context = chain_context & (k_anchor > q_anchor + q_depth - window)
     own_chain = (k_anchor == q_anchor) & (k_depth <= q_depth)
     return (q_doc == k_doc) & (chain_context | own_chain)
 
 
-def dense_mask(el: Elements) -> torch.Tensor:
+def dense_mask(el: Elements, window: int | None = None) -> torch.Tensor:
     """[B, 1, E, E] bool for SDPA."""
     q = (el.anchor[:, :, None], el.depth[:, :, None], el.document[:, :, None])
     k = (el.anchor[:, None, :], el.depth[:, None, :], el.document[:, None, :])
-    return visible(*q, *k)[:, None]
+    return visible(*q, *k, window)[:, None]
 
 
-def block_mask(el: Elements):
+def block_mask(el: Elements, window: int | None = None):
     """The same rule as a FlexAttention BlockMask (CUDA): only blocks with a visible pair are computed."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     anchor, depth, doc = el.anchor, el.depth, el.document
 
     def mask_mod(b, h, q, k):
-        return visible(anchor[b, q], depth[b, q], doc[b, q], anchor[b, k], depth[b, k], doc[b, k])
+        return visible(anchor[b, q], depth[b, q], doc[b, q], anchor[b, k], depth[b, k], doc[b, k], window)
 
     e = anchor.shape[1]
     return create_block_mask(mask_mod, anchor.shape[0], None, e, e, device=anchor.device)
 
 
-def attention_mask(el: Elements):
+def attention_mask(el: Elements, window: int | None = None):
     """A BlockMask on CUDA, the equivalent dense boolean mask elsewhere."""
-    return block_mask(el) if el.anchor.is_cuda else dense_mask(el)
+    return block_mask(el, window) if el.anchor.is_cuda else dense_mask(el, window)
 
 
 def default_num_segments(max_length: int, num_depths: int, segment_elements: int = 4096) -> int:

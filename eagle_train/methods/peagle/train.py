@@ -98,7 +98,7 @@ def segment_loss(head, seg: pb.Elements, batch, total, tv_weight: float = TV_WEI
     """(loss to backpropagate, per-element loss [N] (soft CE mixed with total variation by `tv_weight`, as in
     `ttt.step_loss`) and top-1 agreement [N] of the owned supervised elements) of one segment."""
     aux, is_mask, ids, pos = pb.gather_inputs(seg, batch["input_ids"], batch["aux_hidden"], head.config.mask_token_id)
-    h = head.hidden_states(aux, is_mask, ids, pos, pb.attention_mask(seg))
+    h = head.hidden_states(aux, is_mask, ids, pos, pb.attention_mask(seg, head.config.sliding_window))
     sup = seg.supervised
     if not sup.any():  # nothing to learn here; a zero loss still touches every parameter (DDP's reducer)
         zero = sum(p.sum() for p in (h, head.norm.weight, head.lm_head.weight)) * 0
