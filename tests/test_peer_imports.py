@@ -264,7 +264,7 @@ def test_a_speculators_peagle_head_imports_with_its_logits(name, verifier, tmp_p
     request = {"op": "build_and_save", "library": "speculators", "model": "peagle", "config": config, "seed": 1}
     request |= {"dir": str(tmp_path / "head"), "verifier": str(verifier), "speculative_tokens": DEPTHS}
     request |= {"num_depths": DEPTHS, "inputs": str(tmp_path / "inputs.safetensors")}
-    run_peer(request | {"out": str(tmp_path / "out.safetensors")}, tmp_path)
+    run_peer(request | {"out": str(tmp_path / "out.safetensors")})
 
     target = AutoModelForCausalLM.from_pretrained(verifier)
     head = load_draft_head(tmp_path / "head", target).eval()
@@ -281,6 +281,6 @@ def test_a_speculators_peagle_head_imports_with_its_logits(name, verifier, tmp_p
     export_head(head, tmp_path / "again", "speculators", dtype="fp32")
     request = {"op": "load_and_run", "library": "speculators", "dir": str(tmp_path / "again"), "seed": 2}
     request |= {"verifier": str(verifier), "num_depths": DEPTHS, "inputs": str(tmp_path / "inputs.safetensors")}
-    result = run_peer(request | {"out": str(tmp_path / "again.safetensors")}, tmp_path)
+    result = run_peer(request | {"out": str(tmp_path / "again.safetensors")})
     assert result["nan_parameters"] == []
     assert_every_depth_close(*peagle_logits(tmp_path / "again.safetensors", head, tokens, aux), f"{name} re-exported")
