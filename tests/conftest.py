@@ -16,6 +16,12 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     _share = max(1, _cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
     os.environ["OMP_NUM_THREADS"] = str(_share)
     torch.set_num_threads(_share)
+    # vLLM's CPU engine ignores OMP_NUM_THREADS and binds its threads to cores itself: each worker's engines get
+    # the worker's own cores, so two engines never share one
+    _worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    _mine = sorted(os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(_cores))
+    _first = _worker * _share % len(_mine)
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, _mine[_first : _first + _share]))
 
 # No machine that runs the tests reaches the Hub: a name left to it fails at once instead of after the Hub
 # client's retries. Set before transformers and huggingface_hub are imported, which read it once.
