@@ -100,8 +100,6 @@ def test_refusals_name_the_fix(tmp_path, target):
         export_gguf(tiny_head("dspark"), tmp_path / "q.gguf", target, "q8_0")  # markov rank 4
     with pytest.raises(ValueError, match="mask_token_id 50 is outside the vocabulary"):
         export_gguf(tiny_head("dflash", mask_token_id=V), tmp_path / "m.gguf", target)
-    with pytest.raises(ValueError, match="block_lm_head: target.*export --format dflash"):
-        export_gguf(tiny_head("dflash", block_lm_head="target", draft_vocab_size=V), tmp_path / "l.gguf", target)
     assert not list(tmp_path.glob("?.gguf"))
 
 
@@ -110,6 +108,22 @@ def test_a_target_mask_head_keeps_the_targets_mask_row(tmp_path, target):
     reader = GGUFReader(export_gguf(head, tmp_path / "head.gguf", target))
     [t] = [t for t in reader.tensors if t.name == "token_embd.weight"]
     assert np.array_equal(np.array(t.data).reshape(V, H), target_embedding(target))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_head_drafting_through_the_targets_lm_head_carries_it_as_its_output(tmp_path, tied):
+    """As llama.cpp's converter does for a DFlash draft without an lm_head: the target's output.weight, or its token
+    embedding (without the mask row) where the target ties them."""
+    embedding, output = (torch.randn(V, H).numpy() for _ in range(2))
+    target = write_target(
+        tmp_path / "target.gguf",
+        extra={"llama.rope.freq_base": (T.FLOAT32, None, 100000.0)},
+        tensors={"token_embd.weight": embedding, **({} if tied else {"output.weight": output})},
+    )
+    head = tiny_head("dflash", block_lm_head="target", draft_vocab_size=V)
+    tensors = {t.name: np.array(t.data) for t in GGUFReader(export_gguf(head, tmp_path / "head.gguf", target)).tensors}
+    assert np.array_equal(tensors["output.weight"].reshape(V, H), embedding if tied else output)
+    assert not np.array_equal(tensors["token_embd.weight"].reshape(V, H), embedding)  # the learnt mask row
 
 
 @pytest.mark.parametrize(
@@ -166,19 +180,24 @@ def f32_target():
     return llamacpp.convert_target(resolve_target(SMOLLM2), cache_dir() / "llamacpp" / "smollm2-135m-f32.gguf")
 
 
-def random_block_head(model, method):
-    """A random SmolLM2 head on 8192 of the 49152 tokens (a random sorted subset); DSpark's Markov W1 drawn too
-    (it starts at zero), so its bias shapes every draft."""
+def random_block_head(model, method, lm_head="draft"):
+    """A random SmolLM2 head on 8192 of the 49152 tokens (a random sorted subset), or on all of them through the
+    target's lm_head (`lm_head` target); DSpark's Markov W1 drawn too (it starts at zero), so its bias shapes every
+    draft."""
     from eagle_train.methods.block.head import BlockHead
 
     torch.manual_seed(0)
     extra = dict(sample_from_anchor=True, markov_rank=64, confidence_head=True) if method == "dspark" else {}
-    head = BlockHead.from_target(model, method=method, mask_token_id=16, block_size=8, draft_vocab_size=8192, **extra)
+    vocab = model.config.vocab_size if lm_head == "target" else 8192
+    head = BlockHead.from_target(
+        model, method=method, mask_token_id=16, block_size=8, draft_vocab_size=vocab, block_lm_head=lm_head, **extra
+    )
     cfg = head.config
-    ids = torch.randperm(cfg.vocab_size)[: cfg.draft_vocab_size].sort().values
-    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
-    t2d[ids] = True
-    head.set_vocab_map(ids - torch.arange(cfg.draft_vocab_size), t2d)
+    if lm_head == "draft":
+        ids = torch.randperm(cfg.vocab_size)[: cfg.draft_vocab_size].sort().values
+        t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+        t2d[ids] = True
+        head.set_vocab_map(ids - torch.arange(cfg.draft_vocab_size), t2d)
     if method == "dspark":
         torch.nn.init.normal_(head.markov_head.markov_w1)
     return head.eval()
@@ -198,12 +217,14 @@ def first_block(head, model, ids):
     return head.draft_to_target_ids(top.indices[:, :3]).tolist(), top.values.softmax(-1)[:, :3].tolist()
 
 
-@pytest.mark.parametrize("method", ["dflash", "dspark"])
-def test_random_smollm2_head_decodes_as_plain_with_the_heads_own_drafts(smollm2, f32_target, tmp_path, method):
+@pytest.mark.parametrize("method, lm_head", [("dflash", "draft"), ("dspark", "draft"), ("dflash", "target")])
+def test_random_smollm2_head_decodes_as_plain_with_the_heads_own_drafts(smollm2, f32_target, tmp_path, method, lm_head):
+    """llama.cpp drafts with the exported file what the head drafts: the first block's candidates, its own lm_head's
+    or, for a head that drafts through the target's lm_head (the published DFlash recipe), the target's copied in."""
     from inference.evaluate import chat_ids
 
     model, tokenizer = smollm2
-    head = random_block_head(model, method)
+    head = random_block_head(model, method, lm_head)
     file = export_gguf(head, tmp_path / "head.gguf", f32_target)
     ids = chat_ids(tokenizer, [{"role": "user", "content": "What is the capital of France? Answer in one word."}])
     prompt = tokenizer.decode(ids, clean_up_tokenization_spaces=False)

@@ -55,9 +55,9 @@ NORMS = {
 }
 
 
-def write_target(path, vocab=V, hidden=H, extra=None):
-    """A tiny target GGUF: a Llama header, the TOKENIZER keys (and `extra` ones) and a tensor the head
-    must not copy."""
+def write_target(path, vocab=V, hidden=H, extra=None, tensors=None):
+    """A tiny target GGUF: a Llama header, the TOKENIZER keys (and `extra` ones), a zero token embedding and
+    `tensors` {name: array}."""
     w = GGUFWriter(path, arch="llama")
     w.add_embedding_length(hidden)
     w.add_block_count(N)
@@ -65,7 +65,8 @@ def write_target(path, vocab=V, hidden=H, extra=None):
         if key == "tokenizer.ggml.tokens":
             value = value[:vocab] + [f"x{i}" for i in range(vocab - len(value))]
         w.add_key_value(key, value, vtype)
-    w.add_tensor("token_embd.weight", np.zeros((vocab, hidden), dtype=np.float32))
+    for name, t in {"token_embd.weight": np.zeros((vocab, hidden), dtype=np.float32), **(tensors or {})}.items():
+        w.add_tensor(name, t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -143,11 +143,6 @@ def check_head(head, target: GGUFReader) -> None:
             raise ValueError(f"llama.cpp's dflash model has no place for the head's tensors {sorted(unplaced)}")
         if not 0 <= cfg.mask_token_id < cfg.vocab_size:
             raise ValueError(f"the head's mask_token_id {cfg.mask_token_id} is outside the vocabulary")
-        if head.borrows_lm_head:
-            raise ValueError(
-                "the head drafts through the target's lm_head (block_lm_head: target), which this GGUF writer does "
-                "not copy into the head's output tensor yet: export --format dflash, or train with block_lm_head: draft"
-            )
     elif cfg.method != "eagle3":
         raise ValueError(
             f"a {cfg.method} head cannot be written as a llama.cpp GGUF: llama.cpp drafts with "
@@ -280,17 +275,17 @@ def add_tensors(writer: GGUFWriter, head, qtype: GGMLQuantizationType) -> None:
     add_common_tensors(writer, cfg, state)
 
 
-def target_embedding(target: GGUFReader, cfg) -> np.ndarray:
-    """The target GGUF's token embedding [V, H] in f32 (dequantized)."""
-    found = [t for t in target.tensors if t.name == EMBEDDING[1]]
+def target_matrix(target: GGUFReader, gguf_name: str, cfg) -> np.ndarray | None:
+    """The target GGUF's [V, H] tensor `gguf_name` in f32 (dequantized); None when it has none."""
+    found = [t for t in target.tensors if t.name == gguf_name]
     if not found:
-        raise ValueError(f"the target GGUF has no {EMBEDDING[1]}, which a block head's file carries its mask row in")
+        return None
     t = found[0]
     try:
         w = dequantize(t.data, t.tensor_type)
     except NotImplementedError as e:
         raise ValueError(
-            f"the target GGUF's {EMBEDDING[1]} is {t.tensor_type.name}, which gguf cannot read back: "
+            f"the target GGUF's {gguf_name} is {t.tensor_type.name}, which gguf cannot read back: "
             "give the target as an f32, f16, q8_0 or q4 GGUF"
         ) from e
     return np.array(w, dtype=np.float32).reshape(cfg.vocab_size, cfg.hidden_size)
@@ -298,11 +293,21 @@ def target_embedding(target: GGUFReader, cfg) -> np.ndarray:
 
 def add_block_tensors(writer: GGUFWriter, head, qtype: GGMLQuantizationType, target: GGUFReader) -> None:
     """A block head's tensors; the token embedding (the target's, or the head's own) gets the mask embedding
-    as row mask_token_id: llama.cpp embeds the block's masks by that token's row."""
+    as row mask_token_id: llama.cpp embeds the block's masks by that token's row. A head that drafts through the
+    target's lm_head carries it as its own output (the target's output.weight, or its token embedding when tied),
+    as llama.cpp's converter copies it into a DFlash draft without one."""
     cfg = head.config
     state = {k: v.detach().cpu() for k, v in head.saved_state_dict().items()}
-    own = state[EMBEDDING[0]].float().numpy() if EMBEDDING[0] in state else None
-    embedding = np.array(target_embedding(target, cfg) if own is None else own, dtype=np.float32)  # row replaced
+    targets = target_matrix(target, EMBEDDING[1], cfg)
+    if EMBEDDING[0] in state:
+        embedding = state[EMBEDDING[0]].float().numpy().copy()
+    elif targets is None:
+        raise ValueError(f"the target GGUF has no {EMBEDDING[1]}, which a block head's file carries its mask row in")
+    else:
+        embedding = targets.copy()
+    if head.borrows_lm_head:
+        output = target_matrix(target, "output.weight", cfg)
+        add_matrix(writer, "output.weight", targets if output is None else output, qtype, "the target's lm_head")
     if MASK_EMBEDDING in state:  # block_mask target: the target's row as it is
         embedding[cfg.mask_token_id] = state[MASK_EMBEDDING].float().numpy()
     add_matrix(writer, EMBEDDING[1], embedding, qtype, EMBEDDING[0])
