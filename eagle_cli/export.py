@@ -28,11 +28,11 @@ EPILOG = """examples:
 formats: eagle3 = the EAGLE reference layout SGLang, TensorRT-LLM, vLLM and SafeAILab EAGLE load; speculators
 = vLLM's own format (`vllm serve DIR` needs no other flag; P-EAGLE heads too); peagle = a P-EAGLE head for
 vLLM's parallel drafting; dflash = z-lab's DFlash layout (vLLM's DFlashDraftModel, llama.cpp's converter);
-dspark = DeepSpec's DSpark layout (Qwen3DSparkModel; needs --target: it ships the target's embed_tokens with the
-mask token's row learnt, which vLLM embeds the mask slots by); both ship the learnt mask embedding as
-mask_embedding.pt, and speculators writes them too (speculators_model_type dflash / dspark, K = the drafts a
-block gives; a head trained with block_mask: target, since speculators embeds the mask slots by the verifier's
-row); gguf = one file for llama.cpp (`llama-server -m TARGET.gguf -md HEAD.gguf --spec-type
+dspark = DeepSpec's DSpark layout (Qwen3DSparkModel; a head with a learnt mask needs --target: it ships the
+target's embed_tokens with the mask token's row learnt, which vLLM embeds the mask slots by); both ship the learnt
+mask embedding as mask_embedding.pt, and speculators writes them too (speculators_model_type dflash / dspark, K =
+the drafts a block gives; a head trained with block_mask: target, since speculators embeds the mask slots by the
+verifier's row); gguf = one file for llama.cpp (`llama-server -m TARGET.gguf -md HEAD.gguf --spec-type
 draft-eagle3`, or draft-dflash / draft-dspark for block heads), which needs --target as the target's GGUF (or
 an alias shipping one) for its tokenizer. An export is then checked like --check, for --engine alone when
 given (a layer choice TensorRT-LLM cannot read from config.json fails no vLLM export). --check exits 1 when an
@@ -119,8 +119,6 @@ def parse_args(argv=None):
         p.error("export needs --format and --out")
     if args.format == "gguf" and not args.target:
         p.error("--format gguf needs --target TARGET.gguf (the target's GGUF, whose tokenizer the head copies)")
-    if args.format == "dspark" and not args.target:
-        p.error("--format dspark needs --target TARGET (its token embedding ships with the mask row learnt)")
     if args.outtype and args.format != "gguf":
         p.error("--outtype is for --format gguf (other formats take --dtype)")
     if args.import_dir and not args.out:
@@ -220,8 +218,13 @@ def run(args) -> int:
             provenance["verifier"] = args.verifier
     if args.eval_results:
         provenance["eval_results"] = args.eval_results
-    embedding = None  # dspark ships the target's, its mask row the head's: what vLLM embeds the mask slots by
-    if args.format == "dspark":
+    embedding = None  # dspark ships the target's, its mask row the head's learnt one: what vLLM embeds the masks by
+    if LAYOUTS[args.format].ships_embedding and head.config.block_mask == "learnt":
+        if not args.target:
+            raise ValueError(
+                f"--format {args.format} needs --target TARGET for this head: its token embedding ships with the "
+                "mask row learnt (a head trained with block_mask: target needs none)"
+            )
         embedding = load_target(args.target)[0].get_input_embeddings().weight
     out = export_head(head, args.out, args.format, dtype=args.dtype, target_embedding=embedding, **provenance)
     written = ", ".join(sorted(p.name for p in out.iterdir() if p.is_file()))

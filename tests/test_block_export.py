@@ -197,10 +197,15 @@ def test_a_dspark_export_needs_the_targets_embedding(tmp_path, capsys):
     assert not (tmp_path / "no-target").exists()
     with pytest.raises(ValueError, match=r"the target embedding is \[3, 4\]"):
         export_head(tiny_head("dspark"), tmp_path / "wrong", "dspark", target_embedding=torch.zeros(3, 4))
-    with pytest.raises(SystemExit) as done:
-        export_main(["head-dir", "--format", "dspark", "--out", str(tmp_path / "cli")])
-    said = capsys.readouterr().err.strip().splitlines()[-1]
-    assert done.value.code == 2 and "--format dspark needs --target" in said
+    for mask in ("learnt", "target"):  # a head on the target's mask row ships no embedding: no target needed
+        tiny_head("dspark", block_mask=mask).save_pretrained(tmp_path / mask)
+        with pytest.raises(SystemExit) as done:
+            export_main([str(tmp_path / mask), "--format", "dspark", "--out", str(tmp_path / f"cli-{mask}")])
+        said = capsys.readouterr().err.strip().splitlines()
+        if mask == "learnt":
+            assert done.value.code == 2 and "--format dspark needs --target" in said[-1]
+        else:
+            assert done.value.code == 0 and (tmp_path / "cli-target" / "config.json").is_file()
 
 
 def test_vllms_rules_catch_a_dspark_export_whose_mask_row_is_not_learnt(tmp_path):
