@@ -284,3 +284,36 @@ def test_a_speculators_peagle_head_imports_with_its_logits(name, verifier, tmp_p
     result = run_peer(request | {"out": str(tmp_path / "again.safetensors")})
     assert result["nan_parameters"] == []
     assert_every_depth_close(*peagle_logits(tmp_path / "again.safetensors", head, tokens, aux), f"{name} re-exported")
+
+
+def test_a_z_lab_dflash_head_on_four_target_layers_fine_tunes_here(smollm2, small_tokenized, tmp_path):
+    """`init_from` a z-lab DFlash head reading four target layers (a store holds three; online training captures the
+    head's own): eagle-train trains it further (its loss falls), still on z-lab's recipe and layers."""
+    from eagle_train.train import config_from_command_line
+    from eagle_train.train import run as train
+
+    target = tiny_target(vocab_size=49152, num_hidden_layers=6, rope_theta=10000.0, bos_token_id=1, eos_token_id=2)
+    target_dir = tmp_path / "target"  # six layers: four of them read, none the last (its output is normed)
+    target.save_pretrained(target_dir)
+    smollm2[1].save_pretrained(target_dir)
+    tc = target.config
+    config = {key: getattr(tc, key) for key in ("hidden_size", "intermediate_size", "num_attention_heads", "head_dim")}
+    config |= {"num_key_value_heads": tc.num_key_value_heads, "vocab_size": tc.vocab_size, "rope_theta": 10000.0}
+    config |= {"num_hidden_layers": 2, "num_target_layers": tc.num_hidden_layers, "block_size": 4}
+    config |= {"dflash_config": {"target_layer_ids": [0, 1, 3, 4], "mask_token_id": 16}}
+    config |= {"architectures": ["DFlashDraftModel"], "max_position_embeddings": 256}
+    request = {"op": "build_and_save", "library": "dflash", "model": "dflash", "config": config, "seed": 2}
+    run_peer(request | {"dir": str(tmp_path / "head"), "target": str(target_dir)})
+    run = tmp_path / "run"
+    args = ["--config", "dflash_smollm2", "mode=online", f"target={target_dir}", f"data_path={small_tokenized}"]
+    args += [f"output_dir={run}", "max_steps=6", "warmup_steps=0", "tokens_per_batch=256", "num_anchors=8"]
+    args += ["max_length=128", "eval_fraction=0.2", "report_to=none", f"init_from={tmp_path / 'head'}"]
+    args += ["learning_rate=3e-3", "mixed_precision=no"]
+    recipe = "block_size=4 block_mask=target block_lm_head=target"
+    with pytest.raises(ValueError, match=f"set {recipe}$"):  # what differs from the run's config, named at once
+        train(config_from_command_line(args))
+    result = train(config_from_command_line(args + recipe.split()))
+    assert result["eval_after"]["loss"] < result["eval_before"]["loss"]
+    head = load_draft_head(run / "final", target)
+    assert list(head.config.aux_layer_ids) == [1, 2, 4, 5] and head.config.num_hidden_layers == 2
+    assert (head.config.block_mask, head.config.block_lm_head, head.config.block_size) == ("target", "target", 4)
