@@ -390,6 +390,17 @@ def test_import_of_the_reference_layout_then_export_gives_identical_tensors(tmp_
     assert isinstance(load_draft_head(tmp_path / "again"), Eagle3Head)  # engine dirs load directly too
 
 
+def test_the_reference_layout_as_pytorch_model_bin_imports_as_the_same_head(tmp_path):
+    """The EAGLE repo publishes its heads' weights as pytorch_model.bin: read as its safetensors twin is."""
+    tensors, _ = reference_layout_dir(tmp_path / "ref")
+    twin = load_draft_head(tmp_path / "ref", target_config=tiny_target_config())
+    (tmp_path / "ref" / "model.safetensors").unlink()
+    torch.save(tensors, tmp_path / "ref" / "pytorch_model.bin")
+    head = load_draft_head(tmp_path / "ref", target_config=tiny_target_config())
+    assert head.saved_state_dict().keys() == twin.saved_state_dict().keys()
+    assert all(torch.equal(t, twin.saved_state_dict()[k]) for k, t in head.saved_state_dict().items())
+
+
 def test_a_head_with_its_own_embedding_keeps_it_through_import_checkpoint_and_export(tmp_path):
     """Another trainer's EAGLE-3 head may carry an embedding of its own: it must never be swapped
     for the target's on the way through."""
