@@ -317,3 +317,40 @@ def test_a_z_lab_dflash_head_on_four_target_layers_fine_tunes_here(smollm2, smal
     head = load_draft_head(run / "final", target)
     assert list(head.config.aux_layer_ids) == [1, 2, 4, 5] and head.config.num_hidden_layers == 2
     assert (head.config.block_mask, head.config.block_lm_head, head.config.block_size) == ("target", "target", 4)
+
+
+def test_a_speculators_peagle_head_fine_tunes_here_with_its_window(tiny_llama_dir, small_tokenized, tmp_path):
+    """`init_from` a P-EAGLE head speculators built with its training defaults (a Qwen3 layer, norm_before_residual, a
+    sliding window shorter than the text): eagle-train trains it further through the window (its loss falls), and the
+    checkpoint is still that head, which speculators' layout writes back."""
+    from eagle_train.hidden_states import default_aux_layer_ids
+    from eagle_train.train import config_from_command_line
+    from eagle_train.train import run as train
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    tc = target.config
+    layer = {key: getattr(tc, key) for key in ("hidden_size", "intermediate_size", "num_attention_heads", "head_dim")}
+    layer |= {"num_key_value_heads": tc.num_key_value_heads, "vocab_size": tc.vocab_size, "num_hidden_layers": 1}
+    layer |= {"model_type": "qwen3", "rope_theta": tc.rope_parameters["rope_theta"], **sliding(16, 1)}
+    config = {
+        "transformer_layer_config": layer,
+        "draft_vocab_size": tc.vocab_size,
+        "eagle_aux_hidden_state_layer_ids": list(default_aux_layer_ids(tc.num_hidden_layers)),  # online's layers
+        "mask_token_id": 16,
+        "norm_before_residual": True,
+    }
+    request = {"op": "build_and_save", "library": "speculators", "model": "peagle", "config": config, "seed": 1}
+    run_peer(request | {"dir": str(tmp_path / "head"), "verifier": str(tiny_llama_dir), "speculative_tokens": 4})
+    run = tmp_path / "run"
+    result = train(
+        config_from_command_line(
+            ["--config", "peagle_smollm2", "mode=online", f"target={tiny_llama_dir}", f"data_path={small_tokenized}"]
+            + [f"output_dir={run}", "max_steps=6", "warmup_steps=0", "num_depths=4", "tokens_per_batch=256"]
+            + ["max_length=128", "eval_fraction=0.2", "report_to=none", f"init_from={tmp_path / 'head'}"]
+            + ["learning_rate=3e-3", "mixed_precision=no"]
+        )
+    )
+    assert result["eval_after"]["loss"] < result["eval_before"]["loss"]
+    head = load_draft_head(run / "final", target)
+    assert (head.config.sliding_window, head.config.norm_before_residual, head.config.qk_norm) == (16, True, True)
+    export_head(head, tmp_path / "out", "speculators")
