@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 from eagle_train.checkpoint import load_draft_head
-from eagle_train.export import LAYOUTS, export_head
+from eagle_train.export import LAYOUTS, export_head, ships_target_embedding
 from eagle_train.export.gguf import OUTTYPES, export_gguf, spec_type
 from eagle_train.target import load_target, load_target_config
 from eagle_train.train_checkpoint import checkpoint_step, read_state
@@ -219,7 +219,7 @@ def run(args) -> int:
     if args.eval_results:
         provenance["eval_results"] = args.eval_results
     embedding = None  # dspark ships the target's, its mask row the head's learnt one: what vLLM embeds the masks by
-    if LAYOUTS[args.format].ships_embedding and head.config.block_mask == "learnt":
+    if ships_target_embedding(args.format, head.config):
         if not args.target:
             raise ValueError(
                 f"--format {args.format} needs --target TARGET for this head: its token embedding ships with the "

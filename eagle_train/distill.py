@@ -200,13 +200,9 @@ def head_from_init(cfg, target_model, **must_match):
             f"init_from {cfg.init_from} holds a {head.config.method} head, not a {methods.row(cfg.method).title} head"
         )
     head.config.check_fits(target_model.config)
-    differ = {
-        key: getattr(head.config, key) for key, wanted in must_match.items() if getattr(head.config, key) != wanted
-    }
+    differ = {key: getattr(head.config, key) for key in must_match if getattr(head.config, key) != must_match[key]}
     if differ:  # every one named at once: a head from elsewhere often differs in several
-        asked = ", ".join(f"{key}={must_match[key]}" for key in differ)
-        raise ValueError(
-            f"init_from {cfg.init_from} is a head of {', '.join(f'{k}={v}' for k, v in differ.items())}, the run "
-            f"asks for {asked}: set {' '.join(f'{k}={v}' for k, v in differ.items())}"
-        )
+        held = " ".join(f"{key}={value}" for key, value in differ.items())
+        asked = " ".join(f"{key}={must_match[key]}" for key in differ)
+        raise ValueError(f"init_from {cfg.init_from} is a head of {held}, the run asks for {asked}: set {held}")
     return head

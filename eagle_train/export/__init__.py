@@ -59,6 +59,12 @@ def check_vocab_map(head) -> None:
         )
 
 
+def ships_target_embedding(format: str, cfg) -> bool:
+    """Whether a `format` export of a head of `cfg` carries the target's token embedding (its mask row the learnt
+    mask embedding); a head on the target's mask row needs none, its reader embeds the masks by that row as it is."""
+    return layout(format).ships_embedding and cfg.block_mask == "learnt"
+
+
 def export_head(head, out_dir, format: str = "eagle3", dtype="bf16", target_embedding=None, **provenance) -> Path:
     """Write `head` to `out_dir` as config.json + model.safetensors (+ README.md) in `format`.
 
@@ -81,7 +87,7 @@ def export_head(head, out_dir, format: str = "eagle3", dtype="bf16", target_embe
     refusal = lay.refusal(head.config)
     if refusal:
         raise ValueError(refusal)
-    ships_embedding = lay.ships_embedding and head.config.block_mask == "learnt"  # else the target's row as it is
+    ships_embedding = ships_target_embedding(lay.name, head.config)
     if ships_embedding:
         check_target_embedding(head.config, target_embedding, lay.name)
     out = Path(out_dir)

@@ -291,6 +291,14 @@ def target_matrix(target: GGUFReader, gguf_name: str, cfg) -> np.ndarray | None:
     return np.array(w, dtype=np.float32).reshape(cfg.vocab_size, cfg.hidden_size)
 
 
+def target_embedding(target: GGUFReader, cfg) -> np.ndarray:
+    """The target GGUF's token embedding [V, H] in f32 (dequantized)."""
+    embedding = target_matrix(target, EMBEDDING[1], cfg)
+    if embedding is None:
+        raise ValueError(f"the target GGUF has no {EMBEDDING[1]}, which a block head's file carries its mask row in")
+    return embedding
+
+
 def add_block_tensors(writer: GGUFWriter, head, qtype: GGMLQuantizationType, target: GGUFReader) -> None:
     """A block head's tensors; the token embedding (the target's, or the head's own) gets the mask embedding
     as row mask_token_id: llama.cpp embeds the block's masks by that token's row. A head that drafts through the
@@ -298,16 +306,13 @@ def add_block_tensors(writer: GGUFWriter, head, qtype: GGMLQuantizationType, tar
     as llama.cpp's converter copies it into a DFlash draft without one."""
     cfg = head.config
     state = {k: v.detach().cpu() for k, v in head.saved_state_dict().items()}
-    targets = target_matrix(target, EMBEDDING[1], cfg)
-    if EMBEDDING[0] in state:
-        embedding = state[EMBEDDING[0]].float().numpy().copy()
-    elif targets is None:
-        raise ValueError(f"the target GGUF has no {EMBEDDING[1]}, which a block head's file carries its mask row in")
-    else:
-        embedding = targets.copy()
+    own = EMBEDDING[0] in state
+    embedding = state[EMBEDDING[0]].float().numpy().copy() if own else target_embedding(target, cfg)  # row replaced
     if head.borrows_lm_head:
         output = target_matrix(target, "output.weight", cfg)
-        add_matrix(writer, "output.weight", targets if output is None else output, qtype, "the target's lm_head")
+        if output is None:  # tied: the target's embedding, before its mask row is replaced
+            output = target_embedding(target, cfg) if own else embedding.copy()
+        add_matrix(writer, "output.weight", output, qtype, "the target's lm_head")
     if MASK_EMBEDDING in state:  # block_mask target: the target's row as it is
         embedding[cfg.mask_token_id] = state[MASK_EMBEDDING].float().numpy()
     add_matrix(writer, EMBEDDING[1], embedding, qtype, EMBEDDING[0])
