@@ -152,34 +152,42 @@ def test_a_z_lab_dflash_head_imports_with_its_logits(layers, target_layer_ids, t
     assert runtime.generate(prompt, 16).output_ids == runtime.generate_plain(prompt, 16).output_ids  # lossless
 
 
+def speculators_layer(tc, **changes) -> dict:
+    """A speculators transformer_layer_config of one decoder layer shaped like the target config `tc`."""
+    layer = {key: getattr(tc, key) for key in ("hidden_size", "intermediate_size", "num_attention_heads", "head_dim")}
+    layer |= {"num_key_value_heads": tc.num_key_value_heads, "vocab_size": tc.vocab_size, "num_hidden_layers": 1}
+    return layer | {"model_type": "llama", "rope_theta": tc.rope_parameters["rope_theta"], **changes}
+
+
+def fine_tune(config: str, target_dir, data, head_dir, run, *extra) -> dict:
+    """A 6-step online run of the shipped `config` from the head at `head_dir` (init_from) into `run`: its result."""
+    from eagle_train.train import config_from_command_line
+    from eagle_train.train import run as train
+
+    args = ["--config", config, "mode=online", f"target={target_dir}", f"data_path={data}", f"output_dir={run}"]
+    args += ["max_steps=6", "warmup_steps=0", "tokens_per_batch=256", "max_length=128", "eval_fraction=0.2"]
+    args += ["report_to=none", f"init_from={head_dir}", "learning_rate=3e-3", "mixed_precision=no", *extra]
+    return train(config_from_command_line(args))
+
+
 def test_a_speculators_head_fine_tunes_here_and_keeps_its_variants(tiny_llama_dir, small_tokenized, tmp_path):
     """`init_from` a head speculators built with its training defaults: eagle-train trains it further (its loss
     falls) and the checkpoint is still that kind of head, which speculators' layout writes back."""
     from eagle_train.hidden_states import default_aux_layer_ids
-    from eagle_train.train import config_from_command_line
-    from eagle_train.train import run as train
 
     target = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
     tc = target.config
-    layer = {key: getattr(tc, key) for key in ("hidden_size", "intermediate_size", "num_attention_heads")}
-    layer |= {"num_key_value_heads": tc.num_key_value_heads, "head_dim": tc.head_dim, "vocab_size": tc.vocab_size}
-    layer |= {"model_type": "llama", "num_hidden_layers": 1, "rope_theta": tc.rope_parameters["rope_theta"]}
     flags = {"norm_before_residual": True, "norm_before_fc": True, "norm_output": True}
     config = {
-        "transformer_layer_config": layer,
+        "transformer_layer_config": speculators_layer(tc),
         "draft_vocab_size": tc.vocab_size,  # a random target: its argmax would mostly miss a reduced vocabulary
         "eagle_aux_hidden_state_layer_ids": list(default_aux_layer_ids(tc.num_hidden_layers)),  # online's layers
     }
     request = {"op": "build_and_save", "library": "speculators", "model": "eagle3", "config": config | flags}
     run_peer(request | {"seed": 1, "dir": str(tmp_path / "head"), "verifier": str(tiny_llama_dir)})
     run = tmp_path / "run"
-    result = train(
-        config_from_command_line(
-            ["--config", "eagle3_smollm2", "mode=online", f"target={tiny_llama_dir}", f"data_path={small_tokenized}"]
-            + [f"output_dir={run}", "max_steps=6", "warmup_steps=0", "ttt_length=2", "tokens_per_batch=256"]
-            + ["max_length=128", "eval_fraction=0.2", "report_to=none", f"init_from={tmp_path / 'head'}"]
-            + ["feature_noise=0", "learning_rate=3e-3", "mixed_precision=no"]
-        )
+    result = fine_tune(
+        "eagle3_smollm2", tiny_llama_dir, small_tokenized, tmp_path / "head", run, "ttt_length=2", "feature_noise=0"
     )
     assert result["eval_after"]["loss"] < result["eval_before"]["loss"]
     head = load_draft_head(run / "final", target)
@@ -289,9 +297,6 @@ def test_a_speculators_peagle_head_imports_with_its_logits(name, verifier, tmp_p
 def test_a_z_lab_dflash_head_on_four_target_layers_fine_tunes_here(smollm2, small_tokenized, tmp_path):
     """`init_from` a z-lab DFlash head reading four target layers (a store holds three; online training captures the
     head's own): eagle-train trains it further (its loss falls), still on z-lab's recipe and layers."""
-    from eagle_train.train import config_from_command_line
-    from eagle_train.train import run as train
-
     target = tiny_target(vocab_size=49152, num_hidden_layers=6, rope_theta=10000.0, bos_token_id=1, eos_token_id=2)
     target_dir = tmp_path / "target"  # six layers: four of them read, none the last (its output is normed)
     target.save_pretrained(target_dir)
@@ -305,14 +310,12 @@ def test_a_z_lab_dflash_head_on_four_target_layers_fine_tunes_here(smollm2, smal
     request = {"op": "build_and_save", "library": "dflash", "model": "dflash", "config": config, "seed": 2}
     run_peer(request | {"dir": str(tmp_path / "head"), "target": str(target_dir)})
     run = tmp_path / "run"
-    args = ["--config", "dflash_smollm2", "mode=online", f"target={target_dir}", f"data_path={small_tokenized}"]
-    args += [f"output_dir={run}", "max_steps=6", "warmup_steps=0", "tokens_per_batch=256", "num_anchors=8"]
-    args += ["max_length=128", "eval_fraction=0.2", "report_to=none", f"init_from={tmp_path / 'head'}"]
-    args += ["learning_rate=3e-3", "mixed_precision=no"]
     recipe = "block_size=4 block_mask=target block_lm_head=target"
     with pytest.raises(ValueError, match=f"set {recipe}$"):  # what differs from the run's config, named at once
-        train(config_from_command_line(args))
-    result = train(config_from_command_line(args + recipe.split()))
+        fine_tune("dflash_smollm2", target_dir, small_tokenized, tmp_path / "head", run, "num_anchors=8")
+    result = fine_tune(
+        "dflash_smollm2", target_dir, small_tokenized, tmp_path / "head", run, "num_anchors=8", *recipe.split()
+    )
     assert result["eval_after"]["loss"] < result["eval_before"]["loss"]
     head = load_draft_head(run / "final", target)
     assert list(head.config.aux_layer_ids) == [1, 2, 4, 5] and head.config.num_hidden_layers == 2
@@ -324,16 +327,11 @@ def test_a_speculators_peagle_head_fine_tunes_here_with_its_window(tiny_llama_di
     sliding window shorter than the text): eagle-train trains it further through the window (its loss falls), and the
     checkpoint is still that head, which speculators' layout writes back."""
     from eagle_train.hidden_states import default_aux_layer_ids
-    from eagle_train.train import config_from_command_line
-    from eagle_train.train import run as train
 
     target = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
     tc = target.config
-    layer = {key: getattr(tc, key) for key in ("hidden_size", "intermediate_size", "num_attention_heads", "head_dim")}
-    layer |= {"num_key_value_heads": tc.num_key_value_heads, "vocab_size": tc.vocab_size, "num_hidden_layers": 1}
-    layer |= {"model_type": "qwen3", "rope_theta": tc.rope_parameters["rope_theta"], **sliding(16, 1)}
     config = {
-        "transformer_layer_config": layer,
+        "transformer_layer_config": speculators_layer(tc, model_type="qwen3", **sliding(16, 1)),
         "draft_vocab_size": tc.vocab_size,
         "eagle_aux_hidden_state_layer_ids": list(default_aux_layer_ids(tc.num_hidden_layers)),  # online's layers
         "mask_token_id": 16,
@@ -342,14 +340,7 @@ def test_a_speculators_peagle_head_fine_tunes_here_with_its_window(tiny_llama_di
     request = {"op": "build_and_save", "library": "speculators", "model": "peagle", "config": config, "seed": 1}
     run_peer(request | {"dir": str(tmp_path / "head"), "verifier": str(tiny_llama_dir), "speculative_tokens": 4})
     run = tmp_path / "run"
-    result = train(
-        config_from_command_line(
-            ["--config", "peagle_smollm2", "mode=online", f"target={tiny_llama_dir}", f"data_path={small_tokenized}"]
-            + [f"output_dir={run}", "max_steps=6", "warmup_steps=0", "num_depths=4", "tokens_per_batch=256"]
-            + ["max_length=128", "eval_fraction=0.2", "report_to=none", f"init_from={tmp_path / 'head'}"]
-            + ["learning_rate=3e-3", "mixed_precision=no"]
-        )
-    )
+    result = fine_tune("peagle_smollm2", tiny_llama_dir, small_tokenized, tmp_path / "head", run, "num_depths=4")
     assert result["eval_after"]["loss"] < result["eval_before"]["loss"]
     head = load_draft_head(run / "final", target)
     assert (head.config.sliding_window, head.config.norm_before_residual, head.config.qk_norm) == (16, True, True)
