@@ -11,7 +11,10 @@ version; EAGLE_LLAMACPP_BIN points at another build's bin directory instead.
 
 `run_plain`, `run_head` and `run_ngram` decode one chat-templated prompt greedily and return what
 llama.cpp measured; a head GGUF drafts as its file says (`drafting`): EAGLE-3 chains (draft-eagle3) or a
-DFlash / DSpark block a round (draft-dflash, draft-dspark: K at most the block's drafts). How its
+DFlash / DSpark block a round (draft-dflash, draft-dspark: K at most the block's drafts). The free types
+(`free_types`: ngram-simple, ngram-map-k, ngram-mod, ngram-cache) draft without a head, and comma-separated
+types combine (`hybrid_flags`): llama.cpp tries them in its own order, the n-gram types first, and a round
+takes the first that drafts (common/speculative.cpp). How its
 counters become forwards: every round of llama-speculative-simple runs
 [last token, drafts...] through the target in one forward and adds the tokens it keeps (accepted
 drafts + the target's own) to n_predict and the accepted drafts to n_accept, so
@@ -44,7 +47,15 @@ from eagle_train.target import cache_dir, load_tokenizer, target_gguf
 from engines.engine import Engine, EngineError
 from engines.live import EngineFailed, Pooled, d2t_finding, layers_finding
 from engines.rules import Finding
-from inference.evaluate import EvalOptions, TurnEngine, TurnResult, load_bench, run_bench, summarise_drafters
+from inference.evaluate import (
+    Configuration,
+    EvalOptions,
+    TurnEngine,
+    TurnResult,
+    load_bench,
+    run_bench,
+    summarise_drafters,
+)
 
 VERSION = "0.3.36"  # llama-cpp-python's sdist; its vendor/llama.cpp speaks draft-eagle3
 TOOLS = ("llama-completion", "llama-speculative-simple")
@@ -374,7 +385,8 @@ def run_head(target, head, prompt: str, n: int, k: int, threads: int | None = No
     return run_speculative(target, prompt, n, spec, threads)
 
 
-NGRAM_KEY = 2  # ngram-simple's lookup length at its best here (docs/performance.md); its default, 12, rarely fires
+NGRAM_KEY = 2  # the n-gram types' lookup length at their best here (docs/performance.md); their defaults, 12 to 24,
+# rarely fire on a chat turn
 
 
 def ngram_key(k: int) -> int:
@@ -382,11 +394,40 @@ def ngram_key(k: int) -> int:
     return min(k, NGRAM_KEY)
 
 
+def ngram_simple_flags(k: int) -> list:
+    """ngram-simple: the `k` tokens that followed the last n-gram's latest earlier occurrence, the n-gram
+    `ngram_key(k)` tokens long."""
+    return ["--spec-ngram-simple-size-n", ngram_key(k), "--spec-ngram-simple-size-m", k]
+
+
+def free_types(k: int) -> dict[str, list]:
+    """llama.cpp's drafting types that need no head, by the bench loop's drafter names, each with the flags that
+    make it draft up to `k` tokens after a short key (ngram-cache takes no length: llama.cpp drafts up to 8)."""
+    key = ngram_key(k)
+    return {
+        "ngram": ["--spec-type", "ngram-simple", *ngram_simple_flags(k)],
+        "ngram-map-k": ["--spec-type", "ngram-map-k", "--spec-ngram-map-k-size-n", key, "--spec-ngram-map-k-size-m", k],
+        "ngram-mod": [
+            "--spec-type", "ngram-mod", "--spec-ngram-mod-n-match", key, "--spec-ngram-mod-n-min", 1,
+            "--spec-ngram-mod-n-max", k,
+        ],
+        "ngram-cache": ["--spec-type", "ngram-cache"],
+    }  # fmt: skip
+
+
+def hybrid_flags(head, k: int) -> list:
+    """Head + n-gram: `--spec-type ngram-simple,<the head's type>`; llama.cpp drafts by ngram-simple where it
+    finds a draft, else by the head."""
+    found = drafting(head)
+    return [
+        "-md", head, "--spec-type", f"ngram-simple,{found.spec_type}", *ngram_simple_flags(k),
+        "--spec-draft-n-max", min(k, found.max_drafts or k),
+    ]  # fmt: skip
+
+
 def run_ngram(target, prompt: str, n: int, k: int, threads: int | None = None) -> LlamaCppRun:
-    """Speculative decoding without a head: the `k` tokens that followed the last n-gram's latest earlier
-    occurrence (llama.cpp's ngram-simple), the n-gram `ngram_key(k)` tokens long."""
-    spec = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", ngram_key(k), "--spec-ngram-simple-size-m", k]
-    return run_speculative(target, prompt, n, spec, threads)
+    """Speculative decoding without a head by ngram-simple (`ngram_simple_flags`), up to `k` drafts."""
+    return run_speculative(target, prompt, n, free_types(k)["ngram"], threads)
 
 
 def measure(target_gguf, head_gguf, prompts_text: list[str], k: int, n: int, threads: int | None = None) -> list:
@@ -767,12 +808,16 @@ def turn_result(run: LlamaCppRun) -> TurnResult:
 
 
 class LlamaCppTurns(TurnEngine):
-    """llama.cpp's tools decoding turns greedily: "spec" with a head GGUF, "ngram" with ngram-simple.
-    Each prompt goes to the tools as the text of its chat-templated tokens, byte for byte."""
+    """llama.cpp's tools decoding turns greedily: "spec" with a head GGUF, each of `free_types` without one, and
+    "hybrid", head + n-gram (`hybrid_flags`). Each prompt goes to the tools as the text of its chat-templated
+    tokens, byte for byte."""
 
     def __init__(self, target_gguf: Path, head: Path, tokenizer, k: int, threads: int | None, ngram: bool = True):
         self.target, self.head, self.tokenizer, self.k, self.threads = target_gguf, head, tokenizer, k, threads
-        self.drafters = ("spec", "ngram") if ngram else ("spec",)
+        self.flags = {"spec": ["-md", head, *drafting(head).flags(k)]}
+        if ngram:
+            self.flags |= free_types(k) | {"hybrid": hybrid_flags(head, k)}
+        self.drafters = tuple(self.flags)
 
     def decode(self, drafter: str, prompts: list[list[int]], max_new_tokens: int) -> list[TurnResult]:
         results = []
@@ -780,10 +825,8 @@ class LlamaCppTurns(TurnEngine):
             text, n = self.tokenizer.decode(ids, clean_up_tokenization_spaces=False), max_new_tokens
             if drafter == "plain":
                 run = run_plain(self.target, text, n, self.threads)
-            elif drafter == "spec":
-                run = run_head(self.target, self.head, text, n, self.k, self.threads)
             else:
-                run = run_ngram(self.target, text, n, self.k, self.threads)
+                run = run_speculative(self.target, text, n, self.flags[drafter], self.threads)
             results.append(turn_result(run))
         return results
 
@@ -791,9 +834,28 @@ class LlamaCppTurns(TurnEngine):
         """`same_text`: a speculative run may write up to K tokens past plain's unless plain stopped."""
         return other.answer == plain.answer if plain.extra["eos"] else other.answer.startswith(plain.answer)
 
+    def configurations(self, target_name: str, head_name: str) -> dict[str, Configuration]:
+        """Each drafter as the verdict names it, with the llama-server command that serves it (`target_name`,
+        `head_name`: the GGUFs as the user names them)."""
+
+        def serve(flags: list) -> str:
+            shown = [head_name if f == self.head else str(f) for f in flags]
+            return f"llama-server -m {target_name} " + " ".join(shown)
+
+        labels = {
+            "spec": ("head", "head"),
+            "ngram": (f"n-gram (free, ngram-simple key {ngram_key(self.k)})", "free"),
+            "ngram-map-k": (f"n-gram (free, ngram-map-k key {ngram_key(self.k)})", "free"),
+            "ngram-mod": (f"n-gram (free, ngram-mod key {ngram_key(self.k)})", "free"),
+            "ngram-cache": ("n-gram (free, ngram-cache)", "free"),
+            "hybrid": ("head + n-gram", "hybrid"),
+        }
+        return {name: Configuration(*labels[name], serve(flags)) for name, flags in self.flags.items()}
+
 
 def evaluate(options: EvalOptions, answers=None) -> dict:
-    """The bench through llama.cpp: plain, head and n-gram drafting on the same templated prompts. A block head
+    """The bench through llama.cpp: plain, the head, each free type and head + n-gram on the same templated
+    prompts (`LlamaCppTurns`; `--no-ngram`: plain and the head). A block head
     (DFlash, DSpark) drafts its whole block a round unless --parallel or --chain K asks for fewer drafts, which
     llama.cpp makes from a block of K (+ 1) tokens."""
     o = options
@@ -834,7 +896,8 @@ def evaluate(options: EvalOptions, answers=None) -> dict:
         results = run_bench(
             engine, tokenizer, prompts, o.max_new_tokens, answers, f"eagle-eval llama.cpp {o.bench}", o.repeats
         )
-    summary = summarise_drafters(results, k, k if o.ngram else None, f"ngram-simple, key {ngram_key(k)}")
+        named = str(o.draft) if str(o.draft).endswith(".gguf") else "HEAD.gguf"
+        summary = summarise_drafters(results, k, engine.configurations(str(gguf), named))
     return {
         "engine": "llamacpp",
         "title": f"{o.bench}: {len(prompts)} prompts, {summary['turns']} turns, llama.cpp greedy, "

@@ -31,15 +31,28 @@ from eagle_train.methods.block.head import num_drafts
 from engines import vllm_child  # its missing() looked up when called: tests stand in for it
 from engines.rules import is_parallel
 from engines.vllm_child import ChildServer, VllmError
-from inference.evaluate import EvalOptions, TurnEngine, TurnResult, load_bench, run_bench, summarise_drafters
+from inference.evaluate import (
+    Configuration,
+    EvalOptions,
+    TurnEngine,
+    TurnResult,
+    load_bench,
+    run_bench,
+    summarise_drafters,
+)
 from inference.prompt_lookup import MAX_N, MIN_N
 
 DECODE_CHILD = "import sys; from engines.vllm_decode import serve; serve(*sys.argv[1:])"
+CANNOT_COMBINE = (
+    "no head + n-gram row: vLLM's speculative_config takes one method (SpeculativeConfig.method), so it cannot draft "
+    "by n-gram lookup and fall back to a head as llama.cpp does"
+)
 SPEC_METRICS = {
     "vllm:spec_decode_num_drafts": "drafts",
     "vllm:spec_decode_num_draft_tokens": "draft_tokens",
     "vllm:spec_decode_num_accepted_tokens": "accepted",
     "vllm:spec_decode_num_accepted_tokens_per_pos": "accepted_per_pos",
+    "vllm:time_to_first_token_seconds": "first_token_seconds",  # a histogram: its sum
 }
 
 
@@ -109,6 +122,7 @@ class Turn:
     draft_tokens: int = 0
     accepted: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    first_token_seconds: float = 0.0  # of `seconds`, until the prefill's token (vLLM's time to first token)
 
 
 class Decoder:
@@ -166,6 +180,7 @@ def turn_result(turn: Turn) -> TurnResult:
         emitted=sum(a + 1 for a in accepted),
         seconds=turn.seconds,
         timed_tokens=len(turn.output_ids),
+        prefill_seconds=turn.first_token_seconds,
         accepted=accepted,
         accepted_total=turn.accepted,
         per_forward=[a + 1 for a in accepted],
@@ -193,6 +208,17 @@ class VllmTurns(TurnEngine):
         with self.session(drafter) as decode:
             return decode(prompts, max_new_tokens)
 
+    def configurations(self, target: str, head_name: str) -> dict[str, Configuration]:
+        """Each drafter as the verdict names it, with the `vllm serve` command that serves it (`head_name`: the
+        export directory as the user names it)."""
+
+        def serve(config: dict) -> str:
+            shown = {k: head_name if k == "model" else v for k, v in config.items()}
+            return f"vllm serve {target} --speculative-config '{json.dumps(shown)}'"
+
+        labels = {"spec": ("head", "head"), "ngram": (f"n-gram (free, vLLM ngram, {MIN_N}- to {MAX_N}-gram)", "free")}
+        return {name: Configuration(*labels[name], serve(self.configs[name])) for name in self.drafters}
+
 
 def evaluate(options: EvalOptions, answers=None) -> dict:
     """The bench through vLLM: plain, the head and n-gram drafting (unless options.ngram is off)."""
@@ -212,7 +238,7 @@ def evaluate(options: EvalOptions, answers=None) -> dict:
     tokenizer = load_tokenizer(o.target)
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
-        head_dir, _ = export_dir(o.draft, tmp)
+        head_dir, exported = export_dir(o.draft, tmp)
         method = export_method(head_dir)
         if row(method).family == "block":
             check_block_k(head_dir, k)
@@ -220,7 +246,10 @@ def evaluate(options: EvalOptions, answers=None) -> dict:
         results = run_bench(
             engine, tokenizer, prompts, o.max_new_tokens, answers, f"eagle-eval vLLM {o.bench}", o.repeats
         )
-    summary = summarise_drafters(results, k, k if o.ngram else None, f"vLLM ngram, {MIN_N}- to {MAX_N}-gram")
+    served = "EXPORT_DIR" if exported is not None else str(o.draft)  # a checkpoint is served once exported
+    summary = summarise_drafters(results, k, engine.configurations(o.target, served))
+    if o.ngram:
+        summary["notes"] = [CANNOT_COMBINE]
     version, _, dtype = engine.engines["plain"]
     family = row(method).family
     drafting = f"chain K={k}" if family == "chain" else f"{family} ({row(method).title}) K={k}"
@@ -248,8 +277,12 @@ def counters(llm) -> dict:
     values = {name: 0 for name in SPEC_METRICS.values()}
     for metric in llm.get_metrics():
         name = SPEC_METRICS.get(metric.name)
-        if name is not None:
-            values[name] = list(metric.values) if name == "accepted_per_pos" else int(metric.value)
+        if name == "accepted_per_pos":
+            values[name] = list(metric.values)
+        elif name == "first_token_seconds":
+            values[name] = metric.sum
+        elif name is not None:
+            values[name] = int(metric.value)
     return values
 
 

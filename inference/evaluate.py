@@ -2,14 +2,15 @@
 record per turn, its summary and its tables.
 
 An engine supplies only "decode these prompts" (`TurnEngine.decode`, giving `TurnResult`s): plainly (the
-speedup's reference) and with each of its drafters ("spec": the head; "ngram": prompt lookup, the free
-baseline the head has to beat, same K). Multi-turn prompts (MT-Bench) ask turn 2 after plain decoding's
-answer to turn 1, so every drafter decodes the same prompt tokens. Each turn is decoded by all of them in
-a row, in an order that rotates from turn to turn, and the speedups are paired (`inference.timing`). AL
-follows docs/design.md section 3:
-tokens emitted by the counted forwards / those forwards, pooled over every turn of every prompt; the
-built-in runtime and vLLM leave the prefill and its token out, so their AL can be recounted from the JSON
-as sum(len(output_ids) - 1) / sum(forwards).
+speedup's reference) and with each of its drafters, each a `Configuration` it could serve ("spec": the head;
+"ngram" and the engine's other free types: n-gram lookup, the free drafting the head has to beat, same K;
+"hybrid": n-gram lookup where it finds a draft, else the head, as llama.cpp combines them). Multi-turn
+prompts (MT-Bench) ask turn 2 after plain decoding's answer to turn 1, so every drafter decodes the same
+prompt tokens. Each turn is decoded by all of them in a row, in an order that rotates from turn to turn, and
+the speedups are paired (`inference.timing`); the verdict (`verdict`) names the fastest configuration, or
+says it cannot tell. AL follows docs/design.md section 3: tokens emitted by the counted forwards / those
+forwards, pooled over every turn of every prompt; the built-in runtime and vLLM leave the prefill and its
+token out, so their AL can be recounted from the JSON as sum(len(output_ids) - 1) / sum(forwards).
 """
 
 import json
@@ -27,8 +28,8 @@ from inference.timing import (
     load,
     paired,
     rotation,
-    rounds_of,
     span,
+    tokens_per_s,
 )
 
 BENCHES = ("mt_bench", "humaneval", "gsm8k")
@@ -92,7 +93,7 @@ class EvalOptions:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
-    ngram: bool = True  # also decode with prompt lookup at the head's K
+    ngram: bool = True  # also decode with n-gram lookup at the head's K, alone and before the head (hybrid)
     seed: int = 0
     device: str | None = None
     dtype: str | None = None
@@ -128,6 +129,7 @@ class TurnResult:
     emitted: int  # tokens those forwards emitted
     seconds: float  # the timed span ...
     timed_tokens: int  # ... and the tokens made inside it (tokens/s)
+    prefill_seconds: float = 0.0  # the part of `seconds` before the first token (0: the span leaves it out)
     accepted: list[int] | None = None  # drafts accepted per counted forward; None: only `accepted_total` is known
     accepted_total: int = 0
     per_forward: list[int] | None = None  # tokens each counted forward emitted, when known
@@ -142,6 +144,16 @@ class TurnResult:
         names = {f.name for f in fields(cls)}
         given = {k: v for k, v in record.items() if k in names}
         return cls(**{"output_ids": None, **given}, extra={k: v for k, v in record.items() if k not in names})
+
+
+@dataclass(frozen=True)
+class Configuration:
+    """A drafter as the verdict can name it: its row in the tables, what it is ("head", "free": n-gram lookup
+    without a head, "hybrid": the lookup where it finds a draft, else the head) and how an engine serves it."""
+
+    label: str
+    kind: str
+    serve: str = ""
 
 
 class TurnEngine:
@@ -213,12 +225,12 @@ def timed_rounds(decoders: dict, names: tuple[str, ...], ids: list[int], max_new
     runs, timing = {}, []
     for r in range(repeats):
         order = rotation(names, first + r)
-        timed = {"order": list(order), "seconds": {}, "tokens": {}, "forwards": {}}
+        timed = {"order": list(order), "seconds": {}, "prefill_seconds": {}, "tokens": {}, "forwards": {}}
         for name in order:
             (run,) = decoders[name]([ids], max_new_tokens)
             runs.setdefault(name, run)
             timed["seconds"][name], timed["tokens"][name] = run.seconds, run.timed_tokens
-            timed["forwards"][name] = run.forwards
+            timed["prefill_seconds"][name], timed["forwards"][name] = run.prefill_seconds, run.forwards
         timing.append(timed)
     return runs, timing
 
@@ -251,30 +263,29 @@ def add_drafter(
 
 
 def summarise(results: list[dict], depth: int, drafter: str = "spec") -> dict:
-    """Pooled figures over every turn of every prompt, of one drafter ("spec": the head; "ngram":
-    prompt lookup). The speedup is the paired one (`inference.timing`); tokens/s are pooled over the same
-    rounds. Per-position acceptance and the histogram need the engine's per-forward counts."""
+    """Pooled figures over every turn of every prompt, of one drafter. The speedup is the paired one
+    (`inference.timing`), tokens/s are pooled over the same rounds (those no load slowed). AL is None where no
+    forward was counted (every turn ended at its first token). Per-position acceptance and the histogram need
+    the engine's per-forward counts."""
     turns = [t for r in results for t in r["turns"]]
     runs = [t[drafter] for t in turns]
     forwards = sum(r["forwards"] for r in runs)
     emitted = sum(r["emitted"] for r in runs)
-    rounds = [r for r in rounds_of(turns) if drafter in r["seconds"] and "plain" in r["seconds"]]
-    spec_s = sum(r["seconds"][drafter] for r in rounds)
-    plain_s = sum(r["seconds"]["plain"] for r in rounds)
     speedup = paired(turns, drafter, "plain")
     summary = {
-        "acceptance_length": emitted / forwards if forwards else 0.0,
+        "acceptance_length": emitted / forwards if forwards else None,
         "verify_forwards": forwards,
         "tokens_from_verify_forwards": emitted,
         "accepted_drafts": sum(r["accepted_total"] for r in runs),
         "acceptance_per_position": None,
         "acceptance_per_position_conditional": None,
         "tokens_per_forward_histogram": None,
-        "spec_tokens_per_s": sum(r["tokens"][drafter] for r in rounds) / spec_s if spec_s else 0.0,
-        "plain_tokens_per_s": sum(r["tokens"]["plain"] for r in rounds) / plain_s if plain_s else 0.0,
-        "speedup": speedup["ratio"],  # from the paired rounds' ratios (`inference.timing`) ...
-        "speedup_interval": speedup["interval"],  # ... its interval (None: too few rounds to bound it)
-        "timed_pairs": speedup["pairs"],
+        "spec_tokens_per_s": tokens_per_s(turns, drafter),
+        "plain_tokens_per_s": tokens_per_s(turns, "plain", drafter),
+        "speedup": speedup["ratio"],  # from one paired figure per turn (`inference.timing`); None: no pair ...
+        "speedup_interval": speedup["interval"],  # ... its interval (None: too few turns to bound it)
+        "timed_pairs": speedup["pairs"],  # turns
+        "timed_rounds": speedup["rounds"],
         "turns": len(turns),
         "turns_identical_to_plain": sum(r["identical"] for r in runs),
         **divergence_counts(runs),
@@ -330,29 +341,47 @@ def shares(values: list[float] | None) -> str:
     return "-" if values is None else " ".join(f"{a:.2f}" for a in values)
 
 
+def figure(value, spec: str, none: str = "-") -> str:
+    """`value` formatted, or `none` where the run measured no such figure."""
+    return none if value is None else format(value, spec)
+
+
+def drafter_rows(summary: dict) -> list[tuple[str, dict]]:
+    """(label, summary) of the head (or the one drafter of a head-less run) and every other drafter."""
+    return [(summary["label"], summary)] + [(row["label"], row) for row in summary.get("drafters", {}).values()]
+
+
 def format_table(summary: dict, title: str) -> str:
     s = summary
     lines = [
         title,
-        f"  acceptance length (AL)      {s['acceptance_length']:.3f}   "
-        f"({s['tokens_from_verify_forwards']} tokens / {s['verify_forwards']} verification forwards)",
+        f"  acceptance length (AL)      {figure(s['acceptance_length'], '.3f')}   "
+        f"({s['tokens_from_verify_forwards']} tokens / {s['verify_forwards']} verification forwards)"
+        + ("" if s["verify_forwards"] else ": every turn ended at its first token, so no AL"),
         "  acceptance per position     " + shares(s["acceptance_per_position"]),
         "  ... conditional             " + shares(s["acceptance_per_position_conditional"]),
-        f"  tokens/s speculative        {s['spec_tokens_per_s']:.1f}",
-        f"  tokens/s plain              {s['plain_tokens_per_s']:.1f}",
-        f"  speedup                     {s['speedup']:.2f}x ({speed_text(s)})",
+        f"  tokens/s speculative        {figure(s['spec_tokens_per_s'], '.1f')}",
+        f"  tokens/s plain              {figure(s['plain_tokens_per_s'], '.1f')}",
+        "  speedup                     "
+        + (speed_text(s) if s["speedup"] is None else f"{s['speedup']:.2f}x ({speed_text(s)})"),
         f"  turns identical to plain    {s['turns_identical_to_plain']}/{s['turns']}" + identical_note(s),
     ]
-    if "ngram" in s:
-        rows = (("head", s), (f"n-gram (free, {s['ngram']['setting']})", s["ngram"]))
+    rows = drafter_rows(s)
+    if len(rows) > 1:
         width = max(len(label) for label, _ in rows) + 2
-        lines.append(f"  {'drafter':<{width}}{'AL':>7}{'tokens/s':>10}{'speedup':>9}   identical to plain")
+        lines.append(f"  {'drafter':<{width}}{'AL':>7}{'tokens/s':>10}{'speedup':>9}{'90% interval':>14}   identical")
         for label, row in rows:
             lines.append(
-                f"  {label:<{width}}{row['acceptance_length']:>7.3f}{row['spec_tokens_per_s']:>10.1f}"
-                f"{row['speedup']:>8.2f}x   {row['turns_identical_to_plain']}/{row['turns']}" + identical_note(row)
+                f"  {label:<{width}}{figure(row['acceptance_length'], '.3f'):>7}"
+                f"{figure(row['spec_tokens_per_s'], '.1f'):>10}{figure(row['speedup'], '.2f'):>8}x"
+                f"{span(row['speedup_interval']):>14}   {row['turns_identical_to_plain']}/{row['turns']}"
+                + identical_note(row)
             )
+    if "ngram" in s:
         lines.append("  " + head_vs_ngram(s))
+    if "verdict" in s:
+        lines.append("  verdict: " + s["verdict"]["text"])
+    lines += ["  " + note for note in s.get("notes", [])]
     if s.get("busy"):
         lines.append("  " + s["busy"])
     return "\n".join(lines)
@@ -373,41 +402,81 @@ def speed_text(summary: dict) -> str:
     return text
 
 
-def summarise_drafters(results: list[dict], depth: int, ngram: int | None, ngram_setting: str = "") -> dict:
-    """`summarise` of the head, with prompt lookup's beside it (`ngram_setting`: its engine's lookup, named in the
-    table), the two timed against each other in pairs and the verdict, when it was run; and the busy-machine
-    line when plain decoding's speed moved within the run."""
-    summary = summarise(results, depth)
+def summarise_drafters(results: list[dict], depth: int, configurations: dict[str, Configuration]) -> dict:
+    """`summarise` of "spec" (the head, or the one drafter of a head-less run) with every other drafter's beside
+    it ("drafters"); "ngram", the fastest of the free rows in pairs, named, and the head against it in pairs
+    (`head_vs_ngram`); the verdict (`verdict`) over every row; and the busy-machine line when a load slowed
+    some rounds."""
+    summary = {**summarise(results, depth), **asdict(configurations["spec"])}
     turns = [t for r in results for t in r["turns"]]
-    if ngram:
-        summary["ngram"] = {**summarise(results, ngram, "ngram"), "setting": ngram_setting}
-        summary["head_vs_ngram"] = paired(turns, "spec", "ngram")
-        summary["head_beats_ngram"] = head_beats_ngram(summary)
+    others = {
+        name: {**summarise(results, depth, name), **asdict(c)} for name, c in configurations.items() if name != "spec"
+    }
+    if others:
+        summary["drafters"] = others
+    free = [name for name, row in others.items() if row["kind"] == "free"]
+    if free and summary["kind"] != "free":
+        best = fastest(free, others)
+        summary["ngram"] = {**others[best], "setting": others[best]["label"]}
+        summary["head_vs_ngram"] = paired(turns, "spec", best)
+        summary["head_beats_ngram"] = above_one(summary["head_vs_ngram"])
+    summary["verdict"] = verdict(turns, {"spec": summary, **others})
     summary["load"] = load(turns)
     summary["busy"] = busy_note(summary["load"])
     return summary
 
 
-def head_beats_ngram(summary: dict) -> bool | None:
-    """Speed decides, not AL (a head's draft steps cost forwards that prompt lookup does not pay), measured in
-    pairs: True or False where the head's speed over prompt lookup's is above or below 1.0 with its whole
-    interval, None where the noise cannot tell."""
-    return above_one(summary["head_vs_ngram"])
+def fastest(names: list[str], rows: dict) -> str:
+    """Of `names`, the one with the highest paired speedup (AL breaks ties and stands in where none was timed)."""
+    return max(names, key=lambda n: (rows[n]["speedup"] or 0.0, rows[n]["acceptance_length"] or 0.0))
+
+
+def verdict(turns: list[dict], rows: dict[str, dict]) -> dict:
+    """What to deploy: the drafter with the highest paired speedup where its interval lies above 1.0 (faster than
+    plain decoding) and, against every other drafter in pairs, above 1.0 too (or that drafter is slower than
+    plain); plain decoding where every drafter is slower than plain; else that this run cannot tell, naming
+    between which. {"deploy": a drafter, "plain" or None, "text": the line the tables print}."""
+    timed = {n: row for n, row in rows.items() if row["speedup"] is not None}
+    if not timed:
+        return {"deploy": None, "text": "no verdict: no timed pair (every round was left out or made no token)"}
+    best = fastest(list(timed), timed)
+    top = timed[best]
+    said = f"{top['label']} ({top['speedup']:.2f}x plain, {interval_text(speedup_figure(top))})"
+    if all(above_one(speedup_figure(row)) is False for row in timed.values()):
+        return {"deploy": "plain", "text": f"deploy plain decoding: every drafter is slower here, the fastest {said}"}
+    if above_one(speedup_figure(top)) is not True:
+        return {"deploy": None, "text": f"cannot tell whether {said} beats plain decoding; {CANNOT_TELL}"}
+    for name, row in timed.items():
+        versus = paired(turns, best, name)
+        if name != best and above_one(versus) is not True and above_one(speedup_figure(row)) is not False:
+            return {
+                "deploy": None,
+                "text": f"cannot tell {top['label']} from {row['label']} ({top['label']} / {row['label']} "
+                f"{figure(versus['ratio'], '.2f')}x, {interval_text(versus)}); {CANNOT_TELL}",
+            }
+    al = figure(top["acceptance_length"], ".2f")
+    serve = f" ({top['serve']})" if top["serve"] else ""
+    return {
+        "deploy": best,
+        "serve": top["serve"],
+        "text": f"deploy {top['label']}{serve}: {al} tokens/forward, {said}, faster in pairs than every other drafter",
+    }
 
 
 def head_vs_ngram(summary: dict) -> str:
-    """The one line that says whether training paid: the head against plain decoding and against free drafting
-    on the same prompts, or that this run cannot tell."""
+    """The one line that says whether training paid: the head against plain decoding and against the fastest free
+    drafting on the same prompts, or that this run cannot tell."""
     head, ngram, versus = summary, summary["ngram"], summary["head_vs_ngram"]
     line = (
-        f"head vs n-gram (free): head AL {head['acceptance_length']:.2f} vs {ngram['acceptance_length']:.2f}, "
-        f"speed {head['speedup']:.2f}x vs {ngram['speedup']:.2f}x, head / n-gram {versus['ratio']:.2f}x "
+        f"head vs n-gram (free): head AL {figure(head['acceptance_length'], '.2f')} vs "
+        f"{figure(ngram['acceptance_length'], '.2f')}, speed {figure(head['speedup'], '.2f')}x vs "
+        f"{figure(ngram['speedup'], '.2f')}x, head / n-gram {figure(versus['ratio'], '.2f')}x "
         f"({interval_text(versus)}): "
     )
     beats = summary["head_beats_ngram"]
     faster = above_one(speedup_figure(head))
     if beats is False:
-        more = head["acceptance_length"] > ngram["acceptance_length"]
+        more = (head["acceptance_length"] or 0) > (ngram["acceptance_length"] or 0)
         return (
             line
             + "the head does not beat free drafting"
@@ -422,26 +491,27 @@ def head_vs_ngram(summary: dict) -> str:
 
 def format_engines(summaries: dict[str, dict], title: str) -> str:
     """One row per engine and drafter: the same prompts, each engine against its own plain decoding (the
-    speedup's interval beside it), then each engine's verdict."""
+    speedup's interval beside it), then each engine's verdicts."""
     lines = [
         title,
-        f"  {'engine':<9}{'drafter':<15}{'AL':>7}  {'acceptance per position':<25}{'tok/s plain':>12}"
+        f"  {'engine':<9}{'drafter':<34}{'AL':>7}  {'acceptance per position':<25}{'tok/s plain':>12}"
         f"{'tok/s spec':>11}{'speedup':>9}{'90% interval':>14}   identical",
     ]
     for engine, s in summaries.items():
-        for label, row in (("head", s), ("n-gram (free)", s.get("ngram"))):
-            if row is None:
-                continue
-            positions = shares(row["acceptance_per_position"])
-            interval = span(row["speedup_interval"])
+        for label, row in drafter_rows(s):
             lines.append(
-                f"  {engine:<9}{label:<15}{row['acceptance_length']:>7.3f}  {positions:<25}"
-                f"{row['plain_tokens_per_s']:>12.1f}{row['spec_tokens_per_s']:>11.1f}{row['speedup']:>8.2f}x"
-                f"{interval:>14}   {row['turns_identical_to_plain']}/{row['turns']}"
+                f"  {engine:<9}{label:<34}{figure(row['acceptance_length'], '.3f'):>7}  "
+                f"{shares(row['acceptance_per_position']):<25}{figure(row['plain_tokens_per_s'], '.1f'):>12}"
+                f"{figure(row['spec_tokens_per_s'], '.1f'):>11}{figure(row['speedup'], '.2f'):>8}x"
+                f"{span(row['speedup_interval']):>14}   {row['turns_identical_to_plain']}/{row['turns']}"
             )
     for engine, s in summaries.items():
         if "ngram" in s:
-            lines.append(f"  [{engine}, n-gram: {s['ngram']['setting']}] " + head_vs_ngram(s))
+            lines.append(f"  [{engine}] " + head_vs_ngram(s))
+        if "verdict" in s:
+            lines.append(f"  [{engine}] verdict: " + s["verdict"]["text"])
+        for note in s.get("notes", []):
+            lines.append(f"  [{engine}] {note}")
         if s.get("busy"):
             lines.append(f"  [{engine}] " + s["busy"])
     return "\n".join(lines)
@@ -468,7 +538,8 @@ def plot_engines(summaries: dict[str, dict], path, title: str) -> bool:
     for i, (engine, s) in enumerate(summaries.items()):
         acc = s["acceptance_per_position"]
         xs = [p + 1 + (i - (len(summaries) - 1) / 2) * width for p in range(len(acc))]
-        ax.bar(xs, acc, width, label=f"{engine}: AL {s['acceptance_length']:.2f}, {s['speedup']:.2f}x")
+        label = f"{engine}: AL {figure(s['acceptance_length'], '.2f')}, {figure(s['speedup'], '.2f')}x"
+        ax.bar(xs, acc, width, label=label)
     ax.set(xlabel="draft position", ylabel="accepted (share of forwards)", ylim=(0, 1.05), title=title)
     ax.legend()
     fig.tight_layout()
@@ -506,7 +577,7 @@ def plot(summary: dict, path, title: str) -> bool:
         xlabel="tokens per verification forward",
         ylabel="forwards",
         xticks=[int(k) for k in hist],
-        title=f"AL = {summary['acceptance_length']:.2f}",
+        title=f"AL = {figure(summary['acceptance_length'], '.2f')}",
     )
     fig.suptitle(title)
     fig.tight_layout()

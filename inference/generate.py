@@ -10,6 +10,7 @@ Block heads (DFlash, DSpark; `BlockDrafter`) draft the round's chain in one forw
 
 Prompt lookup (`PromptLookup`, no head) goes through the same rounds: its drafts are a chain of
 up to K looked-up tokens, one-hot as draft distributions, and its catch-up only records tokens.
+Head + n-gram (`HybridDrafter`) drafts each round by lookup where it finds a draft, else by the head.
 
 Counters follow docs/design.md section 3: the prefill forward and the token it emits are not counted;
 each verification forward counts the tokens it emitted (after eos / max-token truncation).
@@ -25,6 +26,7 @@ from inference.block_drafting import BlockDrafter
 from inference.drafting import Drafter, TreeShape
 from inference.graphs import GraphedStep
 from inference.hf_target import target_view
+from inference.hybrid_drafting import HybridDrafter
 from inference.llama import use_few_row_linears
 from inference.parallel_drafting import ParallelDrafter
 from inference.prompt_lookup import PromptLookup
@@ -39,7 +41,8 @@ class GenerationResult:
     forwards: int  # target forwards after prefill (verification forwards, or plain decode steps)
     emitted: list[int] = field(default_factory=list)  # tokens emitted by each of those forwards
     accepted: list[int] = field(default_factory=list)  # draft tokens accepted by each verification
-    seconds: float = 0.0
+    seconds: float = 0.0  # the whole decode, prefill included ...
+    prefill_seconds: float = 0.0  # ... of which the prefill and its token
 
     @property
     def acceptance_length(self) -> float:
@@ -153,7 +156,7 @@ class Runtime:
         t0 = time.perf_counter()
         token, _ = self.prefill(prompt)
         out, stop = self.finish([], [int(token.item())], self.eos, max_new_tokens)
-        result = GenerationResult(out, 0)
+        result = GenerationResult(out, 0, prefill_seconds=time.perf_counter() - t0)
         length = n
         keys = torch.arange(self.target.max_len, device=self.device)
         while not stop:
@@ -174,9 +177,16 @@ class Runtime:
         """Speculative decoding with prompt lookup (no head), up to k drafts a round."""
         return self.generate(prompt_ids, max_new_tokens, PromptLookup(prompt_ids, k))
 
+    def generate_hybrid(self, prompt_ids, max_new_tokens: int, k: int) -> GenerationResult:
+        """Speculative decoding by head + n-gram (`HybridDrafter`): up to k looked-up drafts where the lookup finds
+        them, else the head's."""
+        if self.drafter is None:
+            raise ValueError("head + n-gram drafting needs a head; use generate_lookup for n-gram alone")
+        return self.generate(prompt_ids, max_new_tokens, HybridDrafter(PromptLookup(prompt_ids, k), self.drafter))
+
     @torch.inference_mode()
     def generate(self, prompt_ids, max_new_tokens: int, drafter=None) -> GenerationResult:
-        """Speculative decoding with the draft head, or with `drafter` (a PromptLookup)."""
+        """Speculative decoding with the draft head, or with `drafter` (a PromptLookup or a HybridDrafter)."""
         drafter = drafter or self.drafter
         if drafter is None:
             raise ValueError("this runtime has no draft head; use generate_plain or generate_lookup")
@@ -188,9 +198,10 @@ class Runtime:
         t0 = time.perf_counter()
         pending, aux = self.prefill(prompt)
         out, stop = self.finish([], [int(pending.item())], self.eos, max_new_tokens)
-        result = GenerationResult(out, 0)
         next_ids = torch.cat([prompt[:, 1:], pending.reshape(1, 1)], dim=1)
-        h_root, logits_root = drafter.catch_up(aux, next_ids, 0)
+        h_root, logits_root = drafter.catch_up(aux, next_ids, 0)  # the drafter's prefill
+        self.sync()
+        result = GenerationResult(out, 0, prefill_seconds=time.perf_counter() - t0)
         length = n  # committed tokens (in both caches); `pending` is x_length
         keys = torch.arange(target.max_len, device=self.device)
         catch_up = drafter.catch_up_padded if self.use_graphs else drafter.catch_up  # graphs: fixed rows

@@ -2,9 +2,9 @@
 (`inference.evaluate.run_bench`) and `evaluate`, eagle-eval's run with it.
 
 Each turn is decoded plainly (the speedup's reference), with the head ("spec", or prompt lookup alone
-for `draft="ngram"`) and with prompt lookup at the head's K ("ngram", the free baseline the head has to
-beat), one after another, all on one `Runtime`, so the three share the target's weights, caches and CUDA
-graphs.
+for `draft="ngram"`), with prompt lookup at the head's K ("ngram", the free baseline the head has to
+beat) and with both, lookup first ("hybrid", llama.cpp's rule), one after another, all on one `Runtime`, so
+they share the target's weights, caches and CUDA graphs.
 """
 
 import time
@@ -12,10 +12,25 @@ import time
 import torch
 
 from inference.divergence import first_divergence
-from inference.evaluate import EvalOptions, TurnEngine, TurnResult, load_bench, run_bench, summarise_drafters
+from inference.evaluate import (
+    Configuration,
+    EvalOptions,
+    TurnEngine,
+    TurnResult,
+    load_bench,
+    run_bench,
+    summarise_drafters,
+)
 from inference.prompt_lookup import MAX_N, MIN_N
 
-NGRAM_SETTING = f"{MIN_N}- to {MAX_N}-gram lookup"
+LOOKUP = f"{MIN_N}- to {MAX_N}-gram lookup"
+HEAD = Configuration("head", "head", "export it for your engine (docs/deploying.md)")
+FREE = Configuration(f"n-gram (free, {LOOKUP})", "free", "n-gram lookup alone, no head")
+HYBRID = Configuration(
+    "head + n-gram",
+    "hybrid",
+    "llama.cpp: --spec-type ngram-simple,draft-eagle3 (or draft-dflash / draft-dspark); vLLM cannot combine them",
+)
 
 
 def turn_result(result, tokenizer) -> TurnResult:
@@ -28,6 +43,7 @@ def turn_result(result, tokenizer) -> TurnResult:
         emitted=sum(result.emitted),
         seconds=result.seconds,
         timed_tokens=len(result.output_ids),
+        prefill_seconds=result.prefill_seconds,
         accepted=result.accepted,
         accepted_total=sum(result.accepted),
         per_forward=result.emitted,
@@ -52,18 +68,25 @@ class RuntimeEngine(TurnEngine):
         return first_divergence(self.plain, prompt_ids, plain.output_ids, other.output_ids, max_new_tokens)
 
 
-def eval_drafters(runtime, ngram: int | None) -> dict:
-    """eagle-eval's drafters on one runtime: "spec" with its head (without one: prompt lookup with up to
-    `ngram` drafts), "ngram" prompt lookup beside a head (`ngram` None: not run)."""
+def eval_drafters(runtime, ngram: int | None) -> tuple[dict, dict]:
+    """eagle-eval's drafters on one runtime, each a generate(ids, max_new_tokens) and its `Configuration`: "spec"
+    with its head (without one: prompt lookup with up to `ngram` drafts), and beside a head "ngram" (prompt
+    lookup) and "hybrid" (lookup first, then the head), both with up to `ngram` drafts (None: not run)."""
 
     def lookup(ids, max_new_tokens):
         return runtime.generate_lookup(ids, max_new_tokens, ngram)
 
+    def hybrid(ids, max_new_tokens):
+        return runtime.generate_hybrid(ids, max_new_tokens, ngram)
+
     if runtime.drafter is None:
         if not ngram:
             raise ValueError("a runtime without a head drafts by prompt lookup: give its K (ngram)")
-        return {"spec": lookup}
-    return {"spec": runtime.generate, **({"ngram": lookup} if ngram else {})}
+        return {"spec": lookup}, {"spec": FREE}
+    if not ngram:
+        return {"spec": runtime.generate}, {"spec": HEAD}
+    generate = {"spec": runtime.generate, "ngram": lookup, "hybrid": hybrid}
+    return generate, {"spec": HEAD, "ngram": FREE, "hybrid": HYBRID}
 
 
 def precheck_head(draft, target_cfg):
@@ -141,7 +164,8 @@ def evaluate(options: EvalOptions) -> dict:
     ngram = shape.depth if o.ngram else None  # prompt lookup's K: the chain's, the tree's depth
     eos = end_of_turn_ids(model, tokenizer)
     runtime = Runtime(model, head, shape, sampler, eos_token_ids=eos, cuda_graphs=o.cuda_graphs, seed=o.seed)
-    engine = RuntimeEngine(runtime, eval_drafters(runtime, ngram), tokenizer)
+    generate, configurations = eval_drafters(runtime, ngram)
+    engine = RuntimeEngine(runtime, generate, tokenizer)
 
     if device.type == "cuda":  # kernel selection and graph capture stay out of the timings
         warmup = {"question_id": "warmup", "category": "", "turns": prompts[0]["turns"][:1]}
@@ -149,7 +173,7 @@ def evaluate(options: EvalOptions) -> dict:
     t0 = time.time()
     progress = f"eagle-eval {o.bench}"
     results = run_bench(engine, tokenizer, prompts, o.max_new_tokens, progress=progress, repeats=o.repeats)
-    summary = summarise_drafters(results, shape.depth, ngram if head is not None else None, NGRAM_SETTING)
+    summary = summarise_drafters(results, shape.depth, configurations)
     drafting = f"tree {shape.depth},{shape.topk},{shape.total}" if o.tree else f"chain K={shape.depth}"
     if family in ("parallel", "block"):
         drafting = f"{family} ({method.title}) K={shape.depth}"

@@ -3,12 +3,18 @@
 Every turn is decoded plainly and by each drafter one right after another, in an order that rotates from
 round to round (`rotation`), so a load that comes and goes during a run hits all of them alike instead of
 whichever drafter happened to be running. Each round gives a paired ratio (a drafter's tokens/s over plain
-decoding's, or over another drafter's). A speedup is the Hodges-Lehmann estimate of those ratios (the
-median of the pairwise means of their logs: robust to a round a load hit on one side, nearly as tight as a
-mean) with its Wilcoxon signed-rank interval, which assumes only that the rounds' log ratios are
-independent and spread symmetrically about their centre. Where that interval does not settle a question
-(it holds 1.0, or there are too few rounds to bound it) the verdict says it cannot tell rather than guess.
-A round in which a load slowed one of the decodings (`slowness`) is left out, and the table says so.
+decoding's, or over another drafter's), end to end, prefill included. A turn's rounds are repeats of one
+greedy decode, not independent draws, so each turn gives one paired figure: the mean of its rounds' log
+ratios (`turn_log_ratios`). A speedup is the Hodges-Lehmann estimate of the turns' figures (the median of
+the pairwise means of their logs: robust to a turn a load hit on one side, nearly as tight as a mean) with
+its Wilcoxon signed-rank interval, which assumes only that the turns' figures are independent and spread
+symmetrically about their centre. Where that interval does not settle a question (it holds 1.0, or there
+are too few turns to bound it) the verdict says it cannot tell rather than guess.
+
+A round in which a load slowed one of the decodings (`slowness`) is left out of every figure, the tokens/s
+columns included, and the JSON names it with why (`left_out`). A load shows in the time per forward of the
+decode after the prefill: a long prompt makes its prefill long, never its decode forwards much slower, so it
+is never taken for a load.
 """
 
 from math import exp, floor, log, sqrt
@@ -64,43 +70,100 @@ def rounds_of(turns: list[dict]) -> list[dict]:
     return [r for t in turns for r in t.get("timing", [])]
 
 
-def slowness(rounds: list[dict]) -> list[float]:
-    """Per round, how many times its slowest decoding's seconds per counted forward exceed that decoding's
-    median over the run: a load slows forwards, while what a drafter drafts changes only how many tokens a
-    forward makes, so a drafter whose acceptance varies from turn to turn is not mistaken for a busy machine.
-    1.0 where a round does not count its forwards."""
-    typical = {}
-    for name in {n for r in rounds for n in r.get("forwards", {})}:
-        times = [r["seconds"][name] / r["forwards"][name] for r in rounds if r.get("forwards", {}).get(name)]
-        typical[name] = median(times)
+def decode_seconds(timed: dict, name: str) -> float:
+    """`name`'s seconds in a round after its prefill (the engine's "prefill_seconds", 0 where its timed span
+    leaves the prefill out)."""
+    return timed["seconds"][name] - timed.get("prefill_seconds", {}).get(name, 0.0)
+
+
+def per_forward(timed: dict, name: str) -> float | None:
+    """`name`'s decode seconds per counted forward in a round; None where it counted none."""
+    forwards = timed.get("forwards", {}).get(name)
+    return decode_seconds(timed, name) / forwards if forwards else None
+
+
+def slowdowns(rounds: list[dict]) -> list[dict]:
+    """Per round, per decoding that counted forwards, how many times its decode seconds per forward exceed that
+    decoding's median over the run: a load slows forwards, while what a drafter drafts changes only how many
+    tokens a forward makes, so a drafter whose acceptance varies from turn to turn is not mistaken for a busy
+    machine."""
+    times = {}
+    for r in rounds:
+        for name in r["seconds"]:
+            t = per_forward(r, name)
+            if t is not None:
+                times.setdefault(name, []).append(t)
+    typical = {name: median(ts) for name, ts in times.items()}
     return [
-        max(
-            [r["seconds"][n] / f / typical[n] for n, f in r.get("forwards", {}).items() if f and typical[n] > 0],
-            default=1.0,
-        )
+        {
+            name: t / typical[name]
+            for name in r["seconds"]
+            if (t := per_forward(r, name)) is not None and typical[name] > 0
+        }
         for r in rounds
     ]
 
 
-def paired_ratios(turns: list[dict], a: str, b: str) -> list[float]:
-    """Per timed round in which both ran, `a`'s tokens/s over `b`'s, leaving out the rounds a load slowed
-    (`slowness` above `BUSY`)."""
-    rounds = rounds_of(turns)
-    ratios = []
-    for r, slow in zip(rounds, slowness(rounds)):
-        seconds, tokens = r["seconds"], r["tokens"]
-        if slow <= BUSY and seconds.get(a, 0) > 0 and seconds.get(b, 0) > 0 and tokens[b] > 0:
-            ratios.append((tokens[a] / seconds[a]) / (tokens[b] / seconds[b]))
-    return ratios
+def slowness(rounds: list[dict]) -> list[float]:
+    """Per round, its slowest decoding's slowdown (`slowdowns`); 1.0 where none counted forwards."""
+    return [max(s.values(), default=1.0) for s in slowdowns(rounds)]
+
+
+def left_out(turns: list[dict]) -> list[dict]:
+    """The rounds left out of every figure, each with where it ran ("turn": the run's turns in order) and why: a
+    decoding in it took more than `BUSY` times its usual decode seconds per forward."""
+    where = [(t, r) for t, turn in enumerate(turns) for r in range(len(turn.get("timing", [])))]
+    out = []
+    for (t, r), s in zip(where, slowdowns(rounds_of(turns))):
+        slowest = max(s, key=s.get, default=None)
+        if slowest is not None and s[slowest] > BUSY:
+            why = f"{slowest} took {s[slowest]:.1f}x its usual decode seconds per forward (over {BUSY:g}x: a load)"
+            out.append({"turn": t, "round": r, "decoding": slowest, "slowdown": s[slowest], "why": why})
+    return out
+
+
+def kept_rounds(turns: list[dict]) -> list[list[dict]]:
+    """Per turn, its rounds that no load slowed (`left_out`)."""
+    dropped = {(d["turn"], d["round"]) for d in left_out(turns)}
+    return [[r for i, r in enumerate(turn.get("timing", [])) if (t, i) not in dropped] for t, turn in enumerate(turns)]
+
+
+def ran(timed: dict, name: str) -> bool:
+    return timed["seconds"].get(name, 0) > 0 and timed["tokens"].get(name, 0) > 0
+
+
+def turn_log_ratios(turns: list[dict], a: str, b: str) -> list[float]:
+    """One paired figure per turn in which both ran in a kept round: the mean over those rounds of
+    log(`a`'s tokens/s / `b`'s)."""
+    figures = []
+    for rounds in kept_rounds(turns):
+        logs = [
+            log(r["tokens"][a] / r["seconds"][a]) - log(r["tokens"][b] / r["seconds"][b])
+            for r in rounds
+            if ran(r, a) and ran(r, b)
+        ]
+        if logs:
+            figures.append(sum(logs) / len(logs))
+    return figures
 
 
 def paired(turns: list[dict], a: str, b: str) -> dict:
-    """`a`'s speed over `b`'s from their paired rounds (`centre_and_interval`), and how many pairs."""
-    ratios = paired_ratios(turns, a, b)
-    if not ratios:
-        return {"ratio": 0.0, "interval": None, "pairs": 0}
-    ratio, interval = centre_and_interval(ratios)
-    return {"ratio": ratio, "interval": list(interval) if interval else None, "pairs": len(ratios)}
+    """`a`'s speed over `b`'s from one paired figure per turn (`turn_log_ratios`, `centre_and_interval`): the
+    ratio (None where no turn paired them), its interval, how many turns and how many rounds."""
+    figures = turn_log_ratios(turns, a, b)
+    rounds = sum(ran(r, a) and ran(r, b) for rs in kept_rounds(turns) for r in rs)
+    if not figures:
+        return {"ratio": None, "interval": None, "pairs": 0, "rounds": 0}
+    ratio, interval = centre_and_interval([exp(x) for x in figures])
+    return {"ratio": ratio, "interval": list(interval) if interval else None, "pairs": len(figures), "rounds": rounds}
+
+
+def tokens_per_s(turns: list[dict], name: str, beside: str = "plain") -> float | None:
+    """`name`'s tokens/s pooled over the kept rounds in which it and `beside` both ran: the rounds its
+    speedup reads (None where there are none)."""
+    rounds = [r for rs in kept_rounds(turns) for r in rs if ran(r, name) and ran(r, beside)]
+    seconds = sum(r["seconds"][name] for r in rounds)
+    return sum(r["tokens"][name] for r in rounds) / seconds if seconds else None
 
 
 def above_one(figure: dict) -> bool | None:
@@ -112,15 +175,16 @@ def above_one(figure: dict) -> bool | None:
 
 
 def load(turns: list[dict]) -> dict:
-    """What the run says of the machine's load: the rounds a load slowed (left out of every speedup), the
-    largest slowdown, and plain decoding's slowest and fastest tokens/s."""
+    """What the run says of the machine's load: the rounds a load slowed (left out of every figure, each named
+    with why), the largest slowdown, and plain decoding's slowest and fastest tokens/s."""
     rounds = rounds_of(turns)
-    slow = slowness(rounds)
-    plain = [r["tokens"]["plain"] / r["seconds"]["plain"] for r in rounds if r["seconds"].get("plain", 0) > 0]
+    plain = [r["tokens"]["plain"] / r["seconds"]["plain"] for r in rounds if ran(r, "plain")]
+    dropped = left_out(turns)
     return {
         "rounds": len(rounds),
-        "rounds_left_out": sum(s > BUSY for s in slow),
-        "largest_slowdown": max(slow, default=1.0),
+        "rounds_left_out": len(dropped),
+        "left_out": dropped,
+        "largest_slowdown": max(slowness(rounds), default=1.0),
         "plain_tokens_per_s_range": [min(plain), max(plain)] if plain else [0.0, 0.0],
     }
 
@@ -131,10 +195,12 @@ def span(interval) -> str:
 
 
 def interval_text(figure: dict) -> str:
-    """'90% interval 1.05-1.20x, 10 pairs', or why there is none."""
+    """'90% interval 1.05-1.20x, 10 turns', or why there is none."""
+    if figure["ratio"] is None:
+        return "no timed pair: every round was left out or made no token"
     if figure["interval"] is None:
-        return f"{figure['pairs']} timed pairs: too few to bound its noise (5 at least)"
-    return f"{LEVEL:.0%} interval {span(figure['interval'])}, {figure['pairs']} pairs"
+        return f"{figure['pairs']} timed turns: too few to bound its noise (5 at least)"
+    return f"{LEVEL:.0%} interval {span(figure['interval'])}, {figure['pairs']} turns"
 
 
 def busy_note(machine: dict) -> str:
@@ -143,7 +209,8 @@ def busy_note(machine: dict) -> str:
         return ""
     return (
         f"the machine was busy: in {machine['rounds_left_out']} of {machine['rounds']} timed rounds a decoding took up "
-        f"to {machine['largest_slowdown']:.1f}x its usual time per forward; they are left out of the speedups"
+        f"to {machine['largest_slowdown']:.1f}x its usual time per forward; they are left out of every figure "
+        "(the JSON's summary.load.left_out names them)"
     )
 
 

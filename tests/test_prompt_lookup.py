@@ -197,10 +197,18 @@ def test_eval_prints_and_saves_the_ngram_row(tiny_llama_dir, tiny_head_dir, tmp_
     assert ngram["turns"] == 4 and ngram["turns_identical_to_plain"] == 4
     assert all(t["ngram"]["identical"] for p in saved["prompts"] for t in p["turns"])
     assert len(ngram["acceptance_per_position"]) == 3
-    # 4 turns, each timed once with plain, the head and n-gram in a row: too few pairs to tell which is faster
+    # head + n-gram beside them, lossless, drafting at least as many tokens a forward as the lookup alone
+    hybrid = summary["drafters"]["hybrid"]
+    assert hybrid["turns_identical_to_plain"] == 4 and hybrid["acceptance_length"] == pytest.approx(
+        recount(saved, "hybrid"), abs=1e-12
+    )
+    assert hybrid["acceptance_length"] >= ngram["acceptance_length"]
+    # 4 turns, each timed once with plain, the head, n-gram and both in a row: too few pairs to tell which is faster
     rounds = [r for p in saved["prompts"] for t in p["turns"] for r in t["timing"]]
-    assert len(rounds) == 4 and all(sorted(r["seconds"]) == ["ngram", "plain", "spec"] for r in rounds)
+    assert len(rounds) == 4 and all(sorted(r["seconds"]) == ["hybrid", "ngram", "plain", "spec"] for r in rounds)
     assert summary["timed_pairs"] == 4 and summary["head_beats_ngram"] is None
+    assert summary["verdict"]["deploy"] is None and "cannot tell" in summary["verdict"]["text"]
+    assert any(line.strip().startswith("head + n-gram") for line in printed.splitlines())
     row = next(line for line in printed.splitlines() if line.strip().startswith("n-gram (free"))
     assert f"{ngram['acceptance_length']:.3f}" in row and f"{ngram['speedup']:.2f}x" in row and "4/4" in row
     verdict = next(line for line in printed.splitlines() if "head vs n-gram (free):" in line)
