@@ -180,9 +180,12 @@ def run_gguf(args) -> int:
     outtype = args.outtype or "f32"
     head = load_draft_head(Path(args.checkpoint))
     out = export_gguf(head, args.out, args.target, outtype)
+    kind = spec_type(head.config)
     print(
-        f"wrote {out} (gguf, {outtype}); serve with: llama-server -m TARGET.gguf -md {out} "
-        f"--spec-type {spec_type(head.config)}"
+        f"wrote {out} (gguf, {outtype}); serve with: llama-server -m TARGET.gguf -md {out} --spec-type {kind}\n"
+        f"or with n-gram lookup first and the head where it finds nothing: llama-server -m TARGET.gguf -md {out} "
+        f"--spec-type ngram-simple,{kind} --spec-ngram-simple-size-n 2 --spec-ngram-simple-size-m 3 "
+        "--spec-draft-n-max 3 (eagle-eval --engine llamacpp says which pays on your machine)"
     )
     return 0
 

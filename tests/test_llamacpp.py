@@ -5,6 +5,7 @@ exactly as llama.cpp's plain decoding at the built-in runtime's tokens per forwa
 import json
 import stat
 import tarfile
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -128,8 +129,9 @@ def test_eval_counts_forwards_as_tokens_less_accepted_drafts(tmp_path, monkeypat
     record = json.loads(out.read_text())
     first, second = record["prompts"][0]["turns"]
     assert second["prompt_tokens"] > first["prompt_tokens"] and first["answer"] == "Paris."
+    drafters = ("spec", "ngram", "ngram-map-k", "ngram-mod", "ngram-cache", "hybrid")
     for turn in (first, second):
-        for drafter in ("spec", "ngram"):
+        for drafter in drafters:
             run = turn[drafter]
             assert (run["tokens"], run["accepted_total"], run["forwards"], run["emitted"]) == (8, 3, 5, 8)
             assert run["identical"]  # plain stopped at "Paris." [end of text], the speculative run wrote "Paris."
@@ -144,6 +146,40 @@ def test_eval_counts_forwards_as_tokens_less_accepted_drafts(tmp_path, monkeypat
     printed = capsys.readouterr().out
     assert "acceptance length (AL)      1.600   (16 tokens / 10 verification forwards)" in printed
     assert "acceptance per position     -" in printed and "2/2" in printed
+    # each free type and head + n-gram is a row; the verdict names a configuration only with an interval
+    labels = [summary["drafters"][d]["label"] for d in drafters[1:]]
+    assert labels == [
+        "n-gram (free, ngram-simple key 2)",
+        "n-gram (free, ngram-map-k key 2)",
+        "n-gram (free, ngram-mod key 2)",
+        "n-gram (free, ngram-cache)",
+        "head + n-gram",
+    ]
+    assert all(any(line.strip().startswith(label) for line in printed.splitlines()) for label in labels)
+    assert summary["verdict"]["deploy"] is None and "verdict: cannot tell" in printed  # 2 turns bound no interval
+
+
+def test_each_free_type_and_head_plus_ngram_is_run_and_served_with_its_own_flags(tmp_path, monkeypatch):
+    """The flags each drafter runs with are the flags the verdict tells a user to serve with."""
+    fake_tools(tmp_path, monkeypatch)
+    engine = llamacpp.LlamaCppTurns("t.gguf", "h.gguf", None, 3, None)
+    served = engine.configurations("target.gguf", "HEAD.gguf")
+    assert served["hybrid"].serve == (
+        "llama-server -m target.gguf -md HEAD.gguf --spec-type ngram-simple,draft-eagle3 "
+        "--spec-ngram-simple-size-n 2 --spec-ngram-simple-size-m 3 --spec-draft-n-max 3"
+    )
+    assert served["ngram-mod"].serve == (
+        "llama-server -m target.gguf --spec-type ngram-mod --spec-ngram-mod-n-match 2 --spec-ngram-mod-n-min 1 "
+        "--spec-ngram-mod-n-max 3"
+    )
+    head_alone = "llama-server -m target.gguf -md HEAD.gguf --spec-type draft-eagle3 --spec-draft-n-max 3"
+    assert served["spec"].serve == head_alone
+    engine.tokenizer = SimpleNamespace(decode=lambda ids, **kw: PROMPT)
+    for name, configuration in served.items():
+        engine.decode(name, [[1]], 8)
+        ran = (tmp_path / "llama-speculative-simple.args").read_text().splitlines()[-1]
+        flags = configuration.serve.removeprefix("llama-server -m target.gguf ").replace("HEAD.gguf", "h.gguf")
+        assert flags in ran, name
 
 
 def test_eval_all_lines_up_llama_cpp_beside_the_builtin_runtime(random_head, tmp_path, monkeypatch, capsys):
@@ -165,7 +201,7 @@ def test_eval_all_lines_up_llama_cpp_beside_the_builtin_runtime(random_head, tmp
     spec = args("llama-speculative-simple")
     assert spec[spec.index("-t") + 1] == "1"
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip().startswith("llamacpp")]
-    assert [row[1] for row in rows] == ["head", "n-gram"] and rows[0][2] == "1.600"
+    assert [row[1] for row in rows] == ["head", *["n-gram"] * 4, "head"] and rows[0][2] == "1.600"
 
 
 def test_failed_run_quotes_the_end_of_stderr(tmp_path, monkeypatch):
