@@ -456,10 +456,11 @@ def verdict(turns: list[dict], rows: dict[str, dict]) -> dict:
             }
     al = figure(top["acceptance_length"], ".2f")
     serve = f" ({top['serve']})" if top["serve"] else ""
+    speed = f"{top['speedup']:.2f}x plain ({interval_text(speedup_figure(top))})"
     return {
         "deploy": best,
         "serve": top["serve"],
-        "text": f"deploy {top['label']}{serve}: {al} tokens/forward, {said}, faster in pairs than every other drafter",
+        "text": f"deploy {top['label']}{serve}: {al} tokens/forward, {speed}, faster in pairs than every other drafter",
     }
 
 

@@ -26,11 +26,6 @@ from inference.prompt_lookup import MAX_N, MIN_N
 LOOKUP = f"{MIN_N}- to {MAX_N}-gram lookup"
 HEAD = Configuration("head", "head", "export it for your engine (docs/deploying.md)")
 FREE = Configuration(f"n-gram (free, {LOOKUP})", "free", "n-gram lookup alone, no head")
-HYBRID = Configuration(
-    "head + n-gram",
-    "hybrid",
-    "llama.cpp: --spec-type ngram-simple,draft-eagle3 (or draft-dflash / draft-dspark); vLLM cannot combine them",
-)
 
 
 def turn_result(result, tokenizer) -> TurnResult:
@@ -86,7 +81,15 @@ def eval_drafters(runtime, ngram: int | None) -> tuple[dict, dict]:
     if not ngram:
         return {"spec": runtime.generate}, {"spec": HEAD}
     generate = {"spec": runtime.generate, "ngram": lookup, "hybrid": hybrid}
-    return generate, {"spec": HEAD, "ngram": FREE, "hybrid": HYBRID}
+    return generate, {"spec": HEAD, "ngram": FREE, "hybrid": hybrid_configuration(runtime.drafter.head.config, ngram)}
+
+
+def hybrid_configuration(cfg, k: int) -> Configuration:
+    """Head + n-gram as the verdict names it: how llama.cpp serves it (vLLM cannot combine drafters)."""
+    from eagle_train.export.gguf import spec_type
+
+    flags = f"--spec-type ngram-simple,{spec_type(cfg)} --spec-ngram-simple-size-n {min(2, k)} --spec-draft-n-max {k}"
+    return Configuration("head + n-gram", "hybrid", f"llama.cpp: {flags}; vLLM cannot combine them")
 
 
 def precheck_head(draft, target_cfg):

@@ -4,7 +4,7 @@ distribution."""
 
 import pytest
 import torch
-from conftest import TINY_BLOCK, TINY_PEAGLE, EagerStep, tiny_head, tiny_target
+from conftest import TINY_BLOCK, TINY_PEAGLE, EagerStep, load_script, tiny_head, tiny_target
 from test_block_runtime import chi_square_rejects, exact_second_and_third
 
 from inference.drafting import TreeShape
@@ -104,3 +104,16 @@ def test_sampled_head_and_ngram_emits_the_target_distribution():
     assert not chi_square_rejects(counts, exact_second_and_third(model, prompt, sampler))
     hot = Sampler(temperature=1.3, top_k=5, top_p=0.97)  # the test has power
     assert chi_square_rejects(counts, exact_second_and_third(model, prompt, hot))
+
+
+def test_the_lookup_weighting_experiment_leaves_out_exactly_the_tokens_lookup_drafts_first():
+    """scripts/bench/lookup_weighting.py's rule: an answer token is left out where the runtime's lookup over the tokens
+    before it proposes it first; prompts are never supervised, a wrong or absent proposal keeps the token."""
+    looked_up = load_script("bench/lookup_weighting.py").looked_up
+    ids = [5, 6, 7, 8, 5, 6, 7, 9, 5, 6, 7]
+    answer = [False] * 4 + [True] * 7
+    # at 6 and 10, [5, 6] -> 7 as before; at 7, [5, 6, 7] -> 8, not 9; at 8 and 9, no earlier [7, 9] or [9, 5]
+    hits = looked_up(ids, answer)
+    assert [q for q, h in enumerate(hits) if h] == [6, 10]
+    assert hits == [propose(ids[:q], 1) == [ids[q]] and a for q, a in enumerate(answer)]
+    assert not any(looked_up(ids, [False] * 6 + [True] * 5)[:6])
