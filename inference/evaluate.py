@@ -433,9 +433,10 @@ def fastest(names: list[str], rows: dict) -> str:
 
 def verdict(turns: list[dict], rows: dict[str, dict]) -> dict:
     """What to deploy: the drafter with the highest paired speedup where its interval lies above 1.0 (faster than
-    plain decoding) and, against every other drafter in pairs, above 1.0 too (or that drafter is slower than
-    plain); plain decoding where every drafter is slower than plain; else that this run cannot tell, naming
-    between which. {"deploy": a drafter, "plain" or None, "text": the line the tables print}."""
+    plain decoding) and, against every drafter of another kind (head, free, hybrid) in pairs, above 1.0 too (or
+    that drafter is slower than plain); drafters of its own kind it cannot tell from it (two free types) are
+    named beside it. Plain decoding where every drafter is slower than plain; else that this run cannot tell,
+    naming between which. {"deploy": a drafter, "plain" or None, "text": the line the tables print}."""
     timed = {n: row for n, row in rows.items() if row["speedup"] is not None}
     if not timed:
         return {"deploy": None, "text": "no verdict: no timed pair (every round was left out or made no token)"}
@@ -446,21 +447,29 @@ def verdict(turns: list[dict], rows: dict[str, dict]) -> dict:
         return {"deploy": "plain", "text": f"deploy plain decoding: every drafter is slower here, the fastest {said}"}
     if above_one(speedup_figure(top)) is not True:
         return {"deploy": None, "text": f"cannot tell whether {said} beats plain decoding; {CANNOT_TELL}"}
+    unsettled = []
     for name, row in timed.items():
         versus = paired(turns, best, name)
         if name != best and above_one(versus) is not True and above_one(speedup_figure(row)) is not False:
-            return {
-                "deploy": None,
-                "text": f"cannot tell {top['label']} from {row['label']} ({top['label']} / {row['label']} "
-                f"{figure(versus['ratio'], '.2f')}x, {interval_text(versus)}); {CANNOT_TELL}",
-            }
+            unsettled.append((name, versus))
+    other_kinds = [(n, versus) for n, versus in unsettled if timed[n]["kind"] != top["kind"]]
+    if other_kinds:
+        name, versus = other_kinds[0]
+        row = timed[name]
+        return {
+            "deploy": None,
+            "text": f"cannot tell {top['label']} from {row['label']} ({top['label']} / {row['label']} "
+            f"{figure(versus['ratio'], '.2f')}x, {interval_text(versus)}); {CANNOT_TELL}",
+        }
     al = figure(top["acceptance_length"], ".2f")
     serve = f" ({top['serve']})" if top["serve"] else ""
     speed = f"{top['speedup']:.2f}x plain ({interval_text(speedup_figure(top))})"
+    alike = f"; as fast within noise: {', '.join(timed[n]['label'] for n, _ in unsettled)}" if unsettled else ""
     return {
         "deploy": best,
         "serve": top["serve"],
-        "text": f"deploy {top['label']}{serve}: {al} tokens/forward, {speed}, faster in pairs than every other drafter",
+        "text": f"deploy {top['label']}{serve}: {al} tokens/forward, {speed}, faster in pairs than every other "
+        f"kind of drafter{alike}",
     }
 
 

@@ -335,3 +335,12 @@ def test_the_verdict_cannot_tell_between_two_configurations_within_noise():
     assert "cannot tell n-gram (free, test lookup) from head + n-gram" in text or (
         "cannot tell head + n-gram from n-gram (free, test lookup)" in text
     )
+
+
+def test_two_free_types_within_noise_still_name_free_drafting():
+    """llama.cpp's free types often tie: where the fastest beats the head and head + n-gram in pairs but not another
+    free type, the verdict still says to deploy free drafting, naming the fastest and the one as fast."""
+    engine = BusyMachine({**TRUE, "hybrid": 0.030 / 1.05, "late": 0.030 / 1.205})
+    _, s = bench(engine)
+    assert s["verdict"]["deploy"] == "late" and s["verdict"]["serve"] == "serve --late"
+    assert "as fast within noise: n-gram (free, test lookup)" in s["verdict"]["text"]
