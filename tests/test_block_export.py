@@ -249,15 +249,18 @@ def test_dspark_asked_of_vllm_on_a_cpu_is_refused_in_one_line(tmp_path, monkeypa
 
 
 @pytest.mark.parametrize(
-    "changes, fix",
+    "method, changes, fix",
     [
-        ({}, "train with block_mask: target, or export --format dflash"),
-        ({"block_mask": "target", "draft_vocab_size": V}, "train with block_lm_head: target or a reduced draft"),
+        ("dflash", {}, "train with block_mask: target, or export --format dflash"),
+        ("dflash", {"block_mask": "target", "draft_vocab_size": V}, "train with block_lm_head: target or a reduced"),
+        ("dspark", {}, "train with block_mask: target, or export --format dspark --target T"),
     ],
 )
-def test_speculators_refuses_in_one_line_a_block_head_it_would_not_read_as_trained(tmp_path, changes, fix):
+def test_speculators_refuses_in_one_line_a_block_head_it_would_not_read_as_trained(tmp_path, method, changes, fix):
+    """Each refusal names a layout that holds the head: a DSpark head's own, never --format dflash, which refuses
+    every DSpark head."""
     with pytest.raises(ValueError) as refused:
-        export(tmp_path, "dflash", "speculators", **changes)
+        export(tmp_path, method, "speculators", **changes)
     assert len(str(refused.value).splitlines()) == 1 and fix in str(refused.value)
     assert not (tmp_path / "speculators").exists()
 

@@ -500,20 +500,21 @@ def speculators_refusal(cfg: DraftConfig) -> str:
     verifier's row mask_token_id), and replaces a full-vocabulary lm_head by the verifier's."""
     if family_of(cfg.method) != "block":
         return ""
+    own = f"export --format {cfg.method}" + (" --target T" if cfg.method == "dspark" else "")  # its own layout
     if cfg.block_mask != "target":
         return (
             "speculators embeds the mask slots by the verifier's row mask_token_id and never reads this head's "
-            "learnt mask embedding: train with block_mask: target, or export --format dflash"
+            f"learnt mask embedding: train with block_mask: target, or {own}"
         )
     if cfg.causal and not cfg.sliding_window:
         return (
             "speculators reads a block as causal only in sliding-window layers (its full-attention layers see the "
-            "whole block), so it would not read this causal head as trained: export --format dflash"
+            f"whole block), so it would not read this causal head as trained: {own}"
         )
     if cfg.block_lm_head != "target" and cfg.draft_vocab_size == cfg.vocab_size:
         return (
             "speculators replaces a full-vocabulary lm_head by the verifier's, not this head's trained one: train "
-            "with block_lm_head: target or a reduced draft vocabulary, or export --format dflash"
+            f"with block_lm_head: target or a reduced draft vocabulary, or {own}"
         )
     return ""
 
