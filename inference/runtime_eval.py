@@ -85,9 +85,13 @@ def eval_drafters(runtime, ngram: int | None) -> tuple[dict, dict]:
 
 
 def hybrid_configuration(cfg, k: int) -> Configuration:
-    """Head + n-gram as the verdict names it: how llama.cpp serves it (vLLM cannot combine drafters)."""
+    """Head + n-gram as the verdict names it: how llama.cpp serves it (vLLM cannot combine drafters; llama.cpp
+    drafts with no P-EAGLE head)."""
     from eagle_train.export.gguf import spec_type
+    from eagle_train.methods import family_of
 
+    if family_of(cfg.method) == "parallel":
+        return Configuration("head + n-gram", "hybrid", "no engine here serves a P-EAGLE head behind n-gram lookup")
     flags = f"--spec-type ngram-simple,{spec_type(cfg)} --spec-ngram-simple-size-n {min(2, k)} --spec-draft-n-max {k}"
     return Configuration("head + n-gram", "hybrid", f"llama.cpp: {flags}; vLLM cannot combine them")
 
