@@ -11,6 +11,7 @@ from eagle_train.export.gguf import OUTTYPES, export_gguf, spec_type
 from eagle_train.target import load_target, load_target_config
 from eagle_train.train_checkpoint import checkpoint_step, read_state
 from engines import DIRECTORY_ENGINES, ENGINES, check_directory
+from engines.llamacpp import hybrid_flags
 
 LIVE_ENGINES = tuple(name for name, e in ENGINES.items() if e.decodes_live)
 
@@ -180,12 +181,12 @@ def run_gguf(args) -> int:
     outtype = args.outtype or "f32"
     head = load_draft_head(Path(args.checkpoint))
     out = export_gguf(head, args.out, args.target, outtype)
-    kind = spec_type(head.config)
+    combined = " ".join(map(str, hybrid_flags(out, 3)))  # llama.cpp's own rule for the flags, at K=3
     print(
-        f"wrote {out} (gguf, {outtype}); serve with: llama-server -m TARGET.gguf -md {out} --spec-type {kind}\n"
-        f"or with n-gram lookup first and the head where it finds nothing: llama-server -m TARGET.gguf -md {out} "
-        f"--spec-type ngram-simple,{kind} --spec-ngram-simple-size-n 2 --spec-ngram-simple-size-m 3 "
-        "--spec-draft-n-max 3 (eagle-eval --engine llamacpp says which pays on your machine)"
+        f"wrote {out} (gguf, {outtype}); serve with: llama-server -m TARGET.gguf -md {out} "
+        f"--spec-type {spec_type(head.config)}\n"
+        f"or with n-gram lookup first and the head where it finds nothing: llama-server -m TARGET.gguf {combined} "
+        "(eagle-eval --engine llamacpp says which pays on your machine)"
     )
     return 0
 

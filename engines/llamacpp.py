@@ -378,11 +378,15 @@ def drafting(head) -> Drafting:
     return Drafting("draft-dflash", block_size - 1)
 
 
+def head_flags(head, k: int) -> list:
+    """A head GGUF drafting up to `k` tokens a round (`drafting`: EAGLE-3 chains, or a DFlash or DSpark block,
+    `k` clamped to its drafts per block)."""
+    return ["-md", head, *drafting(head).flags(k)]
+
+
 def run_head(target, head, prompt: str, n: int, k: int, threads: int | None = None) -> LlamaCppRun:
-    """Speculative decoding with a head GGUF drafting up to `k` tokens a round (`drafting`: EAGLE-3 chains,
-    or a DFlash or DSpark block, `k` clamped to its drafts per block)."""
-    spec = ["-md", head, *drafting(head).flags(k)]
-    return run_speculative(target, prompt, n, spec, threads)
+    """Speculative decoding with a head GGUF (`head_flags`)."""
+    return run_speculative(target, prompt, n, head_flags(head, k), threads)
 
 
 NGRAM_KEY = 2  # the n-gram types' lookup length at their best here (docs/performance.md); their defaults, 12 to 24,
@@ -814,7 +818,7 @@ class LlamaCppTurns(TurnEngine):
 
     def __init__(self, target_gguf: Path, head: Path, tokenizer, k: int, threads: int | None, ngram: bool = True):
         self.target, self.head, self.tokenizer, self.k, self.threads = target_gguf, head, tokenizer, k, threads
-        self.flags = {"spec": ["-md", head, *drafting(head).flags(k)]}
+        self.flags = {"spec": head_flags(head, k)}
         if ngram:
             self.flags |= free_types(k) | {"hybrid": hybrid_flags(head, k)}
         self.drafters = tuple(self.flags)

@@ -81,10 +81,10 @@ def eval_drafters(runtime, ngram: int | None) -> tuple[dict, dict]:
     if not ngram:
         return {"spec": runtime.generate}, {"spec": HEAD}
     generate = {"spec": runtime.generate, "ngram": lookup, "hybrid": hybrid}
-    return generate, {"spec": HEAD, "ngram": FREE, "hybrid": hybrid_configuration(runtime.drafter.head.config, ngram)}
+    return generate, {"spec": HEAD, "ngram": FREE, "hybrid": hybrid_configuration(runtime.drafter.head.config)}
 
 
-def hybrid_configuration(cfg, k: int) -> Configuration:
+def hybrid_configuration(cfg) -> Configuration:
     """Head + n-gram as the verdict names it: how llama.cpp serves it (vLLM cannot combine drafters; llama.cpp
     drafts with no P-EAGLE head)."""
     from eagle_train.export.gguf import spec_type
@@ -92,8 +92,9 @@ def hybrid_configuration(cfg, k: int) -> Configuration:
 
     if family_of(cfg.method) == "parallel":
         return Configuration("head + n-gram", "hybrid", "no engine here serves a P-EAGLE head behind n-gram lookup")
-    flags = f"--spec-type ngram-simple,{spec_type(cfg)} --spec-ngram-simple-size-n {min(2, k)} --spec-draft-n-max {k}"
-    return Configuration("head + n-gram", "hybrid", f"llama.cpp: {flags}; vLLM cannot combine them")
+    combined = f"--spec-type ngram-simple,{spec_type(cfg)}"
+    serve = f"llama.cpp: {combined}, the whole command printed by eagle-export --format gguf; vLLM cannot combine them"
+    return Configuration("head + n-gram", "hybrid", serve)
 
 
 def precheck_head(draft, target_cfg):

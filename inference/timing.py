@@ -132,11 +132,11 @@ def ran(timed: dict, name: str) -> bool:
     return timed["seconds"].get(name, 0) > 0 and timed["tokens"].get(name, 0) > 0
 
 
-def turn_log_ratios(turns: list[dict], a: str, b: str) -> list[float]:
-    """One paired figure per turn in which both ran in a kept round: the mean over those rounds of
-    log(`a`'s tokens/s / `b`'s)."""
+def turn_log_ratios(kept: list[list[dict]], a: str, b: str) -> list[float]:
+    """One paired figure per turn in which both ran in a kept round (`kept`: `kept_rounds`): the mean over those
+    rounds of log(`a`'s tokens/s / `b`'s)."""
     figures = []
-    for rounds in kept_rounds(turns):
+    for rounds in kept:
         logs = [
             log(r["tokens"][a] / r["seconds"][a]) - log(r["tokens"][b] / r["seconds"][b])
             for r in rounds
@@ -150,8 +150,9 @@ def turn_log_ratios(turns: list[dict], a: str, b: str) -> list[float]:
 def paired(turns: list[dict], a: str, b: str) -> dict:
     """`a`'s speed over `b`'s from one paired figure per turn (`turn_log_ratios`, `centre_and_interval`): the
     ratio (None where no turn paired them), its interval, how many turns and how many rounds."""
-    figures = turn_log_ratios(turns, a, b)
-    rounds = sum(ran(r, a) and ran(r, b) for rs in kept_rounds(turns) for r in rs)
+    kept = kept_rounds(turns)
+    figures = turn_log_ratios(kept, a, b)
+    rounds = sum(ran(r, a) and ran(r, b) for rs in kept for r in rs)
     if not figures:
         return {"ratio": None, "interval": None, "pairs": 0, "rounds": 0}
     ratio, interval = centre_and_interval([exp(x) for x in figures])
