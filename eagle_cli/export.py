@@ -2,13 +2,15 @@
 directory against the engines' loaders, or import an engine-layout directory as a training checkpoint."""
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 from eagle_train.checkpoint import load_draft_head
 from eagle_train.export import LAYOUTS, export_head, ships_target_embedding
 from eagle_train.export.gguf import OUTTYPES, export_gguf, spec_type
-from eagle_train.target import load_target, load_target_config
+from eagle_train.export.layouts import verifier_for, verifier_notice
+from eagle_train.target import load_input_embedding, load_target_config
 from eagle_train.train_checkpoint import checkpoint_step, read_state
 from engines import DIRECTORY_ENGINES, ENGINES, check_directory
 from engines.llamacpp import hybrid_flags
@@ -88,8 +90,9 @@ def parse_args(argv=None):
     )
     p.add_argument(
         "--verifier",
-        help="the target as vLLM should load it, for a speculators export (default: "
-        "the head's target; embedded aliases map to their hub id)",
+        help="the target as speculators' loader and `vllm serve DIR` should load it, for a speculators export, "
+        "written as given (default: what this machine loads --target or the head's target by: a local directory's "
+        "absolute path, an alias's converted directory, else the hub id; a known hub id is kept beside it)",
     )
     p.add_argument(
         "--check",
@@ -197,6 +200,24 @@ def run_live_check(args) -> int:
     return report.exit_code
 
 
+def shipped_embedding(args, head):
+    """The token embedding of --target, else of the target the head was trained on, for a layout that ships it
+    (speculators' EAGLE-3 heads, a DSpark head with a learnt mask): read from the target's files."""
+    target = args.target or head.config.target
+    why = "its export ships the target's token embedding, which the layout's reader never takes from the target"
+    if not target:
+        raise ValueError(f"--format {args.format} needs --target TARGET for this head: {why}")
+    try:
+        return load_input_embedding(target)
+    except (OSError, ValueError) as e:
+        if args.target:
+            raise
+        raise ValueError(
+            f"--format {args.format} needs --target DIR (a local copy of {target}) for this head: {why}, and its "
+            f"target cannot be read here ({e})"
+        ) from e
+
+
 def run(args) -> int:
     if args.checkpoint and args.format == "gguf":  # reads the target GGUF itself: no HF conversion
         return run_gguf(args)
@@ -220,21 +241,16 @@ def run(args) -> int:
         provenance["speculative_tokens"] = args.speculative_tokens
         if args.verifier:
             provenance["verifier"] = args.verifier
+        elif args.target:
+            provenance.update(verifier_for(args.target, head.config.target))
     if args.eval_results:
         provenance["eval_results"] = args.eval_results
-    embedding = None  # dspark ships the target's, its mask row the head's learnt one: what vLLM embeds the masks by
-    if ships_target_embedding(args.format, head.config):
-        if not args.target:
-            raise ValueError(
-                f"--format {args.format} needs --target TARGET for this head: its token embedding ships with the "
-                "mask row learnt (a head trained with block_mask: target needs none)"
-            )
-        embedding = load_target(args.target)[0].get_input_embeddings().weight
+    embedding = shipped_embedding(args, head) if ships_target_embedding(args.format, head) else None
     out = export_head(head, args.out, args.format, dtype=args.dtype, target_embedding=embedding, **provenance)
     written = ", ".join(sorted(p.name for p in out.iterdir() if p.is_file()))
     print(f"wrote {out}/: {written} ({args.format}, {args.dtype})")
-    notice = LAYOUTS[args.format].notice(head.config)  # a reader of the layout that cannot read this head
-    print(f"{notice}\n" if notice else "")
+    notices = [LAYOUTS[args.format].notice(head.config), verifier_notice(json.loads((out / "config.json").read_text()))]
+    print("".join(f"{line}\n" for line in notices if line))
     return print_reports(check_directory(out, engines_asked(args.engine), tcfg))
 
 

@@ -99,6 +99,7 @@ class DraftHead(nn.Module):
     until attached, so a head drafting without it shows at once."""
 
     owns_embedding = False
+    embedding_attached = False  # the embedding is a target's (or the head's own), not the constructor's random one
     fused_first_layer = True
 
     def __init__(self, cfg: DraftConfig):
@@ -134,6 +135,7 @@ class DraftHead(nn.Module):
                 "the head was built for another target"
             )
         device = self.fc.weight.device
+        self.embedding_attached = True
         if own:
             self.owns_embedding = True
             self.embed_tokens.weight.data = weight.detach().to(device, torch.float32, copy=True)
@@ -228,6 +230,18 @@ def non_finite_values(tensors: dict[str, torch.Tensor]) -> str:
     return ", and ".join(f"{kinds} in {listed(names)}" for kinds, names in found.items())
 
 
+def shape_mismatch(cfg: DraftConfig, name: str, got: list[int], want: list[int], source: str) -> str:
+    """Why a tensor's shape is not the one the config implies; for fc, how many target layers each side reads."""
+    width = cfg.target_hidden_size
+    if name == "fc.weight" and got[0] == want[0] and got[1] % width == 0:
+        return (
+            f"{source}: fc.weight reads {got[1] // width} target layers of {width}, the config {cfg.num_aux} (aux "
+            f"layer ids {list(cfg.aux_layer_ids)}, stated in config.json or, where it states none, its reader's "
+            "defaults): state the target layers the head was trained on in config.json"
+        )
+    return f"{source}: {name} is {got}, config.json implies {want}: config.json and the weights disagree"
+
+
 def head_from_state(
     cfg: DraftConfig, state: dict[str, torch.Tensor], target_embedding=None, source="", target_lm_head=None
 ) -> DraftHead:
@@ -253,10 +267,7 @@ def head_from_state(
         raise ValueError(f"{source}: missing tensors {missing}, tensors this head does not have {unexpected}")
     for name, t in state.items():
         if tuple(t.shape) != tuple(expected[name].shape):
-            raise ValueError(
-                f"{source}: {name} is {list(t.shape)}, config.json implies "
-                f"{list(expected[name].shape)}: config.json and the weights disagree"
-            )
+            raise ValueError(shape_mismatch(cfg, name, list(t.shape), list(expected[name].shape), source))
         if name == "d2t" and t.is_floating_point():
             raise ValueError(f"{source}: d2t is {t.dtype}; offsets must be integers (re-export it as int64)")
     bad = non_finite_values(state)

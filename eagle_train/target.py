@@ -160,7 +160,19 @@ def load_target_config(name_or_path: str):
 
 def files_fingerprint(name_or_path: str) -> str:
     """`store.target_fingerprint` of a target read from its safetensors files, without loading it: what a store
-    made by a serving engine records. The weights' names come from the model built on the meta device."""
+    made by a serving engine records."""
+    return fingerprint(read_target_weights(name_or_path, fingerprinted_weights))
+
+
+def load_input_embedding(name_or_path: str) -> torch.Tensor:
+    """The target's token embedding [vocab, hidden], read from its safetensors files without loading the model
+    (what an export ships for readers that never take it from the target)."""
+    return read_target_weights(name_or_path, lambda model: [model.get_input_embeddings().weight])[0]
+
+
+def read_target_weights(name_or_path: str, pick) -> list[torch.Tensor]:
+    """The weights `pick(model)` names, read from the target's safetensors files: their names come from the model
+    built on the meta device, so a weight tied to another is read where the files keep it."""
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
@@ -168,11 +180,14 @@ def files_fingerprint(name_or_path: str) -> str:
     if not Path(path).is_dir():
         from huggingface_hub import snapshot_download
 
-        path = snapshot_download(path, allow_patterns=["*.safetensors", "*.json"])
+        try:
+            path = snapshot_download(path, allow_patterns=["*.safetensors", "*.json"])
+        except OSError as e:
+            raise hub_error("target", str(name_or_path), e) from e
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(load_target_config(name_or_path))
     names = {id(p): name for name, p in model.named_parameters()}
-    wanted = [names[id(w)] for w in fingerprinted_weights(model)]
+    wanted = [names[id(w)] for w in pick(model)]
     index = Path(path) / "model.safetensors.index.json"
     files = read_json_object(index, "target weights index", TARGET_FIX).get("weight_map", {}) if index.is_file() else {}
     weights = []
@@ -183,7 +198,7 @@ def files_fingerprint(name_or_path: str) -> str:
             if name not in f.keys():
                 raise ValueError(f"{file} holds no {name}: its weights are not named as transformers names them")
             weights.append(f.get_tensor(name))
-    return fingerprint(weights)
+    return weights
 
 
 def load_generation_config(name_or_path: str):

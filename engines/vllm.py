@@ -21,7 +21,7 @@ import torch
 
 from eagle_train.checkpoint import load_draft_head
 from eagle_train.export.draft_files import DraftFiles
-from eagle_train.export.layouts import MASK_TOKEN_KEYS, is_block, mask_token_ids
+from eagle_train.export.layouts import MASK_TOKEN_KEYS, is_block, mask_token_ids, verifier
 from eagle_train.files import write_json
 from eagle_train.hidden_states import engine_aux_layer_ids
 from eagle_train.methods import family_of
@@ -95,12 +95,18 @@ class Vllm(Engine):
     def check_layout_keys(self, report, config: dict, layout_name: str) -> None:
         if layout_name != "speculators":
             return
-        verifier = ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
-        if not verifier or verifier in HUB_IDS:
+        name = verifier(config)
+        if not name or name in HUB_IDS:
             report.add(
                 "error",
-                f"speculators_config.verifier.name_or_path is {verifier!r}: `vllm serve DIR` cannot "
+                f"speculators_config.verifier.name_or_path is {name!r}: `vllm serve DIR` cannot "
                 "load the target from it; write its hub id or path (eagle-export --verifier)",
+            )
+        elif Path(name).is_absolute() and not Path(name, "config.json").is_file():
+            report.add(
+                "warning",
+                f"speculators_config.verifier.name_or_path is {name}, which holds no model on this machine: "
+                "`vllm serve DIR` here cannot load the target from it (eagle-export --verifier)",
             )
 
     def short_context_effect(self, draft_context: int) -> str:

@@ -2,6 +2,7 @@
 --check flags what would break or silently degrade, imports of the documented layout are exact."""
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -14,6 +15,7 @@ from eagle_train.checkpoint import load_draft_head
 from eagle_train.export import LAYOUTS, export_head
 from eagle_train.export.draft_files import DraftFiles
 from eagle_train.methods.eagle3.head import Eagle3Head
+from eagle_train.target import resolve_target
 from eagle_train.train_checkpoint import STATE_FILE
 from engines import ENGINES, check_directory
 from engines.rules import engine_state, head_from_engine_state, head_shapes
@@ -66,8 +68,8 @@ def rewrite(directory, config_update=None, tensors_update=None, drop=()):
 @pytest.mark.parametrize("fmt", ["eagle3", "speculators"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_export_reloads_to_the_same_logits_in_every_engine(tmp_path, fmt, dtype):
-    head = tiny_head()
-    out = export_head(head, tmp_path / fmt, fmt, dtype=dtype)
+    head = tiny_head()  # its embedding stands for the target's, which a speculators export ships
+    out = export_head(head, tmp_path / fmt, fmt, dtype=dtype, target_embedding=head.embed_tokens.weight)
     stored = load_file(out / "model.safetensors")
     assert stored["d2t"].dtype == torch.int64 and stored["t2d"].dtype == torch.bool
     assert stored["fc.weight"].dtype == (torch.float32 if dtype == "fp32" else torch.bfloat16)
@@ -126,8 +128,13 @@ def test_smollm2_head_round_trips_through_every_engine(tmp_path, smollm2):
         assert llama["rope_theta"] == 100000.0 and llama["max_position_embeddings"] == 8192
         assert llama["tie_word_embeddings"] is False and config["draft_vocab_size"] == 2048
         assert "target_hidden_size" not in config and "eagle_config" not in config
-        if fmt == "speculators":  # vLLM loads the target by this name: the alias's hub id, not the alias
-            assert config["speculators_config"]["verifier"]["name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+        if fmt == "speculators":  # speculators and vLLM load the target by this name: here, the alias's directory
+            local = str(Path(resolve_target("smollm2-135m")).resolve())
+            assert config["speculators_config"]["verifier"]["name_or_path"] == local
+            assert config["eagle_train"]["verifier_hub_id"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+            assert torch.equal(
+                load_file(out / "model.safetensors")["embed_tokens.weight"], model.model.embed_tokens.weight
+            )
         reports = check_directory(out, None, model.config)
         assert all(r.ok for r in reports.values()), "\n".join(r.render() for r in reports.values())
         for engine in reports:
@@ -303,7 +310,10 @@ def test_sglang_silently_skips_speculators_style_names(exported):
 
 
 def test_speculators_config_states_norm_before_residual(tmp_path):
-    out = export_head(tiny_head(), tmp_path / "spec", "speculators", dtype="bf16", speculative_tokens=5)
+    head = tiny_head()
+    out = export_head(
+        head, tmp_path / "spec", "speculators", dtype="bf16", speculative_tokens=5, target_embedding=torch.ones(V, H)
+    )
     config = json.loads((out / "config.json").read_text())
     assert config["norm_before_residual"] is False
     assert config["speculators_config"]["proposal_methods"] == [{"proposal_type": "greedy", "speculative_tokens": 5}]
@@ -480,9 +490,12 @@ def test_cli_exports_a_training_checkpoint_with_a_model_card(tmp_path, capsys):
         )
     )
     out = tmp_path / "exported"
+    tiny_target().save_pretrained(tmp_path / "target")  # the target whose embedding a speculators export ships
     code = cli_exit(
         [
             str(tmp_path / "run" / "checkpoint-1200"),
+            "--target",
+            str(tmp_path / "target"),
             "--format",
             "speculators",
             "--out",
@@ -572,3 +585,37 @@ def test_a_head_with_non_finite_values_is_refused_by_export_in_one_line(tmp_path
     assert f"{tmp_path / 'head'} holds non-finite values (" in err and "do not deploy it" in err
     assert "nan in midlayer.self_attn.q_proj.weight" in err and "inf in fc.weight" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_speculators_export_names_a_verifier_this_machine_loads(tmp_path, capsys):
+    """speculators' loader and `vllm serve DIR` load the target by the verifier entry: --target's local directory as
+    an absolute path, a hub id as it is (with a line saying how to load it offline), --verifier as given; the
+    export's output says what the entry holds, and vLLM's rules warn of a directory this machine lacks."""
+    from eagle_train.export.layouts import verifier_notice
+
+    tiny_target().save_pretrained(tmp_path / "target")
+    tiny_head().save_pretrained(tmp_path / "head")
+    out = tmp_path / "spec"
+    args = [str(tmp_path / "head"), "--format", "speculators", "--out", str(out), "--target", str(tmp_path / "target")]
+    assert cli_exit(args) == 0
+    said = capsys.readouterr().out
+    config = json.loads((out / "config.json").read_text())
+    assert config["speculators_config"]["verifier"]["name_or_path"] == str((tmp_path / "target").resolve())
+    assert "verifier_hub_id" not in config["eagle_train"]
+    assert f"verifier: {(tmp_path / 'target').resolve()} (a local directory" in said
+    assert "re-export with --verifier with the target's path there" in said
+    assert cli_exit([*args, "--verifier", "org/served-target"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["speculators_config"]["verifier"]["name_or_path"] == "org/served-target"
+    assert "offline, re-export with --verifier DIR" in capsys.readouterr().out
+
+    hub = export_head(
+        tiny_head(target="org/target"), tmp_path / "hub", "speculators", target_embedding=torch.ones(V, H)
+    )
+    config = json.loads((hub / "config.json").read_text())
+    assert config["speculators_config"]["verifier"]["name_or_path"] == "org/target"
+    assert "offline, re-export with --verifier DIR" in verifier_notice(config)
+
+    rewrite(out, {"speculators_config": {**config["speculators_config"], "verifier": {"name_or_path": "/nowhere"}}})
+    report = check_directory(out, ["vllm"])["vllm"]
+    assert any("/nowhere, which holds no model on this machine" in f.message for f in report.findings)

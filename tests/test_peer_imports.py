@@ -6,6 +6,8 @@ and gives those logits again; a layout that cannot state the head's variants ref
 do the same at every drafting depth. z-lab's DFlash heads (`DFlashDraftModel`) import the same way and draft
 losslessly in the built-in runtime."""
 
+import json
+
 import pytest
 import torch
 from conftest import tiny_target
@@ -106,12 +108,16 @@ def test_a_speculators_eagle3_head_imports_with_its_logits(name, verifier, tmp_p
 
 
 @pytest.mark.parametrize(
-    "layers,target_layer_ids", [(1, [0, 2, 3]), (3, [0, 1, 2, 3])], ids=["1-layer", "3-layer-4-aux"]
+    "layers, stated, read",
+    [(1, [0, 2, 3], [0, 2, 3]), (3, [0, 1, 2, 3], [0, 1, 2, 3]), (2, None, [1, 5]), (1, None, [4])],
+    ids=["1-layer", "3-layer-4-aux", "2-layer-unstated", "1-layer-unstated"],
 )
-def test_a_z_lab_dflash_head_imports_with_its_logits(layers, target_layer_ids, tmp_path):
+def test_a_z_lab_dflash_head_imports_with_its_logits(layers, stated, read, tmp_path):
     """z-lab's released DFlash heads: any depth, any number of target layers, no lm_head, d2t or mask embedding (they
     draft through the target's lm_head and embed the mask slots by its row). z-lab's own DFlashDraftModel, saved by
-    its save_pretrained, imports as a head on the published recipe that drafts z-lab's logits for a block."""
+    its save_pretrained, imports as a head on the published recipe that drafts z-lab's logits for a block. A config
+    that states no target layers reads the ones z-lab's library derives from num_target_layers and the draft's depth
+    (`read`, as z-lab's model reports them); stating others than the weights hold is refused naming both counts."""
     target = tiny_target("qwen3", seed=3, noise=0.1, head_dim=8)
     target_dir = tmp_path / "target"
     target.save_pretrained(target_dir, safe_serialization=True)
@@ -122,10 +128,10 @@ def test_a_z_lab_dflash_head_imports_with_its_logits(layers, target_layer_ids, t
     }
     config |= {"vocab_size": tc.vocab_size, "rms_norm_eps": tc.rms_norm_eps, "rope_theta": 10000.0}
     config |= {"num_hidden_layers": layers, "num_target_layers": tc.num_hidden_layers, "block_size": block_size}
-    config |= {"dflash_config": {"target_layer_ids": target_layer_ids, "mask_token_id": mask_token_id}}
+    config |= {"dflash_config": {"mask_token_id": mask_token_id} | ({"target_layer_ids": stated} if stated else {})}
     config |= {"architectures": ["DFlashDraftModel"], "max_position_embeddings": 256}
     g = torch.Generator().manual_seed(6)
-    aux = torch.randn(1, context + 1, len(target_layer_ids) * tc.hidden_size, generator=g)
+    aux = torch.randn(1, context + 1, len(read) * tc.hidden_size, generator=g)
     ids = torch.randint(0, mask_token_id, (1, context + 1), generator=g)
     block = torch.full((1, block_size), mask_token_id)
     block[0, 0] = ids[0, context]  # the anchor: the last verified token; the masks after it
@@ -136,12 +142,13 @@ def test_a_z_lab_dflash_head_imports_with_its_logits(layers, target_layer_ids, t
         "target": str(target_dir),
         "inputs": str(tmp_path / "inputs.safetensors"),
     }
-    run_peer(request | {"out": str(tmp_path / "out.safetensors")})
+    result = run_peer(request | {"out": str(tmp_path / "out.safetensors")})
+    assert result["target_layer_ids"] == read
     theirs = load_file(tmp_path / "out.safetensors")["logits"][0]  # [block_size, V]
 
     head = load_draft_head(tmp_path / "head", target).eval()
     assert (head.config.block_mask, head.config.block_lm_head) == ("target", "target")
-    assert list(head.config.aux_layer_ids) == [i + 1 for i in target_layer_ids]
+    assert list(head.config.aux_layer_ids) == [i + 1 for i in read]
     assert head.config.num_hidden_layers == layers
     with torch.no_grad():
         ours = head.slot_logits(head.forward_blocks(aux, ids, torch.tensor([[context]])))[1][0, 0]
@@ -150,6 +157,13 @@ def test_a_z_lab_dflash_head_imports_with_its_logits(layers, target_layer_ids, t
     runtime = Runtime(target, head, TreeShape.chain(block_size - 1), cuda_graphs=False)
     prompt = ids[0, :context].tolist()
     assert runtime.generate(prompt, 16).output_ids == runtime.generate_plain(prompt, 16).output_ids  # lossless
+
+    if stated is None:  # three layers stated, two in the weights: the refusal names both counts
+        written = json.loads((tmp_path / "head" / "config.json").read_text())
+        written["dflash_config"]["target_layer_ids"] = [0, 2, 3]
+        (tmp_path / "head" / "config.json").write_text(json.dumps(written))
+        with pytest.raises(ValueError, match=f"fc.weight reads {len(read)} target layers of {tc.hidden_size}, the co"):
+            load_draft_head(tmp_path / "head", target)
 
 
 def speculators_layer(tc, **changes) -> dict:

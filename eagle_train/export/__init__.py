@@ -59,21 +59,22 @@ def check_vocab_map(head) -> None:
         )
 
 
-def ships_target_embedding(format: str, cfg) -> bool:
-    """Whether a `format` export of a head of `cfg` carries the target's token embedding (its mask row the learnt
-    mask embedding); a head on the target's mask row needs none, its reader embeds the masks by that row as it is."""
-    return layout(format).ships_embedding and cfg.block_mask == "learnt"
+def ships_target_embedding(format: str, head) -> bool:
+    """Whether a `format` export of `head` carries the target's token embedding (`Layout.ships_embedding`), which
+    a head that does not own one must be given (`export_head(target_embedding=...)`)."""
+    return layout(format).ships_embedding(head.config) and not head.owns_embedding
 
 
 def export_head(head, out_dir, format: str = "eagle3", dtype="bf16", target_embedding=None, **provenance) -> Path:
     """Write `head` to `out_dir` as config.json + model.safetensors (+ README.md) in `format`.
 
-    Floating tensors are cast to `dtype`; d2t stays int64 and t2d bool. `provenance` (e.g. data,
-    steps, eval_results, speculative_tokens for speculators) goes into config.json's "eagle_train"
-    block and the model card. `target_embedding` (the target's input embedding, [V, H]) is required by
-    the layouts that ship it (dspark, for a learnt mask): a head's own `embed_tokens` is only the target's once
-    attached. A head the layout's reader would not read as trained is refused (`Layout.refusal`); what a reader
-    of the written layout cannot read is the layout's `notice`, which eagle-export prints.
+    Floating tensors are cast to `dtype` (a shipped target embedding: `shipped_embedding`); d2t stays int64 and t2d
+    bool. `provenance` (e.g. data, steps, eval_results, speculative_tokens and verifier for speculators) goes into
+    config.json's "eagle_train" block and the model card. `target_embedding` (the target's input embedding, [V, H])
+    is required where the layout ships it (`ships_target_embedding`: speculators' EAGLE-3 heads, dspark for a learnt
+    mask), else the one attached to the head (`DraftHead.attach_embedding`): a head loaded alone holds the
+    constructor's random one. A head the layout's reader would not read as trained is refused (`Layout.refusal`);
+    what a reader of the written layout cannot read is the layout's `notice`, which eagle-export prints.
     """
     lay = layout(format)
     dtype = resolve_dtype(dtype)
@@ -87,8 +88,10 @@ def export_head(head, out_dir, format: str = "eagle3", dtype="bf16", target_embe
     refusal = lay.refusal(head.config)
     if refusal:
         raise ValueError(refusal)
-    ships_embedding = ships_target_embedding(lay.name, head.config)
+    ships_embedding = ships_target_embedding(lay.name, head)
     if ships_embedding:
+        if target_embedding is None and head.embedding_attached:
+            target_embedding = head.embed_tokens.weight
         check_target_embedding(head.config, target_embedding, lay.name)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -102,9 +105,8 @@ def export_head(head, out_dir, format: str = "eagle3", dtype="bf16", target_embe
     config = lay.write_config(head.config, dtype, provenance)
     write_json(out / "config.json", config)
     if ships_embedding:
-        tensors[EMBEDDING_TENSOR] = embedding_with_mask(
-            target_embedding, head.config.mask_token_id, tensors["mask_embedding"], dtype
-        )
+        mask = tensors.get("mask_embedding")
+        tensors[EMBEDDING_TENSOR] = shipped_embedding(head.config, target_embedding, mask, dtype)
     if lay.mask_file and "mask_embedding" in tensors:
         write_mask_embedding(out, head.config.mask_token_id, tensors.pop("mask_embedding"))
     write_safetensors(out / "model.safetensors", tensors, metadata={"format": "pt"})
@@ -116,9 +118,8 @@ def check_target_embedding(cfg, embedding, layout_name: str) -> None:
     """A layout shipping the target's embedding needs it, and of the head's target's size."""
     if embedding is None:
         raise ValueError(
-            f"the {layout_name} layout ships the target's token embedding with the mask row set to the learnt "
-            "mask embedding (vLLM's DSpark embeds the mask slots by that row): pass target_embedding "
-            "(eagle-export --target TARGET)"
+            f"the {layout_name} layout ships the target's token embedding, which its reader never takes from the "
+            "target: pass target_embedding (eagle-export --target TARGET)"
         )
     if tuple(embedding.shape) != (cfg.vocab_size, cfg.hidden_size):
         raise ValueError(
@@ -127,11 +128,14 @@ def check_target_embedding(cfg, embedding, layout_name: str) -> None:
         )
 
 
-def embedding_with_mask(embedding, mask_token_id: int, mask: torch.Tensor, dtype) -> torch.Tensor:
-    """The target's token embedding in `dtype` with row `mask_token_id` the head's mask embedding: what vLLM's
-    DSpark embeds the block's mask slots with."""
+def shipped_embedding(cfg, embedding, mask, dtype) -> torch.Tensor:
+    """The target's token embedding as it ships: an EAGLE-3 head's in the dtype given (vLLM keeps one apart from the
+    target's unless the two are equal in the served dtype, so it is never rounded further); a block head's in `dtype`
+    with row `mask_token_id` its learnt mask embedding `mask` (what vLLM's DSpark embeds the mask slots with)."""
+    if family_of(cfg.method) != "block":
+        return embedding.detach().cpu().contiguous()
     out = embedding.detach().cpu().to(dtype, copy=True).contiguous()
-    out[mask_token_id] = mask.to(dtype)
+    out[cfg.mask_token_id] = mask.to(dtype)
     return out
 
 
@@ -162,7 +166,7 @@ def read_mask_embedding(directory: Path) -> torch.Tensor | None:
 def read_export(directory, target_config=None) -> tuple[DraftConfig, dict[str, torch.Tensor]]:
     """The config and tensors (under head names) of an engine-layout directory (eagle3, speculators,
     peagle, dflash, dspark; a block head's mask embedding from mask_embedding.pt, else from the mask row of a
-    dspark directory's embed_tokens, which is the target's and is dropped), for
+    dspark directory's embed_tokens; a copy of the target's embedding is dropped: `is_target_embedding`), for
     `eagle_train.checkpoint.load_draft_head` to build the head from. The target's config is needed only
     when config.json does not say which target layers the head reads and the defaults need the target's
     layer count."""
@@ -171,14 +175,24 @@ def read_export(directory, target_config=None) -> tuple[DraftConfig, dict[str, t
     cfg = lay.read_config(files.config, target_config)
     tensors = {lay.from_file(n, cfg.method): t for n, t in files.tensors().items()}
     mask = read_mask_embedding(files.directory) if lay.mask_file else None
-    if lay.ships_embedding and EMBEDDING_TENSOR in tensors:  # the target's copy: the head borrows the target's
+    if EMBEDDING_TENSOR in tensors and is_target_embedding(lay, cfg, files.config):  # the head borrows the target's
         shipped = tensors.pop(EMBEDDING_TENSOR)
-        mask = shipped[cfg.mask_token_id] if mask is None else mask
+        if family_of(cfg.method) == "block":
+            mask = shipped[cfg.mask_token_id] if mask is None else mask
     if mask is not None:
         tensors["mask_embedding"] = mask
     if family_of(cfg.method) == "block":
         block_recipe_from_files(cfg, files.config, tensors)
     return cfg, tensors
+
+
+def is_target_embedding(lay, cfg: DraftConfig, config: dict) -> bool:
+    """Whether a directory's embed_tokens is a copy of the target's: always in a block head's (vLLM's DSpark reads the
+    target's there), and where we shipped one for a head that borrows it (`Layout.ships_embedding`; our provenance
+    block marks our exports); a head trained elsewhere may have trained its own."""
+    if family_of(cfg.method) == "block":
+        return True
+    return PROVENANCE_KEY in config and lay.ships_embedding(cfg) and not row(cfg.method).head_class.owns_embedding
 
 
 def block_recipe_from_files(cfg: DraftConfig, config: dict, tensors: dict) -> None:

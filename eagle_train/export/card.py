@@ -4,7 +4,7 @@ how well it drafts (when eagle-eval's results are given) and how to serve it."""
 import json
 from pathlib import Path
 
-from eagle_train.export.layouts import PROVENANCE_KEY, servable_target
+from eagle_train.export.layouts import PROVENANCE_KEY, servable_target, verifier
 from eagle_train.files import write_text
 
 SERVE = {
@@ -79,7 +79,7 @@ def write_model_card(out: Path, config: dict, layout_name: str, dtype, eval_resu
         "",
         "## Serving",
         "",
-        SERVE[layout_name].format(target=servable_target(target), out=out)
+        SERVE[layout_name].format(target=verifier(config) or servable_target(target), out=out)
         if layout_name in SERVE
         else "See docs/deploying.md.",
         "",

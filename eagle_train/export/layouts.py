@@ -8,8 +8,9 @@ one. Adding a format is one more row built from the helpers below.
   config with `architectures: ["LlamaForCausalLMEagle3"]`, tensors `fc`, `midlayer.*`, `norm`,
   `lm_head`, `d2t`, `t2d` (docs/design.md sections 4 and 6).
 - `speculators`: vLLM's own format (vllm-project/speculators): the Llama keys live under
-  `transformer_layer_config`, the layer is `layers.0.*`, and `speculators_config` tells
-  `vllm serve DIR` everything else.
+  `transformer_layer_config`, the layer is `layers.0.*`, `embed_tokens.weight` is the target's (speculators'
+  loader never fills it: `speculators_ships_embedding`), and `speculators_config` tells `vllm serve DIR` everything
+  else.
 - `peagle`: P-EAGLE for vLLM's parallel drafting: the eagle3 layout with N layers (`layers.1..N-1.*`),
   the trained `embed_tokens`, `mask_hidden`, the mask token id under all three names vLLM versions
   read, `parallel_drafting` true.
@@ -37,6 +38,7 @@ holds ours minus one. Both are written only when the ids are not the target's de
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -44,7 +46,7 @@ import torch
 from eagle_train.draft_config import DraftConfig, target_rope
 from eagle_train.hidden_states import engine_aux_layer_ids
 from eagle_train.methods import METHODS, family_of, row
-from eagle_train.target import HUB_IDS
+from eagle_train.target import HUB_IDS, resolve_target
 from eagle_train.train_config import NUM_DEPTHS
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -53,7 +55,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 INTEGER_TENSORS = ("d2t", "t2d")  # vocab maps keep their dtype whatever the export dtype
 MASK_EMBEDDING_FILE = "mask_embedding.pt"  # a block head's learnt mask embedding, beside the weights
-EMBEDDING_TENSOR = "embed_tokens.weight"  # the token embedding a dspark export ships (Layout.ships_embedding)
+EMBEDDING_TENSOR = "embed_tokens.weight"  # the target's token embedding some exports ship (Layout.ships_embedding)
 DFLASH_ARCHITECTURE = "DFlashDraftModel"
 DSPARK_ARCHITECTURE = "Qwen3DSparkModel"
 SPECULATOR_ARCHITECTURES = {"dflash": "DFlashSpeculator", "dspark": "DSparkSpeculator"}
@@ -113,6 +115,64 @@ def provenance(cfg: DraftConfig, extra: dict) -> dict:
 def servable_target(target: str) -> str:
     """The name an engine loads the target by (an embedded alias becomes the hub id it came from)."""
     return HUB_IDS.get(target, target)
+
+
+def loadable_target(target: str) -> str:
+    """The target as this machine loads it: a local directory as an absolute path (an alias or a .gguf: the
+    directory it was converted to), else the name given (a hub id, or a name nothing here resolves)."""
+    try:
+        resolved = resolve_target(target)
+    except (ValueError, OSError):
+        return servable_target(target)
+    return str(Path(resolved).resolve()) if Path(resolved).is_dir() else resolved
+
+
+def hub_id(target: str) -> str | None:
+    """The target's hub id where one is known: an alias's, or the name of a target that is not local."""
+    if target in HUB_IDS:
+        return HUB_IDS[target]
+    local = target.startswith(("/", ".", "~")) or target.endswith(".gguf") or Path(target).expanduser().exists()
+    return target if target.count("/") == 1 and not local else None
+
+
+def verifier_for(target: str, trained_on: str = "") -> dict:
+    """The verifier entry of a speculators export of a head of `trained_on` whose target this machine loads as
+    `target`: {"verifier": what this machine loads it by}, and {"verifier_hub_id": the hub id} where one is known
+    (from either name) and not the one written."""
+    written = loadable_target(target)
+    hub = hub_id(target) or (hub_id(trained_on) if trained_on else None)
+    return {"verifier": written} | ({"verifier_hub_id": hub} if hub and hub != written else {})
+
+
+def verifier_entry(cfg: DraftConfig, extra: dict) -> tuple[str, dict]:
+    """speculators_config.verifier.name_or_path, which speculators' loader and `vllm serve DIR` load the target by,
+    and `extra` without it: `extra["verifier"]` as given (eagle-export writes `verifier_for` its --target there,
+    or --verifier as given), else `verifier_for` the head's target, whose hub id goes to our provenance block."""
+    extra = {**verifier_for(cfg.target), **extra} if "verifier" not in extra else dict(extra)
+    return extra.pop("verifier"), extra
+
+
+def verifier(config: dict) -> str | None:
+    """The target a speculators config names (speculators_config.verifier.name_or_path); None in other layouts."""
+    return ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+
+
+def verifier_notice(config: dict) -> str:
+    """What a speculators config's verifier entry holds and how to point it elsewhere ("" for other layouts)."""
+    name = verifier(config)
+    if not name:
+        return ""
+    hub = (config.get(PROVENANCE_KEY) or {}).get("verifier_hub_id")
+    if not Path(name).is_absolute():
+        return (
+            f"verifier: {name} (speculators' loader and `vllm serve DIR` load the target by this name; offline, "
+            "re-export with --verifier DIR, a local copy)"
+        )
+    elsewhere = f"--verifier {hub} or the target's path there" if hub else "--verifier with the target's path there"
+    return (
+        f"verifier: {name} (a local directory: speculators' loader and `vllm serve DIR` load the target from it on "
+        f"this machine; for another machine, re-export with {elsewhere})"
+    )
 
 
 def non_default_aux_ids(cfg: DraftConfig) -> list[int] | None:
@@ -220,7 +280,7 @@ def speculators_config(cfg: DraftConfig, dtype: torch.dtype, extra: dict) -> dic
         return block_speculators_config(cfg, dtype, extra)
     extra = dict(extra)
     tokens = int(extra.pop("speculative_tokens", 3))
-    verifier = extra.pop("verifier", None) or servable_target(cfg.target)
+    verifier, extra = verifier_entry(cfg, extra)
     layer = with_window(cfg, qwen3_keys(cfg, dtype) if cfg.qk_norm else llama_keys(cfg, dtype))
     peagle = family_of(cfg.method) == "parallel"
     config = {
@@ -418,7 +478,7 @@ def block_speculators_config(cfg: DraftConfig, dtype: torch.dtype, extra: dict) 
     """speculators' DFlash / DSpark config: vLLM builds the native one from it (its speculators algos).
     K = the drafts a block gives, whatever --speculative-tokens says."""
     extra = {k: v for k, v in extra.items() if k != "speculative_tokens"}
-    verifier = extra.pop("verifier", None) or servable_target(cfg.target)
+    verifier, extra = verifier_entry(cfg, extra)
     config = {
         "speculators_model_type": cfg.method,
         "architectures": [SPECULATOR_ARCHITECTURES[cfg.method]],
@@ -459,7 +519,8 @@ def block_settings(config: dict) -> dict:
         from_anchor = config.get("sample_from_anchor", False)
     elif is_dflash(config):
         method, causal = "dflash", config.get("is_causal", dflash.get("causal"))
-        aux = [i + 1 for i in dflash["target_layer_ids"]] if dflash.get("target_layer_ids") else None
+        ids = zlab_target_layer_ids(config)
+        aux = [i + 1 for i in ids] if ids else None
         from_anchor = dflash.get("sample_from_anchor", False)
     else:
         method, causal = "dspark", config.get("is_causal")
@@ -476,6 +537,21 @@ def block_settings(config: dict) -> dict:
         "confidence_head": bool(config.get("enable_confidence_head")),
         "sliding_window": window,
     }
+
+
+def zlab_target_layer_ids(config: dict) -> list[int] | None:
+    """The target layers (decoder layer ids) z-lab's DFlashDraftModel reads for a dflash config (dflash/model.py):
+    dflash_config's target_layer_ids, else the top-level key, else its build_target_layer_ids of num_target_layers N
+    and the draft's layer count L: layer N // 2 for one draft layer, else L ids spread evenly from 1 to N - 3."""
+    stated = (config.get("dflash_config") or {}).get("target_layer_ids", config.get("target_layer_ids"))
+    if stated:
+        return list(stated)
+    n, layers = config.get("num_target_layers"), config.get("num_hidden_layers", 1)
+    if not n:
+        return None
+    if layers == 1:
+        return [n // 2]
+    return [round(1 + i * (n - 4) / (layers - 1)) for i in range(layers)]
 
 
 def block_read(config: dict, target_config=None) -> DraftConfig:
@@ -517,6 +593,14 @@ def speculators_refusal(cfg: DraftConfig) -> str:
             f"with block_lm_head: target or a reduced draft vocabulary, or {own}"
         )
     return ""
+
+
+def speculators_ships_embedding(cfg: DraftConfig) -> bool:
+    """speculators' EAGLE-3 loader (Eagle3DraftModel.from_pretrained) fills embed_tokens from the verifier only where
+    it is still NaN, but transformers materialises a weight the files lack as uninitialised memory (zeros, for a
+    large one): the export ships it, as speculators' own EAGLE-3 checkpoints do. Its DFlash / DSpark loaders always
+    take the verifier's."""
+    return family_of(cfg.method) != "block"
 
 
 def zlab_notice(cfg: DraftConfig) -> str:
@@ -601,7 +685,9 @@ class Layout:
     from_file: Callable[[str, str], str]  # (file tensor name, head method) -> head tensor name
     matches: Callable[[dict], bool]
     mask_file: bool = False  # a block head's mask_embedding goes to MASK_EMBEDDING_FILE, not the weights
-    ships_embedding: bool = False  # EMBEDDING_TENSOR: the target's, row mask_token_id the learnt mask embedding
+    # the heads whose export carries EMBEDDING_TENSOR, the target's (a block head's: row mask_token_id the learnt
+    # mask embedding), because the layout's reader never takes it from the target
+    ships_embedding: Callable[[DraftConfig], bool] = lambda cfg: False
     block_t2d: bool = False  # a reduced-vocabulary block head ships t2d beside d2t (its reader needs both)
     refusal: Callable[[DraftConfig], str] = variants_refusal  # why a head cannot be written so its reader reads it
     notice: Callable[[DraftConfig], str] = says_nothing  # a line on a reader that cannot read the written head
@@ -620,6 +706,7 @@ LAYOUTS: dict[str, Layout] = {
         by_method(rename([("layers.0.", "midlayer.")]), markov_from_file),
         is_speculators,
         mask_file=True,
+        ships_embedding=speculators_ships_embedding,
         block_t2d=True,
         refusal=speculators_refusal,
     ),
@@ -646,7 +733,7 @@ LAYOUTS: dict[str, Layout] = {
         markov_from_file,
         is_dspark,
         mask_file=True,
-        ships_embedding=True,
+        ships_embedding=lambda cfg: cfg.block_mask == "learnt",
     ),
 }
 

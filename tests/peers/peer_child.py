@@ -418,6 +418,8 @@ def handle(req: dict) -> dict:
         "config": json.loads(Path(req["dir"], "config.json").read_text()),
         "nan_parameters": nan_parameters(model),
     }
+    if hasattr(model, "target_layer_ids"):  # the target layers the library's model reads (decoder layer ids)
+        result["target_layer_ids"] = list(model.target_layer_ids)
     result.update(run_forward(req, model, library))
     return result
 

@@ -1,10 +1,13 @@
-"""Block exports read by the peers' own loaders, as written: z-lab's dflash library loads a `dflash` export of a
-head on the published recipe (block_mask: target, block_lm_head: target), speculators loads `speculators` DFlash
-and DSpark exports of target-mask heads (a reduced vocabulary: t2d shipped), and each drafts the logits our head
-drafts on the same inputs. The peers run in their own environment (.venv-peers, scripts/install_peers.sh) through
-tests/peers/peer_child.py; EAGLE_PEERS_PYTHON names that environment's python where it lives elsewhere."""
+"""Exports read by the peers' own loaders, as written: speculators loads the `speculators` export of a trained
+EAGLE-3 head of SmolLM2 offline (the target's embedding shipped, the verifier a directory this machine holds);
+z-lab's dflash library loads a `dflash` export of a head on the published recipe (block_mask: target,
+block_lm_head: target), speculators loads `speculators` DFlash and DSpark exports of target-mask heads (a reduced
+vocabulary: t2d shipped), and each drafts the logits our head drafts on the same inputs. The peers run in their own
+environment (.venv-peers, scripts/install_peers.sh) through tests/peers/peer_child.py; EAGLE_PEERS_PYTHON names that
+environment's python where it lives elsewhere."""
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,12 +17,64 @@ from safetensors.torch import load_file, save_file
 
 from eagle_train.export import LAYOUTS, export_head
 from eagle_train.export.layouts import says_nothing
+from eagle_train.hidden_states import target_hidden_states
+from eagle_train.target import HUB_IDS, SMOLLM2, resolve_target
 
 pytestmark = pytest.mark.skipif(
     peer_python() is None, reason="the peers' libraries are not installed: bash scripts/install_peers.sh"
 )
 RECIPE = {"block_mask": "target", "block_lm_head": "target"}
 ATOL = 1e-4  # fp32 on both sides
+
+
+def test_speculators_reads_the_speculators_export_of_a_trained_eagle3_head_as_written(smollm2, tmp_path, capsys):
+    """A head whose every weight moved from its init, exported by the CLI as a user does it (no --target: the head's
+    own, the SmolLM2 alias): speculators' Eagle3DraftModel, offline, on the files as written, drafts our logits on
+    real hidden states of a chat prompt. Without embed_tokens in the files its loader kept the weight transformers
+    left uninitialised (zeros at this size) and never took the verifier's."""
+    from eagle_cli.export import main as export_main
+
+    model, tokenizer = smollm2
+    head = tiny_head(seed=7, init_std=None, target_model=model, draft_vocab_size=2048, target=SMOLLM2).eval()
+    with torch.no_grad():  # as training leaves them: matrices of fan-in variance, norm weights near 1
+        for name, p in head.named_parameters():
+            if p.requires_grad:
+                p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5 if p.ndim > 1 else 1 + 0.1 * torch.randn_like(p))
+    head.save_pretrained(tmp_path / "head")
+    with pytest.raises(SystemExit) as done:
+        export_main(
+            [str(tmp_path / "head"), "--format", "speculators", "--out", str(tmp_path / "spec"), "--dtype", "fp32"]
+        )
+    said = capsys.readouterr().out
+    assert done.value.code == 0, said
+    local = str(Path(resolve_target(SMOLLM2)).resolve())
+    assert f"verifier: {local} (a local directory" in said and f"--verifier {HUB_IDS[SMOLLM2]}" in said
+    shipped = load_file(tmp_path / "spec" / "model.safetensors")["embed_tokens.weight"]
+    assert torch.equal(shipped, model.get_input_embeddings().weight)
+
+    chat = [{"role": "user", "content": "Write a haiku about the sea, then explain its imagery."}]
+    ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    ids = ids["input_ids"]
+    aux, _ = target_hidden_states(model, ids, aux_layer_ids=head.config.aux_layer_ids)
+    T = ids.shape[1] - 1  # token t+1 beside the states of t, as speculators' trainer shifts them
+    aux, ids = aux[:, :T].contiguous(), ids[:, 1:].contiguous()
+    save_file({"hidden_states": aux, "input_ids": ids}, tmp_path / "inputs.safetensors")
+    request = {"op": "load_and_run", "library": "speculators", "dir": str(tmp_path / "spec"), "ttt_steps": 2}
+    result = run_peer(
+        request | {"inputs": str(tmp_path / "inputs.safetensors"), "out": str(tmp_path / "out.safetensors")}
+    )
+    assert result["config"]["speculators_config"]["verifier"]["name_or_path"] == local  # loaded as written, offline
+    theirs = load_file(result["out"])
+    with torch.no_grad():
+        hidden, past, positions = head.fuse(aux), [], 1 + torch.arange(T)[None]
+        for step in range(2):
+            step_ids = torch.cat([ids[:, step:], torch.zeros(1, step, dtype=torch.long)], dim=1)  # teacher forcing
+            hidden = head.ttt_step(hidden, step_ids, positions + step, past)
+            ours = head.logits(hidden)
+            difference = (theirs[f"logits_step{step}"] - ours).abs().max().item()
+            print(f"speculators eagle3, step {step}: max |logit difference| {difference:.2e} over {T} positions")
+            assert difference < ATOL
+            assert torch.equal(theirs[f"logits_step{step}"].argmax(-1), ours.argmax(-1))
 
 
 @pytest.fixture(scope="module")
