@@ -265,6 +265,16 @@ def test_speculators_refuses_in_one_line_a_block_head_it_would_not_read_as_train
     assert not (tmp_path / "speculators").exists()
 
 
+@pytest.mark.parametrize("mask", ["learnt", "target"])
+def test_a_dspark_head_refused_by_the_dflash_layout_is_pointed_only_at_layouts_that_take_it(tmp_path, mask):
+    """--format dflash refuses every DSpark head; its refusal names the layouts that hold this one (a learnt mask:
+    not speculators, which would refuse it in turn)."""
+    with pytest.raises(ValueError) as refused:
+        export_head(tiny_head("dspark", block_mask=mask), tmp_path / "dflash", "dflash")
+    fits = "--format dspark --target T" if mask == "learnt" else "--format dspark or --format speculators"
+    assert str(refused.value).endswith(f"(use {fits})")
+
+
 def test_speculators_ships_t2d_beside_d2t_for_a_reduced_vocabulary_and_neither_for_the_whole(tmp_path):
     head, out = export(tmp_path, "dspark", "speculators", block_mask="target")
     tensors = load_file(out / "model.safetensors")

@@ -80,10 +80,9 @@ def export_head(head, out_dir, format: str = "eagle3", dtype="bf16", target_embe
     dtype = resolve_dtype(dtype)
     method = row(head.config.method)
     if lay.name not in method.layouts:
-        raise ValueError(
-            f"a {method.title} head cannot be written in the {lay.name} layout "
-            f"(use --format {' or --format '.join(method.layouts)})"
-        )
+        fits = [name for name in method.layouts if not layout(name).refusal(head.config)]  # those that take this head
+        uses = " or ".join(f"--format {name}" + " --target T" * ships_target_embedding(name, head) for name in fits)
+        raise ValueError(f"a {method.title} head cannot be written in the {lay.name} layout (use {uses})")
     check_vocab_map(head)
     refusal = lay.refusal(head.config)
     if refusal:
