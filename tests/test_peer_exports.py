@@ -37,7 +37,7 @@ def test_speculators_reads_the_speculators_export_of_a_trained_eagle3_head_as_wr
     model, tokenizer = smollm2
     head = tiny_head(seed=7, init_std=None, target_model=model, draft_vocab_size=2048, target=SMOLLM2).eval()
     with torch.no_grad():  # as training leaves them: matrices of fan-in variance, norm weights near 1
-        for name, p in head.named_parameters():
+        for p in head.parameters():
             if p.requires_grad:
                 p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5 if p.ndim > 1 else 1 + 0.1 * torch.randn_like(p))
     head.save_pretrained(tmp_path / "head")

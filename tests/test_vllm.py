@@ -109,7 +109,10 @@ def vllm_head(tmp_path, target_model):
 def test_vllm_loads_each_layout_and_speculates_losslessly(smollm2, tmp_path, layout):
     from eagle_train.checkpoint import load_draft_head
 
-    export = export_head(load_draft_head(vllm_head(tmp_path, smollm2[0])), tmp_path / layout, layout, dtype="fp32")
+    head = load_draft_head(
+        vllm_head(tmp_path, smollm2[0]), smollm2[0]
+    )  # on the target embedding a speculators export ships
+    export = export_head(head, tmp_path / layout, layout, dtype="fp32")
     prompts = first_turns(smollm2[1], QUESTIONS)
     with vllm_decode.Decoder(SMOLLM2) as engine:
         plain = engine.decode(prompts, 16)
