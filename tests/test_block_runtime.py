@@ -136,6 +136,20 @@ def exact_second_and_third(model, prompt, sampler):
     return joint
 
 
+def assert_emits_the_target_distribution(generate, model, prompt, sampler):
+    """2000 runs of `generate()` (3 new tokens after `prompt`, sampled with `sampler`): drafts are accepted, the 2nd
+    and 3rd tokens fit the target's own joint distribution, and a hotter sampler's is rejected (the test has power)."""
+    counts, accepted = torch.zeros(model.config.vocab_size, model.config.vocab_size), 0
+    for _ in range(2000):
+        out = generate()
+        counts[out.output_ids[1], out.output_ids[2]] += 1
+        accepted += sum(out.accepted)
+    assert accepted > 300  # the drafts matter
+    assert not chi_square_rejects(counts, exact_second_and_third(model, prompt, sampler))
+    hot = Sampler(temperature=1.3, top_k=5, top_p=0.97)
+    assert chi_square_rejects(counts, exact_second_and_third(model, prompt, hot))
+
+
 # 2000 generations of a tiny model: about 15 s on the 2-core CPU
 def test_speculative_sampling_with_dsparks_markov_bias_emits_the_target_distribution():
     """Draft 2 is drawn with the Markov bias of the sampled draft 1, from the distribution acceptance divides by:
@@ -150,15 +164,7 @@ def test_speculative_sampling_with_dsparks_markov_bias_emits_the_target_distribu
     prompt = [1, 4, 2, 0, 5]
     sampler = Sampler(temperature=0.9, top_k=5, top_p=0.97)
     runtime = Runtime(model, head, TreeShape.chain(2), sampler, seed=0)
-    counts, accepted = torch.zeros(6, 6), 0
-    for _ in range(2000):
-        out = runtime.generate(prompt, 3)
-        counts[out.output_ids[1], out.output_ids[2]] += 1
-        accepted += sum(out.accepted)
-    assert accepted > 300  # the drafts matter
-    assert not chi_square_rejects(counts, exact_second_and_third(model, prompt, sampler))
-    hot = Sampler(temperature=1.3, top_k=5, top_p=0.97)  # the test has power
-    assert chi_square_rejects(counts, exact_second_and_third(model, prompt, hot))
+    assert_emits_the_target_distribution(lambda: runtime.generate(prompt, 3), model, prompt, sampler)
 
 
 @pytest.mark.parametrize("case", ["dflash", "dspark"])

@@ -5,7 +5,7 @@ distribution."""
 import pytest
 import torch
 from conftest import TINY_BLOCK, TINY_PEAGLE, EagerStep, load_script, tiny_head, tiny_target
-from test_block_runtime import chi_square_rejects, exact_second_and_third
+from test_block_runtime import assert_emits_the_target_distribution
 
 from inference.drafting import TreeShape
 from inference.generate import Runtime
@@ -95,15 +95,7 @@ def test_sampled_head_and_ngram_emits_the_target_distribution():
     prompt = [1, 4, 2, 0, 1, 4]  # [1, 4] occurred before: the lookup drafts [2, 0] first
     sampler = Sampler(temperature=0.9, top_k=5, top_p=0.97)
     runtime = Runtime(model, head, TreeShape.chain(2), sampler, seed=0)
-    counts, accepted = torch.zeros(6, 6), 0
-    for _ in range(2000):
-        out = runtime.generate_hybrid(prompt, 3, 2)
-        counts[out.output_ids[1], out.output_ids[2]] += 1
-        accepted += sum(out.accepted)
-    assert accepted > 300  # the drafts matter
-    assert not chi_square_rejects(counts, exact_second_and_third(model, prompt, sampler))
-    hot = Sampler(temperature=1.3, top_k=5, top_p=0.97)  # the test has power
-    assert chi_square_rejects(counts, exact_second_and_third(model, prompt, hot))
+    assert_emits_the_target_distribution(lambda: runtime.generate_hybrid(prompt, 3, 2), model, prompt, sampler)
 
 
 def test_the_lookup_weighting_experiment_leaves_out_exactly_the_tokens_lookup_drafts_first():
