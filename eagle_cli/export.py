@@ -200,7 +200,7 @@ def run_live_check(args) -> int:
     return report.exit_code
 
 
-def shipped_embedding(args, head):
+def target_embedding_for(args, head):
     """The token embedding of --target, else of the target the head was trained on, for a layout that ships it
     (speculators' EAGLE-3 heads, a DSpark head with a learnt mask): read from the target's files."""
     target = args.target or head.config.target
@@ -245,7 +245,7 @@ def run(args) -> int:
             provenance.update(verifier_for(args.target, head.config.target))
     if args.eval_results:
         provenance["eval_results"] = args.eval_results
-    embedding = shipped_embedding(args, head) if ships_target_embedding(args.format, head) else None
+    embedding = target_embedding_for(args, head) if ships_target_embedding(args.format, head) else None
     out = export_head(head, args.out, args.format, dtype=args.dtype, target_embedding=embedding, **provenance)
     written = ", ".join(sorted(p.name for p in out.iterdir() if p.is_file()))
     print(f"wrote {out}/: {written} ({args.format}, {args.dtype})")
