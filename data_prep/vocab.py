@@ -31,8 +31,13 @@ def count_tokens(samples, vocab_size: int) -> torch.Tensor:
 def count_answer_tokens(source: str, tokenizer, vocab_size: int, limit: int) -> torch.Tensor:
     """Counts of each target id in the assistant turns of the first `limit` conversations of `source`
     (any `read_conversations` source), each turn's text tokenized alone."""
+    return count_turn_tokens(itertools.islice(read_conversations(source), limit), tokenizer, vocab_size, limit)
+
+
+def count_turn_tokens(conversations, tokenizer, vocab_size: int, total: int | None = None) -> torch.Tensor:
+    """`count_answer_tokens` of the conversations given (`total` of them, for the progress bar)."""
     counts = torch.zeros(vocab_size, dtype=torch.int64)
-    for conv in tqdm(itertools.islice(read_conversations(source), limit), total=limit, unit="conv", desc="count"):
+    for conv in tqdm(conversations, total=total, unit="conv", desc="count"):
         for m in conv["messages"]:
             if m["role"] == "assistant":
                 ids = torch.tensor(tokenizer(m["content"], add_special_tokens=False)["input_ids"], dtype=torch.int64)

@@ -1,1 +1,2 @@
-"""The command lines that drive the engines: eagle-export (export.py) and eagle-eval (evaluate.py)."""
+"""The command lines that may reach an engine: eagle-train (train.py), eagle-export (export.py) and eagle-eval
+(evaluate.py)."""

@@ -13,6 +13,7 @@ the other back.
     sample = buffer.get(i)                                                                          # the trainer
 """
 
+import copy
 import errno
 import json
 import os
@@ -120,8 +121,10 @@ class SampleBuffer:
         self.stats["peak_bytes"] = max(self.stats["peak_bytes"], self.used_bytes())
         write_json(self.directory / WRITER_STATS, self.stats)
 
-    def get(self, index: int, alive: Callable[[], str | None] = still_running) -> dict[str, torch.Tensor]:
-        """Sample `index`, once it is on disk; it is removed once read."""
+    def get(
+        self, index: int, alive: Callable[[], str | None] = still_running, keep: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """Sample `index`, once it is on disk; it is removed once read, unless `keep` (a sample read again later)."""
         path = self.directory / sample_name(index)
         start = time.perf_counter()
         while not path.exists():
@@ -131,14 +134,15 @@ class SampleBuffer:
             time.sleep(self.poll_seconds)
         self.stats["get_wait_seconds"] += time.perf_counter() - start
         sample = load(path.read_bytes())
-        path.unlink()
+        if not keep:
+            path.unlink()
         self.stats["get"] += 1
         return sample
 
-    def drop_before(self, index: int) -> int:
-        """Remove the samples a resumed reader has used already (a writer that ran ahead of its last checkpoint
-        keeps the rest); returns how many went."""
-        gone = [p for i, p in self.samples().items() if i < index]
+    def drop_all_but(self, wanted: set[int]) -> int:
+        """Remove the samples no reader will read: on resume, those used before the checkpoint (what a writer wrote
+        ahead of it stays); returns how many went."""
+        gone = [p for i, p in self.samples().items() if i not in wanted]
         for p in gone:
             p.unlink(missing_ok=True)
         return len(gone)
@@ -155,3 +159,92 @@ class SampleBuffer:
         """Which side holds the other back: the engine when the trainer waits on it longer than it waits for room."""
         writer_wait = self.writer_stats().get("put_wait_seconds", 0.0)
         return "engine" if self.stats["get_wait_seconds"] > writer_wait else "trainer"
+
+
+def held_out(epoch: int) -> bool:
+    return epoch < 0
+
+
+class BufferedSamples:
+    """The trainer's samples as an engine writes them to a `SampleBuffer`, in place of a store's
+    (`eagle_train.store.ShardedSamples`): `len`, `lengths()` (upper bounds: prompt and answers, within max_length,
+    which is what the micro-batches are cut by) and `[i]` in float32.
+
+    The engine must write in the order the trainer reads, or a full buffer would stop both. The trainer says that
+    order with `begin(order, position, main)`: (epoch, sample) pairs, epoch -1 for the held-out samples (written
+    first and kept, since every eval reads them again), and where a resumed run starts. Epoch e's copy of sample i
+    is its own file (`later_epochs="answer"`: the engine answers again), or with `keep` the first epoch's copy is
+    kept and read again; `for_epoch(e)` reads epoch e's. `start_writer(keys, samples)` (main process only) starts
+    the engine writing those buffer keys, the sample of each; `writer_alive()` is None while it works, else why it
+    stopped, in one line.
+    """
+
+    def __init__(
+        self,
+        directory: str | Path,
+        cap_bytes: int,
+        lengths: list[int],
+        keep: bool,
+        start_writer: Callable[[list[int], list[int]], None],
+        writer_alive: Callable[[], str | None],
+    ):
+        self.buffer = SampleBuffer(directory, cap_bytes)
+        self._lengths = list(lengths)
+        self.keep = keep
+        self.start_writer, self.writer_alive = start_writer, writer_alive
+        self.held_out: set[int] = set()
+        self.epoch = 0
+
+    def __len__(self) -> int:
+        return len(self._lengths)
+
+    def lengths(self) -> list[int]:
+        return self._lengths
+
+    def key(self, epoch: int, i: int) -> int:
+        """The buffer index of epoch `epoch`'s copy of sample i."""
+        return i if held_out(epoch) or self.keep else (epoch + 1) * len(self) + i
+
+    def begin(self, order: list[tuple[int, int]], position: int, main: bool) -> None:
+        """Start the engine on `order[position:]` (each key once), after the held-out samples, and remove what no
+        read will want: samples a resumed run read before its checkpoint, or that another process count reads no
+        more."""
+        self.held_out = {i for e, i in order if held_out(e)}
+        if not main:
+            return
+        todo = [(self.key(e, i), i) for e, i in order if held_out(e)] + [
+            (self.key(e, i), i) for e, i in order[position:] if not held_out(e)
+        ]
+        if self.keep:  # the samples of the whole run are kept: the engine writes those missing, each once
+            todo = [(self.key(e, i), i) for e, i in order]
+        keys, samples, seen = [], [], set()
+        for key, i in todo:
+            if key not in seen:
+                seen.add(key)
+                keys.append(key)
+                samples.append(i)
+        self.buffer.drop_all_but(seen)
+        self.start_writer(keys, samples)
+
+    def for_epoch(self, epoch: int) -> "BufferedSamples":
+        view = copy.copy(self)
+        view.epoch = epoch
+        return view
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        kept = i in self.held_out or self.keep
+        key = self.key(-1 if i in self.held_out else self.epoch, i)
+        sample = self.buffer.get(key, self.writer_alive, keep=kept)
+        item = {"input_ids": sample["input_ids"].to(torch.int64), "loss_mask": sample["loss_mask"].to(torch.bool)}
+        for name in ("aux_hidden", "final_hidden"):
+            item[name] = sample[name].float()
+        return item
+
+    def status(self) -> str:
+        """Both sides' rates and which holds the other back, for the progress bar."""
+        made = self.buffer.writer_stats()
+        return (
+            f"engine {made.get('put', 0)} made, waited {made.get('put_wait_seconds', 0.0):.0f}s | trainer waited "
+            f"{self.buffer.stats['get_wait_seconds']:.0f}s | {self.buffer.bottleneck()}-bound | "
+            f"{made.get('peak_bytes', 0) / 2**20:.0f} MiB peak"
+        )

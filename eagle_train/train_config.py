@@ -40,6 +40,8 @@ EVERY_OFF = {
     "log_every": "no step lines",
 }
 MODES = ("offline", "online")
+ENGINES = ("hf", "vllm")  # online: who runs the target (engine)
+LATER_EPOCHS = ("answer", "keep")  # engine=vllm: what epochs after the first read (later_epochs)
 REPORT_TO = ("tensorboard", "wandb", "none")
 
 
@@ -49,6 +51,21 @@ class TrainConfig:
     target: str = "smollm2-135m"  # alias, local HF dir, .gguf or hub id (must be the store's target)
     data_path: str = ""  # hidden-state store (offline) or tokenized dataset (online; a store works too)
     mode: str = "offline"  # offline: hidden states from the store; online: run the target per batch
+    # online: hf runs the target in every training process on a tokenized dataset; vllm has a vLLM engine answer
+    # the conversations at data_path (any eagle-prep source) and feed their states through a bounded buffer
+    engine: str = "hf"
+    engine_options: dict = field(default_factory=dict)  # engine=vllm: passed to vllm.LLM (tensor_parallel_size...)
+    engine_env: dict = field(default_factory=dict)  # engine=vllm: the engine's environment (CUDA_VISIBLE_DEVICES...)
+    engine_batch_size: int = 32  # engine=vllm: conversations the engine answers together
+    max_new_tokens: int = 256  # engine=vllm: the longest answer
+    turns: int | None = 1  # engine=vllm: user turns answered per conversation (None: all)
+    system_prompt: str | None = None  # engine=vllm: put before each conversation without one
+    num_conversations: int | None = None  # engine=vllm: the first N conversations of data_path (None: all)
+    buffer_dir: str = ""  # engine=vllm: the samples between engine and trainer ("": <output_dir>/buffer)
+    buffer_gib: float = 4.0  # engine=vllm: the buffer's cap on disk
+    # engine=vllm: answer, the engine answers every epoch again; keep, the first epoch's samples stay in the buffer
+    # (the cap must hold them all) and later epochs read them again
+    later_epochs: str = "answer"
     method: str = "eagle3"  # a row of eagle_train.methods.METHODS: eagle3, peagle, dflash or dspark
     # None: offline, the store's layers; online, hidden_states.default_aux_layer_ids (2, N//2, N-3 from 7 layers)
     aux_layer_ids: list[int] | None = None
@@ -122,6 +139,11 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
+def runs_the_target(cfg: TrainConfig) -> bool:
+    """Whether each training process runs the target (online with engine=hf); else the data holds the states."""
+    return cfg.mode == "online" and cfg.engine == "hf"
+
+
 def field_names() -> list[str]:
     return [f.name for f in dataclasses.fields(TrainConfig)]
 
@@ -147,6 +169,12 @@ def _as_type(value, annotation):
         return value
     if annotation is str and isinstance(value, bool):  # YAML reads mixed_precision=no (or off) as False
         return "yes" if value else "no"
+    if annotation is dict:
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise TypeError
+        return dict(value)
     if isinstance(value, bool) or isinstance(value, (dict, list)):
         raise TypeError
     if annotation is int:
@@ -225,7 +253,7 @@ def from_data(cfg: TrainConfig) -> TrainConfig:
     if cfg.draft_vocab_size is None and not cfg.init_from:  # a head to start from brings its own vocab map
         vocab_map = read_vocab_map(cfg.data_path)  # t2d spans the target's vocabulary, which the target's lm_head reads
         values["draft_vocab_size"] = len(vocab_map["t2d" if cfg.block_lm_head == "target" else "d2t"])
-    if cfg.mode == "offline" and manifest["format"] == HIDDEN_FORMAT:
+    if not runs_the_target(cfg) and manifest["format"] == HIDDEN_FORMAT:
         held = list(manifest["aux_layer_ids"])
         if cfg.aux_layer_ids is None:
             values["aux_layer_ids"] = held
@@ -267,6 +295,12 @@ def validate(cfg: TrainConfig, target_config) -> None:
             raise ValueError(message)
 
     need(cfg.mode in MODES, f"mode {cfg.mode!r} is not one of {MODES}")
+    need(cfg.engine in ENGINES, f"engine {cfg.engine!r} is not one of {ENGINES}")
+    need(
+        cfg.engine == "hf" or cfg.mode == "online",
+        f"engine={cfg.engine} makes the hidden states online: set mode=online (offline reads a store)",
+    )
+    need(cfg.later_epochs in LATER_EPOCHS, f"later_epochs {cfg.later_epochs!r} is not one of {LATER_EPOCHS}")
     need(cfg.report_to in REPORT_TO, f"report_to {cfg.report_to!r} is not one of {REPORT_TO}")
     need(
         cfg.report_to != "wandb" or importlib.util.find_spec("wandb") is not None,
@@ -333,10 +367,12 @@ def validate(cfg: TrainConfig, target_config) -> None:
             "data_path is not set: point it at a store from `eagle-prep capture` (offline) "
             "or a tokenized dataset from `eagle-prep tokenize` (online)"
         )
-    if not Path(cfg.data_path).exists():
+    if not Path(cfg.data_path).exists() and cfg.engine == "hf":
         raise FileNotFoundError(
             f"data_path {cfg.data_path} does not exist: run `eagle-prep run --config ...` first or fix the path"
         )
+    if cfg.engine == "vllm" and not (Path(cfg.data_path) / MANIFEST).is_file():
+        return  # conversations, which the engine's feed (data_prep.feed) reads and checks
     from_data(cfg)  # its refusals, for a config made without load_train_config
     need(cfg.max_length is not None, "max_length is unset: load_train_config takes the data's, or set it")
     need(cfg.max_length >= 4, f"max_length must be >= 4 tokens, got {cfg.max_length}")

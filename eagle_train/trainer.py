@@ -54,6 +54,7 @@ from eagle_train.checkpoint import load_draft_head
 from eagle_train.distill import shift_left, simulated_acceptance_length, target_distribution
 from eagle_train.files import write_text
 from eagle_train.hidden_states import TargetLogits, target_hidden_states
+from eagle_train.sample_buffer import BufferedSamples
 from eagle_train.store import (
     HIDDEN_FORMAT,
     ShardedSamples,
@@ -64,7 +65,7 @@ from eagle_train.store import (
 )
 from eagle_train.target import load_target, load_target_config
 from eagle_train.train_checkpoint import Resumable, last_good_checkpoint, resolve_resume, restore, save_checkpoint
-from eagle_train.train_config import TrainConfig, validate
+from eagle_train.train_config import TrainConfig, runs_the_target, validate
 from eagle_train.vocab_map import top_k_vocab_map
 
 # ------------------------------------------------------------------------------------ data order
@@ -153,7 +154,7 @@ class BatchSource:
     the target's whole vocabulary never runs."""
 
     def __init__(self, cfg: TrainConfig, target_model, t2d, aux_layer_ids, device, greedy_answers: bool = False):
-        self.online = cfg.mode == "online"
+        self.online = runs_the_target(cfg)
         self.greedy_answers = greedy_answers
         self.target = target_model if self.online else None  # offline keeps no reference to it
         self.aux_layer_ids = aux_layer_ids
@@ -330,7 +331,7 @@ class Run(Resumable):
     """What one training run holds: what a checkpoint saves and a resume restores (`Resumable`'s fields) and
     the data it steps through. Built by `set_up`, advanced by `optimizer_step`."""
 
-    data: ShardedSamples
+    data: ShardedSamples | BufferedSamples  # a store's samples, or those an engine writes as the run reads them
     lengths: list[int]  # tokens per sample after truncation to max_length
     train_ids: list[int]
     eval_ids: list[int]
@@ -349,7 +350,7 @@ def build_model(cfg: TrainConfig, build_head, resume_from: Path | None, device) 
     """The head in fp32 (new, from init_from, or with a resumed checkpoint's weights) and the
     source that turns micro-batches into its training batches."""
     # Offline needs only the embedding and lm_head; loading on CPU keeps the rest off the GPU.
-    online = cfg.mode == "online"
+    online = runs_the_target(cfg)
     target_model, _ = load_target(
         cfg.target, dtype=None if online else torch.float32, device=device if online else "cpu"
     )
@@ -375,13 +376,14 @@ def build_model(cfg: TrainConfig, build_head, resume_from: Path | None, device) 
     return head, BatchSource(cfg, target_model, head.t2d, aux_ids, device, greedy_answers)
 
 
-def set_up(cfg: TrainConfig, accelerator, build_head, resume_from: Path | None) -> Run:
-    """Seed, then the data and its epochs, the wrapped head, the optimizer and the LR schedule."""
+def set_up(cfg: TrainConfig, accelerator, build_head, resume_from: Path | None, data=None) -> Run:
+    """Seed, then the data (`data`, else the store at data_path) and its epochs, the wrapped head, the optimizer and
+    the LR schedule."""
     backend = backend_of(accelerator)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
-    data = ShardedSamples(cfg.data_path, dtype=torch.float32)
+    data = data if data is not None else ShardedSamples(cfg.data_path, dtype=torch.float32)
     lengths = [min(n, cfg.max_length) for n in data.lengths()]
     train_ids, eval_ids = split_indices(len(data), cfg.eval_fraction, cfg.seed)
     head, source = build_model(cfg, build_head, resume_from, accelerator.device)
@@ -438,15 +440,38 @@ def set_up(cfg: TrainConfig, accelerator, build_head, resume_from: Path | None) 
     )
 
 
+def batches_of_epoch(run: Run, e: int) -> list[list[int]]:
+    return (
+        run.epochs[e]
+        if e < len(run.epochs)
+        else epoch_batches(run.train_ids, run.lengths, run.cfg.tokens_per_batch, run.cfg.seed, e)
+    )
+
+
+def reading_order(run: Run) -> tuple[list[tuple[int, int]], int]:
+    """Every read of the run in order, as (epoch, sample) (epoch -1: the held-out samples, read first), and where
+    the run's data position is in it: what an engine that makes the samples as they are read must write, and from
+    where. An epoch reads its micro-batches of whole steps in order (process r of W takes every W-th)."""
+    order = [(-1, i) for i in run.eval_ids]
+    position, steps, e = None, 0, 0
+    while steps < run.total_steps:
+        if e == run.state["epoch"]:
+            position = len(order) + run.state["epoch_samples"]
+        batches = batches_of_epoch(run, e)
+        for s in range(len(batches) // run.per_step):
+            if steps == run.total_steps:
+                break
+            order += [(e, i) for b in batches[s * run.per_step : (s + 1) * run.per_step] for i in b]
+            steps += 1
+        e += 1
+    return order, len(order) if position is None else position
+
+
 def epoch_steps(run: Run):
     """The steps left in the current epoch, from the data position in `run.state` (each step a group
     of `per_step` micro-batches), and an iterator over this process's padded share of them."""
     cfg, state, e = run.cfg, run.state, run.state["epoch"]
-    batches = (
-        run.epochs[e]
-        if e < len(run.epochs)
-        else epoch_batches(run.train_ids, run.lengths, cfg.tokens_per_batch, cfg.seed, e)
-    )
+    batches = batches_of_epoch(run, e)
     done, skip = 0, 0
     while done < state["epoch_samples"] and skip < len(batches):
         done += len(batches[skip])
@@ -468,7 +493,8 @@ def epoch_steps(run: Run):
         if j % world == rank
     ]
     seeds = [draw_seed(cfg.seed, e, index) for index, _ in mine]
-    return groups, iter(loader(run.data, [b for _, b in mine], seeds, cfg, not run.source.online))
+    data = run.data.for_epoch(e) if isinstance(run.data, BufferedSamples) else run.data
+    return groups, iter(loader(data, [b for _, b in mine], seeds, cfg, not run.source.online))
 
 
 def optimizer_step(run: Run, objective, group: list[list[int]], stream) -> dict:
@@ -569,9 +595,10 @@ def show_step(bar, metrics: dict, run: Run) -> None:
     )
     step = run.state["step"]
     if run.cfg.log_every and step % run.cfg.log_every == 0 and run.accelerator.is_main_process:
+        feed = f" | {run.data.status()}" if isinstance(run.data, BufferedSamples) else ""
         bar.write(
             f"step {step}/{run.total_steps} | {summary(metrics)} | lr {metrics['lr']:.2e} | "
-            f"{metrics['tokens_per_s']:.0f} tok/s"
+            f"{metrics['tokens_per_s']:.0f} tok/s{feed}"
         )
 
 
@@ -611,8 +638,11 @@ def check_supervised(history: list[dict], data_path, last: bool) -> None:
         )
 
 
-def train(cfg: TrainConfig, build_head, objective) -> dict:
+def train(cfg: TrainConfig, build_head, objective, data=None) -> dict:
     """Run (or resume) training; returns {"history", "eval_before", "eval_after", "checkpoint", "world_size"}.
+
+    `data`: the samples, when not the store at data_path: `BufferedSamples`, which an engine writes as they are read
+    (it is told the run's reading order once the run is set up).
 
     `cfg.stop_after_step` ends this invocation right after that step's checkpoint, as a kill would:
     the schedule stays that of the whole run, and `resume=auto` continues it.
@@ -622,11 +652,13 @@ def train(cfg: TrainConfig, build_head, objective) -> dict:
     if cfg.report_to == "tensorboard" and not is_tensorboard_available():  # accelerate drops it without a word
         accelerator.print("tensorboard is not installed: logging to the console and metrics.jsonl only")
     resume_from, skipped = resolve_resume(cfg, accelerator.num_processes, backend_of(accelerator).layout)
-    run = set_up(cfg, accelerator, build_head, resume_from)
+    run = set_up(cfg, accelerator, build_head, resume_from, data)
     for line in skipped:
         run.accelerator.print(line)
     if resume_from is not None:
         restore(run, resume_from)
+    if isinstance(run.data, BufferedSamples):
+        run.data.begin(*reading_order(run), main=run.accelerator.is_main_process)
     state, world = run.state, run.accelerator.num_processes
     if run.accelerator.is_main_process:
         keep_metrics_through(cfg.output_dir, state["step"] if resume_from is not None else -1)

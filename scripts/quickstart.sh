@@ -38,7 +38,7 @@ fi
 
 eagle-prep run --config smollm2_sharegpt "${PREP[@]}"   # resumes a killed run; a finished one is kept
 accelerate launch --num_processes 1 --num_cpu_threads_per_process "$(nproc)" --num_machines 1 --mixed_precision no \
-    --dynamo_backend no -m eagle_train.train --config "${DRAFTER}_smollm2" \
+    --dynamo_backend no -m eagle_cli.train --config "${DRAFTER}_smollm2" \
     data_path="$RUN/store" output_dir="$HEAD" resume=auto "${METHOD[@]}" "${TRAIN[@]}"
 eagle-export "$HEAD/final" --format "$DRAFTER" --out "$HEAD/export" --target smollm2-135m
 eagle-eval --target smollm2-135m --draft "$HEAD/export" --bench mt_bench "${DRAFTING[@]}" \

@@ -5,7 +5,7 @@ accelerate launch scripts/train_peagle.py --config peagle_smollm2 [key=value ...
 
 import functools
 
-from eagle_train.train import main
+from eagle_cli.train import main
 
 main = functools.partial(main, method="peagle")
 

@@ -175,8 +175,8 @@ def speculators_layer(tc, **changes) -> dict:
 
 def fine_tune(config: str, target_dir, data, head_dir, run, *extra) -> dict:
     """A 6-step online run of the shipped `config` from the head at `head_dir` (init_from) into `run`: its result."""
-    from eagle_train.train import config_from_command_line
-    from eagle_train.train import run as train
+    from eagle_cli.train import config_from_command_line
+    from eagle_cli.train import run as train
 
     args = ["--config", config, "mode=online", f"target={target_dir}", f"data_path={data}", f"output_dir={run}"]
     args += ["max_steps=6", "warmup_steps=0", "tokens_per_batch=256", "max_length=128", "eval_fraction=0.2"]

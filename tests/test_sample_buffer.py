@@ -69,16 +69,18 @@ def test_a_dead_writer_stops_the_reader_with_its_reason_and_a_dead_reader_the_wr
 
 
 def test_a_resumed_reader_loses_no_sample_and_reads_none_twice(tmp_path):
-    """The trainer read samples 0-4 but checkpointed after 2 and was killed; the writer ran ahead to 6. On resume the
-    samples before 3 go, 5 and 6 stay, and 3 and 4 (removed when first read) are written again."""
+    """The trainer read samples 0-4 but checkpointed after 2 and was killed; the writer ran ahead to 6, and wrote 9,
+    which the resumed run (with another process count) no longer reads. On resume 9 goes, 5 and 6 stay, and 3 and 4
+    (removed when first read) are written again."""
     buffer = SampleBuffer(tmp_path / "b", 1 << 30)
-    for i in range(7):
+    for i in [*range(7), 9]:
         buffer.put(i, sample(i))
     for i in range(5):
         buffer.get(i)
-    assert sorted(buffer.samples()) == [5, 6]
+    assert sorted(buffer.samples()) == [5, 6, 9]
     resumed = SampleBuffer(tmp_path / "b", 1 << 30)
-    resumed.drop_before(3)
+    assert resumed.drop_all_but(set(range(3, 7))) == 1
+    assert sorted(resumed.samples()) == [5, 6]
     for i in range(3, 7):
         resumed.put(i, sample(i))  # the writer restarts at the checkpoint: 5 and 6 are kept as they are
     assert [int(torch.equal(resumed.get(i)["input_ids"], sample(i)["input_ids"])) for i in range(3, 7)] == [1] * 4

@@ -75,7 +75,7 @@ def test_overrides_are_typed_and_unknown_keys_name_the_valid_ones(tmp_path):
 
 
 def test_a_training_script_implies_its_method_and_refuses_another():
-    from eagle_train.train import config_from_command_line
+    from eagle_cli.train import config_from_command_line
 
     assert config_from_command_line(["learning_rate=1e-3"], method="peagle").method == "peagle"
     assert config_from_command_line(["--config", "peagle_smollm2"]).method == "peagle"

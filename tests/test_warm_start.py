@@ -89,7 +89,7 @@ def test_warm_start_is_refused_where_it_means_nothing(tiny_llama, bad, check):
 
 def test_a_frozen_lm_head_stays_the_targets_rows_while_the_rest_trains(tiny_llama_dir, small_tokenized, tmp_path):
     """speculators' recipe: the draft lm_head starts as the target's rows of the draft vocabulary and stays so."""
-    from eagle_train.train import main as train
+    from eagle_cli.train import main as train
 
     runs = {}
     for frozen in (True, False):

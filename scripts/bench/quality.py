@@ -13,7 +13,7 @@ onpolicy, tv+onpolicy) whose overrides go right after the train YAML.
 One run:
 1. data: `eagle-prep run` into <out>/data (or --data DIR), timed. A DIR that already holds the
    data of the same prep command is reused and charged the minutes recorded when it was made.
-2. training: `python -m eagle_train.train` (any method) in a child process writing <out>/train/checkpoint-<step>.
+2. training: `python -m eagle_cli.train` (any method) in a child process writing <out>/train/checkpoint-<step>.
    Every --eval-every minutes of compute, the harness stops the trainer (SIGSTOP), evaluates the
    newest checkpoint not yet evaluated, and lets the trainer go on (SIGCONT). A point's x is the
    compute when that checkpoint was written: data minutes + the minutes the trainer had run, its
@@ -409,7 +409,7 @@ def main(argv=None):
     train_command = [
         sys.executable,
         "-m",
-        "eagle_train.train",
+        "eagle_cli.train",
         "--config",
         *args.train,
         f"data_path={data_path}",

@@ -1,7 +1,7 @@
 """eagle-train: train a draft head for a causal LM from a run config.
 
     eagle-train --config eagle3_smollm2 [key=value ...]
-    accelerate launch [--config_file configs/accelerate/ddp.yaml --num_processes 8] -m eagle_train.train \\
+    accelerate launch [--config_file configs/accelerate/ddp.yaml --num_processes 8] -m eagle_cli.train \\
         --config CONFIG [key=value ...]
 
 --config is a YAML file, or the name of a config this package ships (listed below). Every key of the run
@@ -13,7 +13,9 @@ Methods (the config's `method:` key):
 
 Data: offline (mode=offline, the default) reads the hidden states of a store from `eagle-prep run` or
 `eagle-prep distil`/`capture`; online (mode=online) reads a tokenized dataset (`eagle-prep tokenize`) and runs
-the target on each batch. Left unset (null), max_length, draft_vocab_size and, offline, aux_layer_ids are
+the target on each batch; online with engine=vllm, a vLLM engine answers the conversations at data_path (any
+eagle-prep source) as `eagle-prep distil --engine vllm` would while the head trains, and hands the samples over
+through a buffer of at most buffer_gib on disk (engine_options go to vllm.LLM: tensor_parallel_size...). Left unset (null), max_length, draft_vocab_size and, offline, aux_layer_ids are
 the data's (its manifest and vocab map); a value the data contradicts is refused.
 
 Output: checkpoints go to <output_dir>/checkpoint-<step> (every save_every steps and at the end; the newest
@@ -30,11 +32,20 @@ compute where it can be.
 
 import argparse
 
+from data_prep.feed import EngineFeed
 from eagle_train.config_files import SHIPPED, config_file, shipped_names
 from eagle_train.methods import METHODS, check_method, method_of, objective_for
 from eagle_train.target import load_target_config
-from eagle_train.train_config import TrainConfig, field_names, load_train_config, one_line_refusals, validate
+from eagle_train.train_config import (
+    TrainConfig,
+    field_names,
+    from_data,
+    load_train_config,
+    one_line_refusals,
+    validate,
+)
 from eagle_train.trainer import train
+from engines.vllm_child import missing
 
 
 def description() -> str:
@@ -67,10 +78,19 @@ def config_from_command_line(argv=None, method: str | None = None) -> TrainConfi
 
 
 def run(cfg: TrainConfig) -> dict:
-    """Check `cfg` (the common keys, then its method's), then train its method's head: `trainer.train`'s result."""
+    """Check `cfg` (the common keys, then its method's), then train its method's head: `trainer.train`'s result.
+    With engine=vllm, a vLLM engine makes the samples while the head trains (data_prep.feed)."""
     target_config = load_target_config(cfg.target)
     validate(cfg, target_config)
     check_method(cfg, target_config)
+    if cfg.engine == "vllm":
+        reason = missing()
+        if reason:
+            raise ValueError(f"engine=vllm: {reason}")
+        with EngineFeed(cfg) as feed:
+            cfg = from_data(feed.config)
+            validate(cfg, target_config)
+            return train(cfg, method_of(cfg).build_head, objective_for(cfg), data=feed.samples)
     return train(cfg, method_of(cfg).build_head, objective_for(cfg))
 
 

@@ -1,0 +1,279 @@
+"""Online training fed by a serving engine (`mode=online engine=vllm`): a vLLM engine answers the conversations at a
+run's data_path, as `eagle-prep distil --engine vllm` would, and hands each sample (tokens, loss mask, aux and final
+hidden states) to the trainer through a bounded buffer (eagle_train/sample_buffer.py) instead of a store. The target
+runs only in the engine, with the engine's own parallelism (tensor-, pipeline-, data-parallel; its options pass
+through), on devices or cores of its own, while the trainer trains.
+
+The samples are distil's: the same plan of conversations (`plan_conversations`, sorted by length; sample k is the
+k-th planned), the same chained turns (`answer_turns`), the same last row (`with_every_row`), stored in bf16 as a
+distilled store holds them. The trainer reads them as it reads a store's; only their order comes from the run
+(`BufferedSamples.begin`), and the engine writes in that order.
+
+The feed's directory (buffer_dir) is laid out as a store without shards, so the trainer's checks read it as one: a
+manifest (target, aux layers, max_length, the plan) and a vocab map, counted from the source answers of the planned
+conversations (the target's own answers do not exist before training starts).
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from data_prep.chat import MAX_LENGTH
+from data_prep.distil import answer_turns, chained_end_of_turn, plan_conversations, with_every_row
+from data_prep.readers import read_conversations
+from data_prep.vocab import build_vocab_map, count_turn_tokens
+from eagle_train.bf16 import data_engine_dtype
+from eagle_train.files import write_json
+from eagle_train.hidden_states import default_aux_layer_ids
+from eagle_train.sample_buffer import (
+    WRITER_STATS,
+    BufferedSamples,
+    BufferStopped,
+    SampleBuffer,
+    check_cap,
+    sample_bytes_bound,
+)
+from eagle_train.store import (
+    HIDDEN_FORMAT,
+    MANIFEST,
+    VERSION,
+    chat_template_fingerprint,
+    encode_checked,
+    target_identity,
+    write_vocab_map,
+)
+from eagle_train.target import (
+    end_of_turn_ids,
+    files_fingerprint,
+    load_generation_config,
+    load_target_config,
+    load_tokenizer,
+)
+from eagle_train.vocab_map import DRAFT_VOCAB_SIZE
+
+WRITER_CHILD = "import sys; from data_prep.feed import write_samples; write_samples(sys.argv[1])"
+STORED_DTYPE = "bfloat16"  # what a distilled store holds by default, so the trainer reads the same values
+ENGINE_LOG = "engine.log"
+
+
+def bound_lengths(planned, max_new_tokens: int, max_length: int) -> list[int]:
+    """Each planned conversation's longest sample: its turns' prompts and an answer of max_new_tokens each."""
+    return [min(sum(map(len, segments)) + len(segments) * max_new_tokens, max_length) for _, segments in planned]
+
+
+class EngineFeed:
+    """The samples of an engine-fed run (`samples`, a `BufferedSamples`) and the config the trainer runs
+    (`config`: data_path is the feed's directory; max_length, aux_layer_ids and draft_vocab_size set). Every
+    training process makes one; the main process's starts the engine when the trainer says what it reads, in a
+    child process (`write_samples`) that runs `engines.vllm_data.HiddenStatesServer`.
+
+        with EngineFeed(cfg) as feed:
+            train(feed.config, build_head, objective, data=feed.samples)
+    """
+
+    def __init__(self, cfg):
+        target_config = load_target_config(cfg.target)
+        max_length = cfg.max_length or MAX_LENGTH
+        aux = list(cfg.aux_layer_ids or default_aux_layer_ids(target_config.num_hidden_layers))
+        tokenizer = load_tokenizer(cfg.target)
+        generation = type("Generation", (), {"generation_config": load_generation_config(cfg.target)})
+        self.eos_ids = sorted(end_of_turn_ids(generation, tokenizer))
+        self.end_id = chained_end_of_turn(tokenizer, set(self.eos_ids)) if cfg.turns != 1 else None
+        read = []  # the conversations the plan saw, which the vocab map counts
+        self.planned, _ = plan_conversations(
+            tokenizer,
+            (read.append(c) or c for c in read_conversations(cfg.data_path)),
+            cfg.num_conversations,
+            max_length,
+            cfg.max_new_tokens,
+            cfg.system_prompt,
+            cfg.turns,
+            self.end_id,
+        )
+        if not self.planned:
+            raise ValueError(
+                f"no first turn of {cfg.data_path!r} leaves room for {cfg.max_new_tokens} new tokens within "
+                f"max_length={max_length}: raise max_length or lower max_new_tokens"
+            )
+        self.directory = Path(cfg.buffer_dir or Path(cfg.output_dir) / "buffer")
+        h = target_config.hidden_size
+        cap = int(cfg.buffer_gib * 2**30)
+        widths = {"aux_hidden": 3 * h, "final_hidden": h, "input_ids": 1, "loss_mask": 1}
+        dtypes = {"aux_hidden": torch.bfloat16, "final_hidden": torch.bfloat16, "input_ids": torch.int64}
+        check_cap(self.directory, cap, sample_bytes_bound(max_length, widths, {**dtypes, "loss_mask": torch.bool}))
+        self.engine_options = {"max_num_seqs": cfg.engine_batch_size, **cfg.engine_options}
+        self.engine_options["dtype"] = data_engine_dtype(self.engine_options)
+        planned = [read[i] for i, _ in self.planned]
+        draft_vocab_size = min(cfg.draft_vocab_size or DRAFT_VOCAB_SIZE, target_config.vocab_size)
+        self.write_store_files(cfg, target_config, tokenizer, planned, max_length, aux, draft_vocab_size)
+        self.cfg = cfg
+        self.config = replace(
+            cfg, data_path=str(self.directory), max_length=max_length, aux_layer_ids=aux, draft_vocab_size=None
+        )
+        self.max_length, self.aux = max_length, aux
+        lengths = bound_lengths(self.planned, cfg.max_new_tokens, max_length)
+        self.samples = BufferedSamples(
+            self.directory, cap, lengths, cfg.later_epochs == "keep", self.start, self.alive
+        )
+        self.writer: subprocess.Popen | None = None
+
+    def write_store_files(self, cfg, target_config, tokenizer, planned, max_length, aux, draft_vocab_size) -> None:
+        """The manifest and vocab map that make the feed's directory read as a store without shards: the map
+        counts the source answers of the `planned` conversations."""
+        counts = count_turn_tokens(planned, tokenizer, target_config.vocab_size, len(planned))
+        vmap = build_vocab_map(counts, draft_vocab_size)
+        write_vocab_map(self.directory, vmap["d2t"], vmap["t2d"], vmap["counts"])
+        manifest = {
+            "format": HIDDEN_FORMAT,
+            "version": VERSION,
+            "complete": True,
+            "target": {
+                **target_identity(target_config),
+                "given": cfg.target,
+                "fingerprint": files_fingerprint(cfg.target),
+            },
+            "aux_layer_ids": aux,
+            "dtype": STORED_DTYPE,
+            "tokenizer": cfg.target,
+            "chat_template_fingerprint": chat_template_fingerprint(tokenizer.chat_template),
+            "max_length": max_length,
+            "source": str(cfg.data_path),
+            "plan": {
+                "distil": "greedy answers, turn after turn, captured while generated",
+                "engine": "vllm",
+                "feed": "made by the engine as the trainer reads them, through a bounded buffer",
+                "turns": cfg.turns,
+                "max_new_tokens": cfg.max_new_tokens,
+                "system_prompt": cfg.system_prompt,
+                "source_samples": len(self.planned),
+            },
+            "num_samples": len(self.planned),
+            "shards": [],
+        }
+        write_json(self.directory / MANIFEST, manifest)
+
+    def start(self, keys: list[int], samples: list[int]) -> None:
+        """Start the engine writing buffer `keys` in order, sample `samples[k]` into `keys[k]` (the main process)."""
+        stop_earlier_writer(self.directory)
+        (self.directory / WRITER_STATS).unlink(missing_ok=True)
+        request = {
+            "target": self.cfg.target,
+            "aux_layer_ids": self.aux,
+            "engine_options": self.engine_options,
+            "directory": str(self.directory),
+            "cap_bytes": self.samples.buffer.cap_bytes,
+            "keys": keys,
+            "conversations": [[self.planned[i][0], self.planned[i][1]] for i in samples],
+            "kept": sorted(self.samples.key(-1, i) for i in self.samples.held_out)
+            if not self.samples.keep
+            else keys,
+            "max_new_tokens": self.cfg.max_new_tokens,
+            "max_length": self.max_length,
+            "end_id": self.end_id,
+            "eos_ids": self.eos_ids,
+            "batch_size": self.cfg.engine_batch_size,
+            "parent": os.getpid(),
+        }
+        path = self.directory / "writer-request.json"
+        path.write_text(json.dumps(request))
+        env = {**os.environ, "OMP_NUM_THREADS": "1", **{k: str(v) for k, v in self.cfg.engine_env.items()}}
+        log = open(self.directory / ENGINE_LOG, "w")
+        self.writer = subprocess.Popen([sys.executable, "-c", WRITER_CHILD, str(path)], env=env, stderr=log)
+
+    def alive(self) -> str | None:
+        """None while the engine works; else why it stopped, in one line."""
+        said = self.samples.buffer.writer_stats().get("error")
+        if said:
+            return f"the vLLM engine stopped: {said}"
+        if self.writer is not None and self.writer.poll() is not None:
+            tail = (self.directory / ENGINE_LOG).read_text(errors="replace").strip().splitlines()[-1:]
+            return f"the vLLM engine exited ({self.writer.returncode}): {tail[0] if tail else 'no output'}"
+        return None
+
+    def close(self) -> None:
+        if self.writer is not None and self.writer.poll() is None:
+            self.writer.send_signal(signal.SIGTERM)
+            try:
+                self.writer.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.writer.kill()
+                self.writer.wait()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+WRITER_PID = "writer.pid"
+
+
+def stop_earlier_writer(directory: Path) -> None:
+    """A writer a killed trainer left behind stops at its next sample; a resumed run stops it at once."""
+    try:
+        pid = int((directory / WRITER_PID).read_text())
+        if WRITER_CHILD.split(";")[1].strip() in Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " "):
+            os.kill(pid, signal.SIGTERM)
+    except (OSError, ValueError):
+        pass
+
+
+def write_samples(request_path: str) -> None:
+    """The engine's side (a child process of the main training process): answer the conversations in order, a
+    batch at a time, and put each sample into the buffer; stop when the trainer is gone. An engine that fails says
+    why in the buffer's writer stats, which the trainer reads."""
+    from engines.vllm_data import HiddenStatesServer
+
+    torch.set_num_threads(1)
+    request = json.loads(Path(request_path).read_text())
+    directory = Path(request["directory"])
+    (directory / WRITER_PID).write_text(str(os.getpid()))
+    buffer = SampleBuffer(directory, request["cap_bytes"])
+    kept = set(request["kept"])
+
+    def alive() -> str | None:
+        if os.getppid() != request["parent"]:
+            return "the trainer exited"
+        on_disk = buffer.samples()
+        if on_disk and kept >= set(on_disk):
+            return (
+                f"the buffer cap of {buffer.cap_bytes / 2**30:.2f} GiB is full of samples that are read again (the "
+                "held-out ones, and with later_epochs=keep every one): raise buffer_gib, lower eval_fraction, or "
+                "use later_epochs=answer"
+            )
+        return None
+
+    todo = [(k, c) for k, c in zip(request["keys"], request["conversations"]) if k not in buffer.samples()]
+    size = request["batch_size"]
+    try:
+        with HiddenStatesServer(request["target"], request["aux_layer_ids"], request["engine_options"]) as server:
+
+            def answer(prompts):
+                return server.answer(prompts, request["max_new_tokens"], set(request["eos_ids"]))
+
+            for start in range(0, len(todo), size):
+                chunk = todo[start : start + size]
+                conversations = [(source, segments) for _, (source, segments) in chunk]
+                samples = answer_turns(
+                    answer, conversations, request["max_new_tokens"], request["max_length"], request["end_id"]
+                )
+                for (key, (source, _)), sample in zip(chunk, samples):
+                    sample = with_every_row(sample)
+                    where = f"the target's hidden states while answering conversation {source}"
+                    sample.update(
+                        encode_checked(sample.pop("aux_hidden"), sample.pop("final_hidden"), STORED_DTYPE, where)
+                    )
+                    buffer.put(key, sample, alive)
+    except BufferStopped:
+        return
+    except Exception as e:  # the trainer reads this line and stops with it
+        buffer.stats["error"] = " ".join(str(e).split())[:500] or type(e).__name__
+        write_json(directory / WRITER_STATS, buffer.stats)
+        raise
