@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -118,9 +119,7 @@ class EngineFeed:
         )
         self.max_length, self.aux = max_length, aux
         lengths = bound_lengths(self.planned, cfg.max_new_tokens, max_length)
-        self.samples = BufferedSamples(
-            self.directory, cap, lengths, cfg.later_epochs == "keep", self.start, self.alive
-        )
+        self.samples = BufferedSamples(self.directory, cap, lengths, cfg.later_epochs == "keep", self.start, self.alive)
         self.writer: subprocess.Popen | None = None
 
     def write_store_files(self, cfg, target_config, tokenizer, planned, max_length, aux, draft_vocab_size) -> None:
@@ -170,9 +169,7 @@ class EngineFeed:
             "cap_bytes": self.samples.buffer.cap_bytes,
             "keys": keys,
             "conversations": [[self.planned[i][0], self.planned[i][1]] for i in samples],
-            "kept": sorted(self.samples.key(-1, i) for i in self.samples.held_out)
-            if not self.samples.keep
-            else keys,
+            "kept": sorted(self.samples.key(-1, i) for i in self.samples.held_out) if not self.samples.keep else keys,
             "max_new_tokens": self.cfg.max_new_tokens,
             "max_length": self.max_length,
             "end_id": self.end_id,
@@ -250,10 +247,14 @@ def write_samples(request_path: str) -> None:
             )
         return None
 
-    todo = [(k, c) for k, c in zip(request["keys"], request["conversations"]) if k not in buffer.samples()]
+    todo = list(zip(request["keys"], request["conversations"]))
     size = request["batch_size"]
+    if not todo:
+        return  # every sample is in the buffer already (later_epochs=keep, resumed)
     try:
         with HiddenStatesServer(request["target"], request["aux_layer_ids"], request["engine_options"]) as server:
+            buffer.started = time.perf_counter()  # the engine's rate counts from its start on
+            buffer.stats["engine_start_seconds"] = server.init_seconds
 
             def answer(prompts):
                 return server.answer(prompts, request["max_new_tokens"], set(request["eos_ids"]))

@@ -15,8 +15,9 @@ Data: offline (mode=offline, the default) reads the hidden states of a store fro
 `eagle-prep distil`/`capture`; online (mode=online) reads a tokenized dataset (`eagle-prep tokenize`) and runs
 the target on each batch; online with engine=vllm, a vLLM engine answers the conversations at data_path (any
 eagle-prep source) as `eagle-prep distil --engine vllm` would while the head trains, and hands the samples over
-through a buffer of at most buffer_gib on disk (engine_options go to vllm.LLM: tensor_parallel_size...). Left unset (null), max_length, draft_vocab_size and, offline, aux_layer_ids are
-the data's (its manifest and vocab map); a value the data contradicts is refused.
+through a buffer of at most buffer_gib on disk (engine_options go to vllm.LLM: tensor_parallel_size...). Left
+unset (null), max_length, draft_vocab_size and, offline, aux_layer_ids are the data's (its manifest and vocab
+map); a value the data contradicts is refused.
 
 Output: checkpoints go to <output_dir>/checkpoint-<step> (every save_every steps and at the end; the newest
 keep_checkpoints stay), the trained head to <output_dir>/final (eagle-export reads either), metrics to

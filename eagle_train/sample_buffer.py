@@ -31,8 +31,9 @@ SUFFIX = ".safetensors"
 WRITER_STATS = "writer.json"
 
 
-class BufferStopped(RuntimeError):
-    """The other side of the buffer died or stopped: its reason, in one line."""
+class BufferStopped(ChildProcessError):
+    """The other side of the buffer died or stopped: its reason, in one line (an OSError, so a training script says it
+    in one line: `train_config.one_line_refusals`)."""
 
 
 def sample_name(index: int) -> str:
@@ -74,6 +75,7 @@ class SampleBuffer:
         self.cap_bytes = cap_bytes
         self.poll_seconds = poll_seconds
         self.stats = {"put": 0, "put_wait_seconds": 0.0, "peak_bytes": 0, "get": 0, "get_wait_seconds": 0.0}
+        self.started = time.perf_counter()
 
     def samples(self) -> dict[int, Path]:
         """The whole samples on disk, by index."""
@@ -118,6 +120,7 @@ class SampleBuffer:
                 raise OSError(f"the disk of the buffer {self.directory} is full: free space or lower the cap") from e
             raise
         self.stats["put"] += 1
+        self.stats["seconds"] = time.perf_counter() - self.started
         self.stats["peak_bytes"] = max(self.stats["peak_bytes"], self.used_bytes())
         write_json(self.directory / WRITER_STATS, self.stats)
 
@@ -148,7 +151,8 @@ class SampleBuffer:
         return len(gone)
 
     def writer_stats(self) -> dict:
-        """The writer's counters (its own process's, read from disk): put, put_wait_seconds, peak_bytes."""
+        """The writer's counters (its own process's, read from disk): put, put_wait_seconds, peak_bytes, seconds
+        (from its start to its last sample), and error when it failed."""
         path = self.directory / WRITER_STATS
         try:
             return json.loads(path.read_text())
@@ -206,10 +210,11 @@ class BufferedSamples:
         return i if held_out(epoch) or self.keep else (epoch + 1) * len(self) + i
 
     def begin(self, order: list[tuple[int, int]], position: int, main: bool) -> None:
-        """Start the engine on `order[position:]` (each key once), after the held-out samples, and remove what no
-        read will want: samples a resumed run read before its checkpoint, or that another process count reads no
-        more."""
+        """Start the engine on `order[position:]` (each key once, but those on disk already: a resumed run's engine
+        wrote them ahead), after the held-out samples, and remove what no read will want: samples a resumed run read
+        before its checkpoint, or that another process count reads no more."""
         self.held_out = {i for e, i in order if held_out(e)}
+        self.buffer.started = time.perf_counter()  # the trainer's rate counts from here on
         if not main:
             return
         todo = [(self.key(e, i), i) for e, i in order if held_out(e)] + [
@@ -224,7 +229,9 @@ class BufferedSamples:
                 keys.append(key)
                 samples.append(i)
         self.buffer.drop_all_but(seen)
-        self.start_writer(keys, samples)
+        on_disk = self.buffer.samples()  # before any read: one read meanwhile must not be written again
+        todo = [(key, i) for key, i in zip(keys, samples) if key not in on_disk]
+        self.start_writer([key for key, _ in todo], [i for _, i in todo])
 
     def for_epoch(self, epoch: int) -> "BufferedSamples":
         view = copy.copy(self)
@@ -241,10 +248,13 @@ class BufferedSamples:
         return item
 
     def status(self) -> str:
-        """Both sides' rates and which holds the other back, for the progress bar."""
-        made = self.buffer.writer_stats()
+        """Both sides' rates while they work (not waiting on the other), which holds the other back and the peak
+        bytes on disk, for the progress lines."""
+        made, read = self.buffer.writer_stats(), self.buffer.stats
+        engine_busy = made.get("seconds", 0.0) - made.get("put_wait_seconds", 0.0)
+        trainer_busy = time.perf_counter() - self.buffer.started - read["get_wait_seconds"]
         return (
-            f"engine {made.get('put', 0)} made, waited {made.get('put_wait_seconds', 0.0):.0f}s | trainer waited "
-            f"{self.buffer.stats['get_wait_seconds']:.0f}s | {self.buffer.bottleneck()}-bound | "
-            f"{made.get('peak_bytes', 0) / 2**20:.0f} MiB peak"
+            f"engine {made.get('put', 0) / max(engine_busy, 1e-9):.2f} samples/s, trainer "
+            f"{read['get'] / max(trainer_busy, 1e-9):.2f} samples/s: {self.buffer.bottleneck()}-bound | buffer peak "
+            f"{made.get('peak_bytes', 0) / 2**20:.0f} MiB"
         )

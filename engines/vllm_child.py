@@ -177,6 +177,9 @@ def error_lines(stderr: str) -> str:
         if said is not None:
             return f"{meaning} (vLLM: {said[-200:]})"
     errors = [
-        line for line in lines if "Error" in line.split(":")[0] or line.startswith(("ValueError", "RuntimeError"))
+        line
+        for line in lines
+        if ("Error" in line.split(":")[0] or line.startswith(("ValueError", "RuntimeError")))
+        and not line.lstrip().startswith("raise ")
     ]
     return "\n".join(errors[-3:] or lines[-LOG_TAIL:])

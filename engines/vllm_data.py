@@ -103,6 +103,11 @@ def data_engine_options() -> dict:
     }
 
 
+def final_norm(model):
+    """The model's final norm, from each worker (`LLM.apply_model` pickles the function to them under TP/PP)."""
+    return model.model.norm
+
+
 class HiddenStatesEngine:
     """One vLLM engine that answers greedily and keeps, for every token it runs (prompt and answer), the inputs
     of the aux layers and the last layer's output (id = num_hidden_layers, before the final norm; the engine's
@@ -137,7 +142,7 @@ class HiddenStatesEngine:
             },
             **options,
         )
-        self.norm = self.llm.apply_model(lambda model: model.model.norm)[0]
+        self.norm = self.llm.apply_model(final_norm)[-1]  # the last pipeline stage's (each worker's under TP)
 
     def answer(self, prompts: list[list[int]], max_new_tokens: int, stop_ids=None) -> list[dict]:
         """Per prompt `input_ids` [T] (prompt + answer, up to and with a stop id), `aux_hidden` [T - 1, 3H] and

@@ -24,9 +24,9 @@ import torch
 from conftest import free_port
 from safetensors.torch import load_file
 
+from eagle_cli.train import run
 from eagle_train.checkpoint import load_draft_head
 from eagle_train.methods import method_of, objective_for
-from eagle_cli.train import run
 from eagle_train.train_checkpoint import check_resumable, newest_checkpoint
 from eagle_train.train_config import load_train_config
 from eagle_train.trainer import train

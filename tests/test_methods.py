@@ -30,8 +30,8 @@ def test_every_row_names_what_it_needs():
 def test_a_fifth_method_is_one_row(monkeypatch, tiny_llama_dir, small_tokenized, tmp_path, capsys):
     from eagle_cli.evaluate import main as evaluate
     from eagle_cli.export import main as export
-    from eagle_train.checkpoint import load_draft_head
     from eagle_cli.train import main as train
+    from eagle_train.checkpoint import load_draft_head
 
     monkeypatch.setitem(methods.METHODS, "eagle3_twin", TWIN)
     run, out = tmp_path / "run", tmp_path / "export"

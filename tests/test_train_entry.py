@@ -8,11 +8,11 @@ import torch
 from conftest import TINY_TARGET
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from eagle_cli.train import main
 from eagle_train.config_files import SHIPPED, config_file, shipped_names
 from eagle_train.methods import METHODS, objective_for
 from eagle_train.methods.peagle.train import PEagleObjective
 from eagle_train.store import MANIFEST, VOCAB_MAP, read_manifest
-from eagle_cli.train import main
 from eagle_train.train_config import TrainConfig, load_train_config
 
 
