@@ -260,6 +260,8 @@ def write_samples(request_path: str) -> None:
                 return server.answer(prompts, request["max_new_tokens"], set(request["eos_ids"]))
 
             for start in range(0, len(todo), size):
+                if os.getppid() != request["parent"]:
+                    return  # the trainer was killed: a resumed run starts its own engine
                 chunk = todo[start : start + size]
                 conversations = [(source, segments) for _, (source, segments) in chunk]
                 samples = answer_turns(
