@@ -569,10 +569,12 @@ def held_out_metrics(run: Run, objective, when: str) -> dict | None:
     w, r = accelerator.num_processes, accelerator.process_index
     mine = batches[r::w]
     rounds = math.ceil(len(batches) / w)
-    seeds = [draw_seed(run.cfg.seed, -1, k) for k in range(len(batches))][r::w]
+    seeds = [draw_seed(run.cfg.seed, -1, k) for k in range(len(batches))]
     results = []
-    padding = rounds - len(mine)
-    stream = loader(run.data, mine + batches[:1] * padding, seeds + seeds[:1] * padding, run.cfg, not run.source.online)
+    padding = rounds - len(mine)  # a process without a batch of its own (fewer batches than processes) repeats one
+    stream = loader(
+        run.data, mine + batches[:1] * padding, seeds[r::w] + seeds[:1] * padding, run.cfg, not run.source.online
+    )
     with torch.no_grad():
         for k, padded in enumerate(stream):
             metrics = objective(run.model, run.source(padded), lambda loss: None)
