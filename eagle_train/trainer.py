@@ -514,6 +514,7 @@ def optimizer_step(run: Run, objective, group: list[list[int]], stream) -> dict:
         sync = contextlib.nullcontext() if j == accum - 1 else accelerator.no_sync(run.model)
         with sync:
             per_batch.append(objective(run.model, run.source(padded), backward))
+        per_batch[-1]["count_tokens"] = padded["attention_mask"].sum()  # not run.lengths: an engine's are bounds
     grad_norm = run.backend.grad_norm(accelerator, run.model, run.params, cfg.max_grad_norm)
     metrics = pool_metrics(per_batch, accelerator)
     refuse_non_finite_step(run, metrics["loss"], grad_norm, group, [m["loss"] for m in per_batch])
@@ -521,12 +522,14 @@ def optimizer_step(run: Run, objective, group: list[list[int]], stream) -> dict:
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
 
-    tokens = sum(run.lengths[i] for b in group for i in b)
+    tokens = int(metrics.pop("count_tokens"))
     state["step"] += 1
     state["epoch_samples"] += sum(len(b) for b in group)
     state["samples_consumed"] += sum(len(b) for b in group)
     state["tokens_consumed"] += tokens
-    metrics.update(lr=run.scheduler.get_last_lr()[0], tokens_per_s=tokens / (time.perf_counter() - start))
+    metrics.update(
+        lr=run.scheduler.get_last_lr()[0], tokens=tokens, tokens_per_s=tokens / (time.perf_counter() - start)
+    )
     if grad_norm is not None:
         metrics["grad_norm"] = float(grad_norm)
     return metrics
