@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -121,6 +122,7 @@ class EngineFeed:
         lengths = bound_lengths(self.planned, cfg.max_new_tokens, max_length)
         self.samples = BufferedSamples(self.directory, cap, lengths, cfg.later_epochs == "keep", self.start, self.alive)
         self.writer: subprocess.Popen | None = None
+        self.heartbeat = Heartbeat(self.directory / HEARTBEAT)
 
     def write_store_files(self, cfg, target_config, tokenizer, planned, max_length, aux, draft_vocab_size) -> None:
         """The manifest and vocab map that make the feed's directory read as a store without shards: the map
@@ -177,8 +179,14 @@ class EngineFeed:
             "batch_size": self.cfg.engine_batch_size,
             "parent": os.getpid(),
         }
-        path = self.directory / "writer-request.json"
-        path.write_text(json.dumps(request))
+        (self.directory / HEARTBEAT).unlink(missing_ok=True)
+        path = self.directory / REQUEST
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(request))
+        os.replace(tmp, path)  # an external engine never reads half a request
+        if self.cfg.engine_launch == "external":
+            print(f"waiting for the engine: run `python -m data_prep.feed {self.directory}` where it runs")
+            return
         env = {**os.environ, "OMP_NUM_THREADS": "1", **{k: str(v) for k, v in self.cfg.engine_env.items()}}
         log = open(self.directory / ENGINE_LOG, "w")
         self.writer = subprocess.Popen([sys.executable, "-c", WRITER_CHILD, str(path)], env=env, stderr=log)
@@ -191,7 +199,7 @@ class EngineFeed:
         if self.writer is not None and self.writer.poll() is not None:
             tail = (self.directory / ENGINE_LOG).read_text(errors="replace").strip().splitlines()[-1:]
             return f"the vLLM engine exited ({self.writer.returncode}): {tail[0] if tail else 'no output'}"
-        return None
+        return self.heartbeat.stopped()
 
     def close(self) -> None:
         if self.writer is not None and self.writer.poll() is None:
@@ -210,6 +218,46 @@ class EngineFeed:
 
 
 WRITER_PID = "writer.pid"
+REQUEST = "writer-request.json"  # what the trainer asks the engine to write: keys, conversations, settings
+HEARTBEAT = "writer.heartbeat"  # a count the engine's process raises every HEARTBEAT_SECONDS while it lives
+HEARTBEAT_SECONDS, HEARTBEAT_SILENCE = 5.0, 120.0
+
+
+class Heartbeat:
+    """The engine's liveness as the trainer sees it through the shared directory, on any node: the count in the
+    heartbeat file must change within HEARTBEAT_SILENCE seconds of this process's clock (no clocks compared)."""
+
+    def __init__(self, path: Path):
+        self.path, self.last, self.since = path, None, time.monotonic()
+
+    def stopped(self) -> str | None:
+        try:
+            count = self.path.read_text()
+        except OSError:
+            return None  # not started yet: vLLM's start takes minutes on a big target
+        if count != self.last:
+            self.last, self.since = count, time.monotonic()
+        elif time.monotonic() - self.since > HEARTBEAT_SILENCE:
+            return (
+                f"no heartbeat from the vLLM engine for {HEARTBEAT_SILENCE:.0f}s ({self.path}): its process or node "
+                "died, or lost the shared storage"
+            )
+        return None
+
+
+def beat(path: Path) -> None:
+    """Raise the heartbeat count every HEARTBEAT_SECONDS, from a daemon thread of the engine's process."""
+
+    def run():
+        count = 0
+        while True:
+            count += 1
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(str(count))
+            os.replace(tmp, path)
+            time.sleep(HEARTBEAT_SECONDS)
+
+    threading.Thread(target=run, daemon=True).start()
 
 
 def stop_earlier_writer(directory: Path) -> None:
@@ -222,22 +270,29 @@ def stop_earlier_writer(directory: Path) -> None:
         pass
 
 
-def write_samples(request_path: str) -> None:
-    """The engine's side (a child process of the main training process): answer the conversations in order, a
-    batch at a time, and put each sample into the buffer; stop when the trainer is gone. An engine that fails says
-    why in the buffer's writer stats, which the trainer reads."""
+def write_samples(request_path: str, external: bool = False) -> None:
+    """The engine's side: answer the conversations of the trainer's request in order, a batch at a time, and put each
+    sample into the buffer. As the main training process's child, stop when it is gone; started apart (`external`,
+    `serve`), when the trainer asks anew (a resumed run). An engine that fails says why in the buffer's writer stats,
+    which the trainer reads."""
     from engines.vllm_data import HiddenStatesServer
 
     torch.set_num_threads(1)
-    request = json.loads(Path(request_path).read_text())
+    asked = Path(request_path).read_text()
+    request = json.loads(asked)
     directory = Path(request["directory"])
     (directory / WRITER_PID).write_text(str(os.getpid()))
     buffer = SampleBuffer(directory, request["cap_bytes"])
     kept = set(request["kept"])
 
+    def gone() -> str | None:
+        if external:
+            return None if Path(request_path).read_text() == asked else "the trainer asked anew"
+        return None if os.getppid() == request["parent"] else "the trainer exited"
+
     def alive() -> str | None:
-        if os.getppid() != request["parent"]:
-            return "the trainer exited"
+        if gone():
+            return gone()
         on_disk = buffer.samples()
         if on_disk and kept >= set(on_disk):
             return (
@@ -251,6 +306,7 @@ def write_samples(request_path: str) -> None:
     size = request["batch_size"]
     if not todo:
         return  # every sample is in the buffer already (later_epochs=keep, resumed)
+    beat(directory / HEARTBEAT)
     try:
         with HiddenStatesServer(request["target"], request["aux_layer_ids"], request["engine_options"]) as server:
             buffer.started = time.perf_counter()  # the engine's rate counts from its start on
@@ -260,8 +316,8 @@ def write_samples(request_path: str) -> None:
                 return server.answer(prompts, request["max_new_tokens"], set(request["eos_ids"]))
 
             for start in range(0, len(todo), size):
-                if os.getppid() != request["parent"]:
-                    return  # the trainer was killed: a resumed run starts its own engine
+                if gone():
+                    return  # the trainer was killed, or a resumed one asks anew
                 chunk = todo[start : start + size]
                 conversations = [(source, segments) for _, (source, segments) in chunk]
                 samples = answer_turns(
@@ -280,3 +336,32 @@ def write_samples(request_path: str) -> None:
         buffer.stats["error"] = " ".join(str(e).split())[:500] or type(e).__name__
         write_json(directory / WRITER_STATS, buffer.stats)
         raise
+
+
+def serve(directory: str) -> None:
+    """`python -m data_prep.feed BUFFER_DIR`: the engine of a run with `engine_launch=external`, on a node of its own
+    that shares BUFFER_DIR with the trainer's. Answers each request the trainer writes there (a resumed run's too),
+    until killed."""
+    path = Path(directory) / REQUEST
+    done = None
+    print(f"waiting for a trainer's request in {path}")
+    while True:
+        try:
+            asked = path.read_text()
+        except OSError:
+            asked = None
+        if asked is None or asked == done:
+            time.sleep(1.0)
+            continue
+        print(f"answering {len(json.loads(asked)['keys'])} samples into {directory}")
+        try:
+            write_samples(str(path), external=True)
+        except Exception:  # said in the writer stats, which the trainer reads; wait for its next request
+            pass
+        done = asked
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m data_prep.feed BUFFER_DIR (the buffer_dir of a run with engine_launch=external)")
+    serve(sys.argv[1])

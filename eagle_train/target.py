@@ -238,6 +238,38 @@ def check_decoder(model) -> None:
         )
 
 
+def target_ends(model) -> list[torch.Tensor]:
+    """What training reads of a target whose hidden states come from elsewhere (a store, an engine): the input
+    embedding, the lm_head (its bias too) and the final norm, each once."""
+    lm_head = model.get_output_embeddings()
+    weights = [model.get_input_embeddings().weight, lm_head.weight, getattr(lm_head, "bias", None)]
+    norm = getattr(getattr(model, "model", None), "norm", None)
+    weights.append(getattr(norm, "weight", None))
+    return [w for k, w in enumerate(weights) if w is not None and not any(w is other for other in weights[:k])]
+
+
+def load_target_ends(name_or_path: str, dtype: torch.dtype = torch.float32):
+    """The target with only its ends (`target_ends`) read from its files, in `dtype` on the CPU, and its decoder layers
+    left on the meta device, never run: training from a store or an engine's samples holds vocab x hidden twice, not
+    the whole target (a 70B one is 280 GB in fp32). Its weights fingerprint is the whole model's."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(load_target_config(name_or_path))
+    check_decoder(model)
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    owners = {}  # a tied weight's first owner: the input embedding comes before the lm_head
+    for module in model.modules():
+        for name, weight in module.named_parameters(recurse=False):
+            owners.setdefault(id(weight), (module, name))
+    for meta, value in zip(target_ends(model), read_target_weights(name_or_path, target_ends)):
+        module, name = owners[id(meta)]
+        setattr(module, name, torch.nn.Parameter(value.to(dtype), requires_grad=False))
+    if tied:
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+    return model.eval().requires_grad_(False)
+
+
 def load_target(name_or_path: str, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu"):
     """Load (model, tokenizer), frozen and in eval mode, its logits rule checked (`check_target_logits`).
 

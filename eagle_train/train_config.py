@@ -42,6 +42,7 @@ EVERY_OFF = {
 MODES = ("offline", "online")
 ENGINES = ("hf", "vllm")  # online: who runs the target (engine)
 LATER_EPOCHS = ("answer", "keep")  # engine=vllm: what epochs after the first read (later_epochs)
+ENGINE_LAUNCHES = ("child", "external")  # engine=vllm: who starts the engine (engine_launch)
 REPORT_TO = ("tensorboard", "wandb", "none")
 
 
@@ -56,6 +57,9 @@ class TrainConfig:
     engine: str = "hf"
     engine_options: dict = field(default_factory=dict)  # engine=vllm: passed to vllm.LLM (tensor_parallel_size...)
     engine_env: dict = field(default_factory=dict)  # engine=vllm: the engine's environment (CUDA_VISIBLE_DEVICES...)
+    # engine=vllm: child, the main training process starts the engine; external, it runs apart (another node sharing
+    # buffer_dir): `python -m data_prep.feed BUFFER_DIR` there
+    engine_launch: str = "child"
     engine_batch_size: int = 32  # engine=vllm: conversations the engine answers together
     max_new_tokens: int = 256  # engine=vllm: the longest answer
     turns: int | None = 1  # engine=vllm: user turns answered per conversation (None: all)
@@ -301,6 +305,7 @@ def validate(cfg: TrainConfig, target_config) -> None:
         f"engine={cfg.engine} makes the hidden states online: set mode=online (offline reads a store)",
     )
     need(cfg.later_epochs in LATER_EPOCHS, f"later_epochs {cfg.later_epochs!r} is not one of {LATER_EPOCHS}")
+    need(cfg.engine_launch in ENGINE_LAUNCHES, f"engine_launch {cfg.engine_launch!r} is not one of {ENGINE_LAUNCHES}")
     need(cfg.report_to in REPORT_TO, f"report_to {cfg.report_to!r} is not one of {REPORT_TO}")
     need(
         cfg.report_to != "wandb" or importlib.util.find_spec("wandb") is not None,

@@ -63,7 +63,7 @@ from eagle_train.store import (
     read_vocab_map,
     target_fingerprint,
 )
-from eagle_train.target import load_target, load_target_config
+from eagle_train.target import load_target, load_target_config, load_target_ends
 from eagle_train.train_checkpoint import Resumable, last_good_checkpoint, resolve_resume, restore, save_checkpoint
 from eagle_train.train_config import TrainConfig, runs_the_target, validate
 from eagle_train.vocab_map import top_k_vocab_map
@@ -349,11 +349,11 @@ class Run(Resumable):
 def build_model(cfg: TrainConfig, build_head, resume_from: Path | None, device) -> tuple[nn.Module, BatchSource]:
     """The head in fp32 (new, from init_from, or with a resumed checkpoint's weights) and the
     source that turns micro-batches into its training batches."""
-    # Offline needs only the embedding and lm_head; loading on CPU keeps the rest off the GPU.
     online = runs_the_target(cfg)
-    target_model, _ = load_target(
-        cfg.target, dtype=None if online else torch.float32, device=device if online else "cpu"
-    )
+    if online:
+        target_model, _ = load_target(cfg.target, device=device)
+    else:  # the states come with the data: the target's embedding, norm and lm_head are all it reads
+        target_model = load_target_ends(cfg.target)
     if resume_from is not None:
         head = load_draft_head(resume_from, target_model)  # the checkpoint's config, vocab map and weights
     else:

@@ -110,3 +110,24 @@ def test_an_engine_that_died_stops_the_trainer_in_one_line(train_store, tmp_path
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert done.returncode == 1 and done.stderr == "error: the vLLM engine exited (1): boom\n"
+
+
+def test_an_engine_on_another_node_is_alive_while_its_heartbeat_count_moves(tmp_path, monkeypatch):
+    """engine_launch=external: the trainer sees the engine only through the shared directory. Before the first beat
+    it waits (vLLM starts); a count that stops moving for HEARTBEAT_SILENCE seconds of the trainer's own clock means
+    the engine's process or node died."""
+    from data_prep import feed
+
+    clock = [0.0]
+    monkeypatch.setattr(feed.time, "monotonic", lambda: clock[0])
+    heartbeat = feed.Heartbeat(tmp_path / feed.HEARTBEAT)
+    clock[0] = 10 * feed.HEARTBEAT_SILENCE
+    assert heartbeat.stopped() is None  # no engine yet: waiting is not dying
+    for count in range(1, 4):
+        (tmp_path / feed.HEARTBEAT).write_text(str(count))
+        clock[0] += feed.HEARTBEAT_SILENCE - 1
+        assert heartbeat.stopped() is None
+    clock[0] += feed.HEARTBEAT_SILENCE - 1
+    assert heartbeat.stopped() is None
+    clock[0] += 2
+    assert "no heartbeat from the vLLM engine for 120s" in heartbeat.stopped()

@@ -152,19 +152,26 @@ def test_an_engine_that_cannot_start_stops_the_run_in_one_line(tmp_path):
     assert not (tmp_path / "final").exists()
 
 
-def test_tensor_parallel_engine_makes_the_targets_own_states(tmp_path):
-    """TP=2 on a tiny random Llama (4 heads, 2 KV heads: both divide by 2) trains, and each sample's states are
-    `target_hidden_states` of its tokens, to bf16 rounding. VLLM_CPU_OMP_THREADS_BIND gives each worker a core."""
+def test_an_engine_started_apart_with_tensor_parallelism_makes_the_targets_own_states(tmp_path):
+    """The engine as on a node of its own (engine_launch=external: `python -m data_prep.feed BUFFER_DIR`, sharing the
+    buffer's directory) with TP=2, on a tiny random Llama (4 heads, 2 KV heads: both divide by 2;
+    VLLM_CPU_OMP_THREADS_BIND gives each worker a core). The head trains, and each sample's states are
+    `target_hidden_states` of its tokens, to bf16 rounding."""
     from test_vllm import tiny_target_dir
 
     from eagle_train.hidden_states import target_hidden_states
     from eagle_train.target import load_target
 
     target, _ = tiny_target_dir(tmp_path, "llama")
-    tp = ["engine_options={tensor_parallel_size: 2, dtype: float32}", 'engine_env={VLLM_CPU_OMP_THREADS_BIND: "0|1"}']
     out = tmp_path / "tp2"
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    engine = subprocess.Popen([sys.executable, "-m", "data_prep.feed", str(out / "buffer")], env=env)
+    tp = ["engine_launch=external", "engine_options={tensor_parallel_size: 2, dtype: float32}"]
     feed = [f"target={target}", *FEED[1:], *tp, "later_epochs=keep", "max_steps=2", f"output_dir={out}"]
-    result = run(load_train_config(None, [*feed, *TRAINING, *ONE_BATCH]))
+    try:
+        result = run(load_train_config(None, [*feed, *TRAINING, *ONE_BATCH]))
+    finally:
+        engine.kill()
     assert len(result["history"]) == 2
     model, _ = load_target(str(target))
     manifest = json.loads((out / "buffer" / "manifest.json").read_text())

@@ -20,6 +20,7 @@ from eagle_train.target import (
     end_of_turn_ids,
     load_target,
     load_target_config,
+    load_target_ends,
     load_tokenizer,
     resolve_target,
 )
@@ -169,6 +170,25 @@ def test_one_conversion_per_gguf_content_not_per_path(tmp_path, monkeypatch, tin
     assert resolve_target(str(tmp_path / "venv-b" / "model.gguf")) != first and len(calls) == 2
     monkeypatch.setattr(target_mod, "CONVERTER", "tf-another-major")
     assert resolve_target(str(tmp_path / "venv-a" / "model.gguf")) != first and len(calls) == 3
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_targets_ends_are_its_own_weights_and_its_layers_never_load(tmp_path, tied):
+    """Training from stored or fed states holds the target's embedding, lm_head and final norm, read from its files:
+    the loaded model's own values (and fingerprint), a tied lm_head still the embedding, and no decoder layer."""
+    from conftest import tiny_target
+
+    from eagle_train.store import target_fingerprint
+
+    model = tiny_target(noise=0.1, vocab_size=512, tie_word_embeddings=tied)
+    model.save_pretrained(tmp_path)
+    ends = load_target_ends(str(tmp_path))
+    assert torch.equal(ends.get_input_embeddings().weight, model.get_input_embeddings().weight)
+    assert torch.equal(ends.get_output_embeddings().weight, model.get_output_embeddings().weight)
+    assert torch.equal(ends.model.norm.weight, model.model.norm.weight)
+    assert (ends.get_output_embeddings().weight is ends.get_input_embeddings().weight) == tied
+    assert all(p.is_meta for p in ends.model.layers.parameters())
+    assert target_fingerprint(ends) == target_fingerprint(model)
 
 
 def test_not_a_decoder_is_refused(tmp_path):
