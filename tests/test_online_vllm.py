@@ -152,6 +152,7 @@ def test_an_engine_that_cannot_start_stops_the_run_in_one_line(tmp_path):
     assert not (tmp_path / "final").exists()
 
 
+@pytest.mark.slow  # two engine workers on both cores: run with -m slow
 def test_an_engine_started_apart_with_tensor_parallelism_makes_the_targets_own_states(tmp_path):
     """The engine as on a node of its own (engine_launch=external: `python -m data_prep.feed BUFFER_DIR`, sharing the
     buffer's directory) with TP=2, on a tiny random Llama (4 heads, 2 KV heads: both divide by 2;
@@ -180,3 +181,16 @@ def test_an_engine_started_apart_with_tensor_parallelism_makes_the_targets_own_s
         aux, final = target_hidden_states(model, fed["input_ids"][None, :-1], aux_layer_ids=manifest["aux_layer_ids"])
         rows_close(fed["aux_hidden"][:-1].view(-1, model.config.hidden_size), aux[0].view(-1, model.config.hidden_size))
         rows_close(fed["final_hidden"][:-1], final[0])
+
+
+@pytest.mark.parametrize("method", ["eagle3", "peagle", "dflash", "dspark"])
+def test_every_method_trains_on_the_engines_samples(kept, tmp_path, method):
+    """Every method reads the engine's samples as it reads a store's: here the kept ones of an engine-fed run, read
+    again without an engine (later_epochs=keep, every sample on disk)."""
+    buffer = tmp_path / "buffer"
+    shutil.copytree(kept[0] / "buffer", buffer)
+    again = ["later_epochs=keep", f"buffer_dir={buffer}", f"method={method}", f"output_dir={tmp_path / method}"]
+    result = run(load_train_config(None, [*FEED, *TRAINING, *ONE_BATCH, "num_epochs=3", *again]))
+    assert len(result["history"]) == 3
+    assert result["eval_after"]["loss"] < result["eval_before"]["loss"]
+    assert not (buffer / "writer.heartbeat").exists()  # no engine started: nothing was answered again

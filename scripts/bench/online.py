@@ -4,12 +4,13 @@ through a bounded buffer; data_prep/feed.py).
 
     python scripts/bench/online.py --conversations 64 --max-new-tokens 64 --engine-core 1
 
-The same ShareGPT conversations, answered greedily by the target (SmolLM2 unless --target), train the same EAGLE-3
-head config for --epochs. The trainer runs one thread; the vLLM engine is bound to --engine-core. Prints per way:
-wall seconds (with engine starts and evals), the training loop's seconds and tokens trained per second, and the
-peak bytes on disk; then the engine alone (distil's answer rate, without its start) and the trainer alone (the
-offline loop) as tokens per second, and online-vLLM's loop over the slower of the two: the overlap is real when it
-is near 1. Held-out simulated AL after training, per way, says whether the heads learnt alike.
+The same ShareGPT first turns, answered greedily by the target (SmolLM2 unless --target), train the same EAGLE-3
+head config for --epochs. The trainer runs one thread; the vLLM engine is bound to --engine-core. Prints per way
+the wall seconds of all it takes (offline: distil, then training; online-vLLM: the engine's start too), the tokens
+trained and their rate over that wall, the peak bytes on disk (online-HF: those of a tokenized dataset of the same
+tokens, ids and masks) and the held-out simulated AL after training. Then, in samples per second without the
+engine's start: the engine alone (distil), the trainer alone (training on the store) and online-vLLM, over the
+slower of the two: the overlap is real when that is near 1 or above.
 """
 
 import argparse
@@ -20,11 +21,6 @@ import time
 from pathlib import Path
 
 import torch
-
-
-def loop_seconds(result) -> float:
-    """The training loop's time: each step's tokens over its tokens per second (data waits included, evals not)."""
-    return sum(m["tokens"] / m["tokens_per_s"] for m in result["history"])
 
 
 def trained(result) -> int:
@@ -40,6 +36,8 @@ def main(argv=None):
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--engine-core", default="1", help="VLLM_CPU_OMP_THREADS_BIND of the engine")
     p.add_argument("--buffer-gib", type=float, default=0.25)
+    p.add_argument("--ttt-length", type=int, default=7)
+    p.add_argument("--draft-vocab", type=int, default=16384)
     p.add_argument("--out", default=None, help="a directory for the runs (default: a temporary one)")
     args = p.parse_args(argv)
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = args.engine_core
@@ -47,24 +45,24 @@ def main(argv=None):
 
     from data_prep.distil import distil
     from eagle_cli.train import run
-    from eagle_train.store import read_manifest
+    from eagle_train.store import ShardedSamples, read_manifest
     from eagle_train.target import load_tokenizer
     from eagle_train.train_config import load_train_config
 
     out = Path(args.out or tempfile.mkdtemp(prefix="bench-online-"))
     common = [
         f"target={args.target}",
-        "ttt_length=3",
+        f"ttt_length={args.ttt_length}",
         "tokens_per_batch=2048",
         f"num_epochs={args.epochs}",
         "eval_fraction=0.1",
         "learning_rate=1e-3",
         "warmup_steps=2",
-        "draft_vocab_size=4096",
+        f"draft_vocab_size={args.draft_vocab}",
         "report_to=none",
         "log_every=0",
     ]
-    rows, figures = {}, {}
+    rows = {}
 
     t = time.perf_counter()
     store = out / "store"
@@ -72,12 +70,12 @@ def main(argv=None):
                       limit=args.conversations, max_length=args.max_length, max_new_tokens=args.max_new_tokens,
                       turns=1, engine="vllm", progress=False)  # fmt: skip
     distil_wall = time.perf_counter() - t
-    engine_alone = stats["tokens"] / (stats["seconds"] - stats["engine_start_seconds"])
     store_bytes = sum(f.stat().st_size for f in store.glob("shard-*.safetensors"))
 
     t = time.perf_counter()
     offline = run(load_train_config(None, [*common, f"data_path={store}", f"output_dir={out / 'offline'}"]))
-    rows["offline (distil + train)"] = (distil_wall + time.perf_counter() - t, offline, store_bytes)
+    trainer_wall = time.perf_counter() - t
+    rows["offline (distil + train)"] = (distil_wall + trainer_wall, offline, store_bytes)
 
     t = time.perf_counter()
     online_hf = run(load_train_config(None, [*common, "mode=online", f"data_path={store}", f"output_dir={out / 'hf'}"]))
@@ -98,18 +96,21 @@ def main(argv=None):
     written = json.loads((out / "vllm" / "buffer" / "writer.json").read_text())
     rows["online-vLLM"] = (time.perf_counter() - t, online_vllm, written["peak_bytes"])
 
-    print(f"{args.conversations} ShareGPT conversations, {args.max_new_tokens} new tokens, {args.epochs} epoch(s), "
-          f"{args.target}; trainer 1 thread, engine on core {args.engine_core}")  # fmt: skip
-    print(f"{'way':<26} {'wall s':>8} {'loop s':>8} {'tok/s':>8} {'peak disk MiB':>14} {'held-out sim AL':>16}")
+    samples = len(ShardedSamples(store))
+    print(f"{samples} ShareGPT conversations (first turns), {args.max_new_tokens} new tokens, {args.epochs} epoch(s), "
+          f"{args.target}, EAGLE-3 ttt_length {args.ttt_length}, draft vocab {args.draft_vocab}; trainer 1 thread, "
+          f"engine on core {args.engine_core}")  # fmt: skip
+    print(f"{'way':<26} {'wall s':>8} {'tokens':>8} {'tok/s':>8} {'peak disk MiB':>14} {'held-out sim AL':>16}")
     for name, (wall, result, disk) in rows.items():
-        rate = trained(result) / loop_seconds(result)
-        figures[name] = rate
+        tokens = trained(result)
         al = result["eval_after"]["sim_al"]
-        print(f"{name:<26} {wall:8.1f} {loop_seconds(result):8.1f} {rate:8.0f} {disk / 2**20:14.1f} {al:16.3f}")
-    slower = min(engine_alone, figures["offline (distil + train)"])
-    print(f"engine alone {engine_alone:.0f} tok/s (distil without its start), trainer alone "
-          f"{figures['offline (distil + train)']:.0f} tok/s (the offline loop): online-vLLM's loop is "
-          f"{figures['online-vLLM'] / slower:.2f} x the slower; buffer cap {args.buffer_gib} GiB")  # fmt: skip
+        print(f"{name:<26} {wall:8.1f} {tokens:8d} {tokens / wall:8.0f} {disk / 2**20:14.2f} {al:16.3f}")
+    engine_alone = samples / (stats["seconds"] - stats["engine_start_seconds"])
+    trainer_alone = samples / trainer_wall
+    online = samples / (rows["online-vLLM"][0] - written["engine_start_seconds"])
+    print(f"samples/s, the engine's start left out: engine alone {engine_alone:.2f} (distil), trainer alone "
+          f"{trainer_alone:.2f} (training on the store), online-vLLM {online:.2f}: "
+          f"{online / min(engine_alone, trainer_alone):.2f} x the slower; cap {args.buffer_gib} GiB")  # fmt: skip
 
 
 if __name__ == "__main__":
