@@ -190,13 +190,14 @@ class EngineFeed:
         env = {**os.environ, "OMP_NUM_THREADS": "1", **{k: str(v) for k, v in self.cfg.engine_env.items()}}
         log = open(self.directory / ENGINE_LOG, "w")
         self.writer = subprocess.Popen([sys.executable, "-c", WRITER_CHILD, str(path)], env=env, stderr=log)
+        self.started_by = os.getpid()  # a DataLoader worker's copy of it cannot wait on another's child
 
     def alive(self) -> str | None:
         """None while the engine works; else why it stopped, in one line."""
         said = self.samples.buffer.writer_stats().get("error")
         if said:
             return f"the vLLM engine stopped: {said}"
-        if self.writer is not None and self.writer.poll() is not None:
+        if self.writer is not None and os.getpid() == self.started_by and self.writer.poll() is not None:
             tail = (self.directory / ENGINE_LOG).read_text(errors="replace").strip().splitlines()[-1:]
             return f"the vLLM engine exited ({self.writer.returncode}): {tail[0] if tail else 'no output'}"
         return self.heartbeat.stopped()
