@@ -25,7 +25,8 @@ from eagle_train.train_config import load_train_config
 from engines import vllm_child
 
 needs_vllm = pytest.mark.skipif(bool(vllm_child.missing()), reason="vLLM is not installed: scripts/install_vllm.sh")
-pytestmark = needs_vllm
+# one worker runs them all (`pytest -n 2 --dist loadgroup`): the engine-made samples are made once, not per worker
+pytestmark = [needs_vllm, pytest.mark.xdist_group("online-vllm")]
 
 CONVERSATIONS, MAX_NEW, MAX_LENGTH, TURNS = 12, 24, 320, 2  # ShareGPT's first 12 that fit, two turns each
 DISTIL = {"limit": CONVERSATIONS, "max_length": MAX_LENGTH, "max_new_tokens": MAX_NEW, "turns": TURNS}
