@@ -271,6 +271,16 @@ def stop_earlier_writer(directory: Path) -> None:
         pass
 
 
+def chunks(n: int, size: int) -> list[tuple[int, int]]:
+    """The engine's calls over n samples: growing from size / 8 to `size`, so the trainer's first samples come after
+    a small call, and the engine gets ahead of the trainer while it still starts."""
+    out, start, step = [], 0, max(1, size // 8)
+    while start < n:
+        out.append((start, min(n, start + step)))
+        start, step = start + step, min(size, 2 * step)
+    return out
+
+
 def write_samples(request_path: str, external: bool = False) -> None:
     """The engine's side: answer the conversations of the trainer's request in order, a batch at a time, and put each
     sample into the buffer. As the main training process's child, stop when it is gone; started apart (`external`,
@@ -316,10 +326,10 @@ def write_samples(request_path: str, external: bool = False) -> None:
             def answer(prompts):
                 return server.answer(prompts, request["max_new_tokens"], set(request["eos_ids"]))
 
-            for start in range(0, len(todo), size):
+            for start, stop in chunks(len(todo), size):
                 if gone():
                     return  # the trainer was killed, or a resumed one asks anew
-                chunk = todo[start : start + size]
+                chunk = todo[start:stop]
                 conversations = [(source, segments) for _, (source, segments) in chunk]
                 samples = answer_turns(
                     answer, conversations, request["max_new_tokens"], request["max_length"], request["end_id"]

@@ -37,6 +37,7 @@ def main(argv=None):
     p.add_argument("--engine-core", default="1", help="VLLM_CPU_OMP_THREADS_BIND of the engine")
     p.add_argument("--buffer-gib", type=float, default=0.25)
     p.add_argument("--ttt-length", type=int, default=7)
+    p.add_argument("--engine-batch", type=int, default=32, help="engine_batch_size of online-vLLM")
     p.add_argument("--draft-vocab", type=int, default=16384)
     p.add_argument("--out", default=None, help="a directory for the runs (default: a temporary one)")
     args = p.parse_args(argv)
@@ -90,6 +91,7 @@ def main(argv=None):
         f"max_new_tokens={args.max_new_tokens}",
         f"max_length={args.max_length}",
         f"buffer_gib={args.buffer_gib}",
+        f"engine_batch_size={args.engine_batch}",
     ]
     t = time.perf_counter()
     online_vllm = run(load_train_config(None, [*common, *feed, f"output_dir={out / 'vllm'}"]))
