@@ -272,12 +272,14 @@ def stop_earlier_writer(directory: Path) -> None:
 
 
 def chunks(n: int, size: int) -> list[tuple[int, int]]:
-    """The engine's calls over n samples: growing from size / 8 to `size`, so the trainer's first samples come after
-    a small call, and the engine gets ahead of the trainer while it still starts."""
-    out, start, step = [], 0, max(1, size // 8)
+    """The engine's calls over n samples: from size / 8 up to `size`, then halving over the last ones. A call hands
+    its samples over only when its longest answer ends, so small first calls start the trainer early, and small last
+    ones leave it little to train once the engine is done."""
+    out, start, step, least = [], 0, max(1, size // 8), max(1, size // 8)
     while start < n:
-        out.append((start, min(n, start + step)))
-        start, step = start + step, min(size, 2 * step)
+        stop = min(n, start + min(step, max(least, (n - start) // 2)))
+        out.append((start, stop))
+        start, step = stop, min(size, 2 * step)
     return out
 
 
