@@ -1,8 +1,8 @@
 """Online training fed by a serving engine (`mode=online engine=vllm`): a vLLM engine answers the conversations at a
 run's data_path, as `eagle-prep distil --engine vllm` would, and hands each sample (tokens, loss mask, aux and final
 hidden states) to the trainer through a bounded buffer (eagle_train/sample_buffer.py) instead of a store. The target
-runs only in the engine, with the engine's own parallelism (tensor-, pipeline-, data-parallel; its options pass
-through), on devices or cores of its own, while the trainer trains.
+runs only in the engine, with the engine's own parallelism (its options pass through: tensor_parallel_size...), on
+devices, cores or a node of its own, while the trainer trains.
 
 The samples are distil's: the same plan of conversations (`plan_conversations`, sorted by length; sample k is the
 k-th planned), the same chained turns (`answer_turns`), the same last row (`with_every_row`), stored in bf16 as a
@@ -23,6 +23,7 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -71,7 +72,7 @@ def bound_lengths(planned, max_new_tokens: int, max_length: int) -> list[int]:
 
 class EngineFeed:
     """The samples of an engine-fed run (`samples`, a `BufferedSamples`) and the config the trainer runs
-    (`config`: data_path is the feed's directory; max_length, aux_layer_ids and draft_vocab_size set). Every
+    (`config`: data_path is the feed's directory, max_length and aux_layer_ids set). Every
     training process makes one; the main process's starts the engine when the trainer says what it reads, in a
     child process (`write_samples`) that runs `engines.vllm_data.HiddenStatesServer`.
 
@@ -84,7 +85,7 @@ class EngineFeed:
         max_length = cfg.max_length or MAX_LENGTH
         aux = list(cfg.aux_layer_ids or default_aux_layer_ids(target_config.num_hidden_layers))
         tokenizer = load_tokenizer(cfg.target)
-        generation = type("Generation", (), {"generation_config": load_generation_config(cfg.target)})
+        generation = SimpleNamespace(generation_config=load_generation_config(cfg.target))
         self.eos_ids = sorted(end_of_turn_ids(generation, tokenizer))
         self.end_id = chained_end_of_turn(tokenizer, set(self.eos_ids)) if cfg.turns != 1 else None
         read = []  # the conversations the plan saw, which the vocab map counts
