@@ -83,9 +83,9 @@ class TrainConfig:
     ttt_length: int = TTT_LENGTH
     ttt_decay: float = TTT_DECAY
     tv_weight: float = TV_WEIGHT  # each draft's loss is (1 - w) soft CE + w total variation (every method)
-    # EAGLE-3: a draft the current head's chain walk gets rejected at weighs 1 + w (eagle_train.distill.chain_rounds)
+    # EAGLE-3: a draft the current head's chain walk gets rejected at weighs 1 + w (training_parts.chain_rounds)
     rejection_weight: float = REJECTION_WEIGHT
-    # EAGLE-3: noise on the training batches' target hidden states, times each layer's RMS (distill.noisy_features)
+    # EAGLE-3: noise on the training batches' target hidden states, times each layer's RMS (noisy_features)
     feature_noise: float = 0.0
     # P-EAGLE (method peagle; checked by eagle_train.methods.peagle.train.validate_peagle)
     num_depths: int = NUM_DEPTHS  # K: drafts per forward

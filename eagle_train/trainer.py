@@ -9,11 +9,11 @@
   every forward must go through it); `backward(loss)` is `accelerator.backward` scaled for
   gradient accumulation. An objective may run several forward+backward passes (P-EAGLE's sequence
   partitioning). `batch` holds `input_ids` [B,T], `loss_mask` [B,T], `aux_hidden` [B,T,3H],
-  `target_probs` [B,T,Vd], `in_draft` [B,T] (`eagle_train.distill.target_distribution`) and the
+  `target_probs` [B,T,Vd], `in_draft` [B,T] (`eagle_train.training_parts.target_distribution`) and the
   `generator` for any random draws, seeded per micro-batch (`draw_seed`). The
   returned metrics are detached scalars; `acc_i` / `loss_i` are pooled weighted by `count_i`,
   `count_*` summed, anything else averaged; `sim_al` is derived from the `acc_i`, and `chain_al` from
-  `count_chain_tokens / count_rounds` (EAGLE-3's chain walk, `eagle_train.distill.chain_rounds`).
+  `count_chain_tokens / count_rounds` (EAGLE-3's chain walk, `eagle_train.training_parts.chain_rounds`).
 
 Data order: every epoch is a seeded permutation of the training samples, cut into length-grouped
 micro-batches of at most `tokens_per_batch` padded tokens. That list depends on the seed and the
@@ -51,7 +51,6 @@ from tqdm import tqdm
 from eagle_train.backend import backend_of, make_accelerator, precision
 from eagle_train.batching import epoch_batches, pack_by_length
 from eagle_train.checkpoint import load_draft_head
-from eagle_train.distill import shift_left, simulated_acceptance_length, target_distribution
 from eagle_train.files import write_text
 from eagle_train.hidden_states import TargetLogits, target_hidden_states
 from eagle_train.sample_buffer import BufferedSamples
@@ -66,6 +65,7 @@ from eagle_train.store import (
 from eagle_train.target import load_target, load_target_config, load_target_ends
 from eagle_train.train_checkpoint import Resumable, last_good_checkpoint, resolve_resume, restore, save_checkpoint
 from eagle_train.train_config import TrainConfig, runs_the_target, validate
+from eagle_train.training_parts import shift_left, simulated_acceptance_length, target_distribution
 from eagle_train.vocab_map import top_k_vocab_map
 
 # ------------------------------------------------------------------------------------ data order

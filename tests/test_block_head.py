@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from conftest import TINY_BLOCK, VD, H, V, as_target_logits, tiny_head, tiny_target
 
 from eagle_train.checkpoint import load_draft_head
-from eagle_train.distill import target_distribution
 from eagle_train.methods.block.head import block_attention_mask
 from eagle_train.methods.block.loss import block_loss, sample_anchors
+from eagle_train.training_parts import target_distribution
 
 
 def random_batch(b=2, t=15, seed=0):

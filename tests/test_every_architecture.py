@@ -21,8 +21,8 @@ import pytest
 import torch
 from conftest import MATRIX, assert_same_forward, forward_rounding_atol, tiny_head
 
-from eagle_train.distill import target_distribution
 from eagle_train.hidden_states import TargetLogits, target_hidden_states
+from eagle_train.training_parts import target_distribution
 from inference.drafting import TreeShape
 from inference.generate import Runtime
 from inference.hf_target import target_view

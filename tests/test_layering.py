@@ -49,7 +49,7 @@ def method_folder(module: str) -> str | None:
 def test_the_core_and_each_method_folder_import_no_other_method_folder():
     """Inside eagle_train a method folder (`eagle_train/methods/<folder>/`) may import the core and the registry
     (`eagle_train.methods`), never another method folder, and the core imports no method folder: what two methods
-    share lives in the core (`eagle_train.distill`), and the core reaches a method only through its row."""
+    share lives in the core (`eagle_train.training_parts`), and the core reaches a method only through its row."""
     paths = {module_name(m): m for m in sorted((REPO / "eagle_train").rglob("*.py"))}
     assert {method_folder(name) for name in paths} >= {"eagle3", "peagle", "block"}
     wrong = {

@@ -4,9 +4,9 @@ import pytest
 import torch
 from conftest import H, K, V, as_target_logits, tiny_head
 
-from eagle_train.distill import target_distribution
 from eagle_train.methods.peagle import batch as pb
 from eagle_train.methods.peagle.train import PEagleObjective
+from eagle_train.training_parts import target_distribution
 
 KEPT = [i for i in range(V) if i % 5 != 3]  # a draft vocabulary that is not a prefix: all ids but 3, 8, ...
 

@@ -8,11 +8,11 @@ import torch
 from test_peagle_batch import runner
 from test_peagle_head import parallel_drafts, training_logits
 
-from eagle_train.distill import target_distribution
 from eagle_train.hidden_states import TargetLogits
 from eagle_train.methods.peagle.train import PEagleObjective, build_peagle_head
 from eagle_train.store import ShardedSamples, read_vocab_map
 from eagle_train.trainer import pad_samples
+from eagle_train.training_parts import target_distribution
 
 K = 4
 

@@ -238,9 +238,9 @@ def test_chain_walk_over_the_greedy_text_is_what_the_runtime_accepts(k):
     the rounds greedy chain drafting runs: as many verifications, emitting as many tokens, as `Runtime.generate`;
     sample by sample (quality.py's walk, scripts/bench/sampled_acceptance.py's) and in the trainer's eval, whose
     objective walks a padded batch of the same samples (its metrics give chain_al)."""
-    from eagle_train.distill import target_distribution
     from eagle_train.hidden_states import TargetLogits, target_hidden_states
     from eagle_train.methods.eagle3.ttt import chain_walk, ttt_loss
+    from eagle_train.training_parts import target_distribution
 
     sampled = load_script("bench/sampled_acceptance.py")
 

@@ -13,12 +13,12 @@ from safetensors.torch import save_file
 from eagle_train import backend, bf16
 from eagle_train.batching import epoch_batches
 from eagle_train.checkpoint import load_draft_head
-from eagle_train.distill import noisy_features
 from eagle_train.methods import objective_for
 from eagle_train.methods.eagle3.train import build_eagle3_head, eagle3_objective
 from eagle_train.train_checkpoint import STATE_FILE, check_resumable, checkpoint_damage
 from eagle_train.train_config import TrainConfig, load_train_config
 from eagle_train.trainer import train
+from eagle_train.training_parts import noisy_features
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -7,10 +7,10 @@ import torch
 import torch.nn.functional as F
 from conftest import VD, H, V, as_target_logits, tiny_head
 
-from eagle_train.distill import chain_rounds, simulated_acceptance_length, target_distribution
 from eagle_train.hidden_states import TargetLogits
 from eagle_train.methods.eagle3.head import Eagle3Head
 from eagle_train.methods.eagle3.ttt import rows_used, ttt_loss
+from eagle_train.training_parts import chain_rounds, simulated_acceptance_length, target_distribution
 
 
 def random_batch(b=2, t=13, seed=0):
@@ -318,7 +318,7 @@ def test_the_compiled_cpu_loss_is_the_eager_one(dtype):
     loss, gradient and agreement. Bounds: the compiled sums over Vd terms run in another order, each off by at most
     Vd x fp32's unit roundoff relative (8192 x 6e-8 = 5e-4); bf16 logits get bf16 gradients, one bf16 step apart
     (2**-7 relative) where that order rounds them the other way."""
-    from eagle_train.distill import compiled_loss_rows, loss_rows
+    from eagle_train.training_parts import compiled_loss_rows, loss_rows
 
     compiled = compiled_loss_rows()
     assert compiled is not loss_rows, "torch.compile does not work on this machine"
@@ -341,18 +341,18 @@ def test_the_compiled_cpu_loss_is_the_eager_one(dtype):
 
 
 def test_without_a_working_compiler_the_loss_runs_eagerly_and_says_so(monkeypatch):
-    from eagle_train import distill
+    from eagle_train import training_parts
 
     def no_compiler(*args, **kwargs):
         raise RuntimeError("no C++ compiler")
 
-    distill.compiled_loss_rows.cache_clear()
+    training_parts.compiled_loss_rows.cache_clear()
     monkeypatch.setattr(torch, "compile", no_compiler)
     try:
         with pytest.warns(UserWarning, match="torch.compile does not work here"):
-            assert distill.compiled_loss_rows() is distill.loss_rows
+            assert training_parts.compiled_loss_rows() is training_parts.loss_rows
     finally:
-        distill.compiled_loss_rows.cache_clear()
+        training_parts.compiled_loss_rows.cache_clear()
 
 
 def test_the_runtime_drafter_reads_the_window_training_time_test_reads():

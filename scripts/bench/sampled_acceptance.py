@@ -25,12 +25,12 @@ import argparse
 import torch
 
 from eagle_train.checkpoint import load_draft_head, locate_head
-from eagle_train.distill import shift_left, simulated_acceptance_length
 from eagle_train.hidden_states import TargetLogits
 from eagle_train.methods.eagle3.ttt import chain_walk
 from eagle_train.store import ShardedSamples, read_manifest
 from eagle_train.target import load_target
 from eagle_train.trainer import split_indices
+from eagle_train.training_parts import shift_left, simulated_acceptance_length
 
 
 def parse_args(argv=None):

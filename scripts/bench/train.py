@@ -17,12 +17,12 @@ import time
 
 import torch
 
-from eagle_train.distill import target_distribution
 from eagle_train.hidden_states import TargetLogits
 from eagle_train.methods.eagle3.head import Eagle3Head
 from eagle_train.methods.eagle3.ttt import ttt_loss
 from eagle_train.target import load_target
 from eagle_train.train_config import TTT_LENGTH
+from eagle_train.training_parts import target_distribution
 from eagle_train.vocab_map import DRAFT_VOCAB_SIZE
 
 

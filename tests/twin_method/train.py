@@ -1,6 +1,6 @@
 """The fifth method's builder: a TwinHead sized for the target with the data's vocab map, or the one at init_from."""
 
-from eagle_train.distill import head_from_init
+from eagle_train.training_parts import head_from_init
 from twin_method.head import TwinHead
 
 

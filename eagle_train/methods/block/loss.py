@@ -9,7 +9,7 @@ start at an answer token: the prefill emits the answer's first): no block reads 
 position (a vLLM store holds zeros there) or at its anchor.
 
 loss = sum over supervised drafts of w_j x loss_j / sum of w_j, w_j = exp(-(j-1)/gamma): the first drafts
-decide acceptance, so they weigh most. loss_j is `distill.loss_rows` (soft cross-entropy, mixed with total
+decide acceptance, so they weigh most. loss_j is `training_parts.loss_rows` (soft cross-entropy, mixed with total
 variation by `tv_weight`), over logits carrying DSpark's Markov bias from the true previous token (what the
 runtime reads whenever the drafts before j were accepted, the only case in which draft j matters); with a
 confidence head, plus `confidence_weight` x the binary cross-entropy of its logit against draft j's chance
@@ -19,8 +19,8 @@ of acceptance when sampled, 1 - TV(draft, target) (DSpark's label; detached), we
 import torch
 import torch.nn.functional as F
 
-from eagle_train.distill import chain_rounds, loss_rows_on, target_distribution
 from eagle_train.train_config import CONFIDENCE_WEIGHT, TV_WEIGHT
+from eagle_train.training_parts import chain_rounds, loss_rows_on, target_distribution
 
 
 def default_gamma(block_size: int) -> float:
@@ -126,7 +126,7 @@ def read_at(x, at):
 def block_walk(head, samples, target_logits, k: int) -> tuple[int, int]:
     """(tokens, rounds) of greedy block drafting, the first `k` drafts of each block, over the answers of
     `samples` (EAGLE-3's `chain_walk`'s samples): a block at every answer position in one pass, then
-    `distill.chain_rounds` over where each is right. A round whose last committed token is x_t drafts from the
+    `training_parts.chain_rounds` over where each is right. A round whose last committed token is x_t drafts from the
     block anchored at the pending token x_{t+1}: what `inference` runs on this text, as `chain_walk` is for EAGLE-3."""
     dtype, device = head.lm_head.weight.dtype, head.lm_head.weight.device
     tokens = rounds = 0

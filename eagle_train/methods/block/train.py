@@ -9,10 +9,10 @@ DSpark's options on: the anchor's slot drafts too (`sample_from_anchor`), the Ma
 import torch
 
 from eagle_train.architectures import text_config
-from eagle_train.distill import check_layers_and_mask, head_from_init, mask_token_for, noisy_features
 from eagle_train.methods.block.head import BlockHead
 from eagle_train.methods.block.loss import block_loss, default_gamma, sample_anchors
 from eagle_train.train_config import BLOCK_LM_HEADS, BLOCK_MASKS, MARKOV_RANK
+from eagle_train.training_parts import check_layers_and_mask, head_from_init, mask_token_for, noisy_features
 from eagle_train.warm_start import warm_start_from_target
 
 

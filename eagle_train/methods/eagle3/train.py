@@ -3,10 +3,10 @@ builder and the objective (one training-time-test unroll per micro-batch, `eagle
 
 import torch
 
-from eagle_train.distill import head_from_init, noisy_features
 from eagle_train.methods.eagle3.head import Eagle3Head
 from eagle_train.methods.eagle3.ttt import ttt_loss
 from eagle_train.train_config import TrainConfig
+from eagle_train.training_parts import head_from_init, noisy_features
 from eagle_train.warm_start import warm_start_from_target
 
 
@@ -28,7 +28,7 @@ def build_eagle3_head(cfg: TrainConfig, target_model, vocab_map: dict | None) ->
 
 def eagle3_objective(cfg: TrainConfig):
     """The trainer's objective for EAGLE-3, from the run's config: one TTT unroll and one backward per micro-batch
-    (training batches with `feature_noise`, see `distill.noisy_features`; evaluation, under no_grad, without)."""
+    (training batches with `feature_noise`, see `training_parts.noisy_features`; evaluation, under no_grad, without)."""
     feature_noise = cfg.feature_noise
     loss_options = {
         "ttt_length": cfg.ttt_length,

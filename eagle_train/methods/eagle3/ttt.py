@@ -6,7 +6,7 @@ toward the target distribution at t+i+1, which predicts x_{t+i+2}. It is supervi
 token is an assistant token (loss_mask[t+i+2]), it exists (t+i+2 < T) and the target's own
 argmax at t+i+1 lies in the draft vocabulary (otherwise the draft cannot match it).
 
-The target distribution is computed once per batch (`eagle_train.distill.target_distribution`) and shifted
+The target distribution is computed once per batch (`eagle_train.training_parts.target_distribution`) and shifted
 per step; the other methods read the same tensors.
 
 Step i at anchor t is the i-th draft of a runtime round whose last committed token is x_t (the
@@ -19,9 +19,9 @@ the current head gets rejected at, the states its own drafting leads to (`reject
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from eagle_train.distill import chain_rounds, loss_rows_on, shift_left, target_distribution
 from eagle_train.fused_ce import soft_cross_entropy
 from eagle_train.train_config import REJECTION_WEIGHT, TTT_DECAY, TTT_LENGTH, TV_WEIGHT
+from eagle_train.training_parts import chain_rounds, loss_rows_on, shift_left, target_distribution
 
 
 def step_loss(head, h, target_probs, tv_weight: float = TV_WEIGHT):

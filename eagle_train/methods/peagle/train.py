@@ -3,7 +3,7 @@ builder and the objective.
 
 `objective(model, batch, backward) -> metrics`, with the trainer's batch (`input_ids`, `loss_mask`,
 `aux_hidden`, and the target distribution `target_probs` [B, T, Vd] / `in_draft` [B, T] from
-`distill.target_distribution`, the very tensors EAGLE-3 trains on). Per batch: sample the (anchor,
+`training_parts.target_distribution`, the very tensors EAGLE-3 trains on). Per batch: sample the (anchor,
 depth) elements, split them into `num_segments` sequence segments, and run one forward+backward
 per segment through `model(fn, ...)` (so DDP/FSDP see every pass). Each segment's loss is its
 owned supervised loss (soft cross-entropy, or its mix with total variation) divided by the
@@ -20,11 +20,11 @@ import contextlib
 import torch
 
 from eagle_train.architectures import text_config
-from eagle_train.distill import check_layers_and_mask, head_from_init, mask_token_for
 from eagle_train.fused_ce import soft_cross_entropy
 from eagle_train.methods.peagle import batch as pb
 from eagle_train.methods.peagle.head import PEagleHead
 from eagle_train.train_config import TV_WEIGHT, launched_with
+from eagle_train.training_parts import check_layers_and_mask, head_from_init, mask_token_for
 
 
 def build_peagle_head(cfg, target_model, vocab_map: dict | None) -> PEagleHead:
