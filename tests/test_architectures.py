@@ -41,7 +41,8 @@ def test_a_model_whose_forward_the_slot_cache_cannot_run_is_refused_in_one_line(
     from inference.hf_target import HFTarget
 
     sizes = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
-    bamba = config("bamba", num_hidden_layers=4, **sizes)
+    mamba = dict(mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_chunk_size=16)  # not its 9B defaults
+    bamba = config("bamba", num_hidden_layers=4, **sizes, **mamba)
     check_supported(bamba, "training")
     with pytest.raises(
         ValueError, match=r"runtime (does not take|cannot verify drafts for) target model_type 'bamba'"
