@@ -115,11 +115,9 @@ class EngineFeed:
         planned = [read[i] for i, _ in self.planned]
         draft_vocab_size = min(cfg.draft_vocab_size or DRAFT_VOCAB_SIZE, target_config.vocab_size)
         self.write_store_files(cfg, target_config, tokenizer, planned, max_length, aux, draft_vocab_size)
-        self.cfg = cfg
         self.config = replace(
             cfg, data_path=str(self.directory), max_length=max_length, aux_layer_ids=aux, draft_vocab_size=None
         )
-        self.max_length, self.aux = max_length, aux
         lengths = bound_lengths(self.planned, cfg.max_new_tokens, max_length)
         self.samples = BufferedSamples(self.directory, cap, lengths, cfg.later_epochs == "keep", self.start, self.alive)
         self.writer: subprocess.Popen | None = None
@@ -165,19 +163,20 @@ class EngineFeed:
         stop_earlier_writer(self.directory)
         (self.directory / WRITER_STATS).unlink(missing_ok=True)
         request = {
-            "target": self.cfg.target,
-            "aux_layer_ids": self.aux,
+            "target": self.config.target,
+            "aux_layer_ids": self.config.aux_layer_ids,
             "engine_options": self.engine_options,
             "directory": str(self.directory),
             "cap_bytes": self.samples.buffer.cap_bytes,
             "keys": keys,
             "conversations": [[self.planned[i][0], self.planned[i][1]] for i in samples],
-            "kept": sorted(self.samples.key(-1, i) for i in self.samples.held_out) if not self.samples.keep else keys,
-            "max_new_tokens": self.cfg.max_new_tokens,
-            "max_length": self.max_length,
+            "held_out": sorted(self.samples.key(-1, i) for i in self.samples.held_out),
+            "keep": self.samples.keep,
+            "max_new_tokens": self.config.max_new_tokens,
+            "max_length": self.config.max_length,
             "end_id": self.end_id,
             "eos_ids": self.eos_ids,
-            "batch_size": self.cfg.engine_batch_size,
+            "batch_size": self.config.engine_batch_size,
             "parent": os.getpid(),
         }
         (self.directory / HEARTBEAT).unlink(missing_ok=True)
@@ -185,10 +184,10 @@ class EngineFeed:
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(request))
         os.replace(tmp, path)  # an external engine never reads half a request
-        if self.cfg.engine_launch == "external":
+        if self.config.engine_launch == "external":
             print(f"waiting for the engine: run `python -m data_prep.feed {self.directory}` where it runs")
             return
-        env = {**os.environ, "OMP_NUM_THREADS": "1", **{k: str(v) for k, v in self.cfg.engine_env.items()}}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", **{k: str(v) for k, v in self.config.engine_env.items()}}
         log = open(self.directory / ENGINE_LOG, "w")
         self.writer = subprocess.Popen([sys.executable, "-c", WRITER_CHILD, str(path)], env=env, stderr=log)
         self.started_by = os.getpid()  # a DataLoader worker's copy of it cannot wait on another's child
@@ -247,8 +246,14 @@ class Heartbeat:
         return None
 
 
+BEATING: set[Path] = set()  # the heartbeats this process raises already (`serve` answers request after request)
+
+
 def beat(path: Path) -> None:
-    """Raise the heartbeat count every HEARTBEAT_SECONDS, from a daemon thread of the engine's process."""
+    """Raise the heartbeat count every HEARTBEAT_SECONDS, from a daemon thread of the engine's process, one a file."""
+    if path in BEATING:
+        return
+    BEATING.add(path)
 
     def run():
         count = 0
@@ -297,7 +302,7 @@ def write_samples(request_path: str, external: bool = False) -> None:
     directory = Path(request["directory"])
     (directory / WRITER_PID).write_text(str(os.getpid()))
     buffer = SampleBuffer(directory, request["cap_bytes"])
-    kept = set(request["kept"])
+    held_out = set(request["held_out"])
 
     def gone() -> str | None:
         if external:
@@ -305,10 +310,11 @@ def write_samples(request_path: str, external: bool = False) -> None:
         return None if os.getppid() == request["parent"] else "the trainer exited"
 
     def alive() -> str | None:
-        if gone():
-            return gone()
-        on_disk = buffer.samples()
-        if on_disk and kept >= set(on_disk):
+        reason = gone()
+        if reason:
+            return reason
+        on_disk = buffer.samples()  # no reader frees room when every sample on disk is one that stays
+        if on_disk and (request["keep"] or held_out >= set(on_disk)):
             return (
                 f"the buffer cap of {buffer.cap_bytes / 2**30:.2f} GiB is full of samples that are read again (the "
                 "held-out ones, and with later_epochs=keep every one): raise buffer_gib, lower eval_fraction, or "

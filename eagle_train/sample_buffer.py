@@ -217,21 +217,15 @@ class BufferedSamples:
         self.buffer.started = time.perf_counter()  # the trainer's rate counts from here on
         if not main:
             return
-        todo = [(self.key(e, i), i) for e, i in order if held_out(e)] + [
-            (self.key(e, i), i) for e, i in order[position:] if not held_out(e)
-        ]
-        if self.keep:  # the samples of the whole run are kept: the engine writes those missing, each once
-            todo = [(self.key(e, i), i) for e, i in order]
-        keys, samples, seen = [], [], set()
-        for key, i in todo:
-            if key not in seen:
-                seen.add(key)
-                keys.append(key)
-                samples.append(i)
-        self.buffer.drop_all_but(seen)
+        # with keep the samples of the whole run are kept: the engine writes those missing, each once
+        reads = order if self.keep else [r for r in order if held_out(r[0])] + order[position:]
+        wanted = {}  # buffer key -> sample, in the order of their first read
+        for e, i in reads:
+            wanted.setdefault(self.key(e, i), i)
+        self.buffer.drop_all_but(set(wanted))
         on_disk = self.buffer.samples()  # before any read: one read meanwhile must not be written again
-        todo = [(key, i) for key, i in zip(keys, samples) if key not in on_disk]
-        self.start_writer([key for key, _ in todo], [i for _, i in todo])
+        todo = [key for key in wanted if key not in on_disk]
+        self.start_writer(todo, [wanted[key] for key in todo])
 
     def for_epoch(self, epoch: int) -> "BufferedSamples":
         view = copy.copy(self)

@@ -239,13 +239,10 @@ def check_decoder(model) -> None:
 
 
 def target_ends(model) -> list[torch.Tensor]:
-    """What training reads of a target whose hidden states come from elsewhere (a store, an engine): the input
-    embedding, the lm_head (its bias too) and the final norm, each once."""
-    lm_head = model.get_output_embeddings()
-    weights = [model.get_input_embeddings().weight, lm_head.weight, getattr(lm_head, "bias", None)]
-    norm = getattr(getattr(model, "model", None), "norm", None)
-    weights.append(getattr(norm, "weight", None))
-    return [w for k, w in enumerate(weights) if w is not None and not any(w is other for other in weights[:k])]
+    """What training reads of a target whose hidden states come from elsewhere (a store, an engine): the weights a
+    fingerprint samples (`store.fingerprinted_weights`: input embedding, lm_head, final norm) and the lm_head's bias."""
+    bias = getattr(model.get_output_embeddings(), "bias", None)
+    return fingerprinted_weights(model) + ([bias] if bias is not None else [])
 
 
 def load_target_ends(name_or_path: str, dtype: torch.dtype = torch.float32):
