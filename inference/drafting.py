@@ -93,10 +93,9 @@ class Drafter:
     """The head's cache and steps. The head attends over its whole cache (masks are full width),
     which for one layer costs little and keeps every step's shape fixed."""
 
-    def __init__(self, head, shape: TreeShape, sampler: Sampler, step_fn=None):
+    def __init__(self, head, shape: TreeShape, sampler: Sampler, graphed: bool = False):
         self.head, self.shape, self.sampler = head, shape, sampler
-        self.step_fn = step_fn or head.step  # the CUDA-graphed step when graphs are on
-        graphed = isinstance(step_fn, GraphedStep)
+        self.step_fn = GraphedStep(head.step) if graphed else head.step  # graphed: replayed as CUDA graphs
         self.layer_fn = GraphedStep(self.layer_step) if graphed else self.layer_step
         self.cache = None
         self.max_len = 0
@@ -117,8 +116,9 @@ class Drafter:
         if size > self.max_len:
             self.cache = self.head.new_cache(1, size)
             self.max_len = size
-            if isinstance(self.layer_fn, GraphedStep):  # graphs of the old cache are of no more use
-                self.layer_fn.reset()
+            for fn in (self.step_fn, self.layer_fn):
+                if isinstance(fn, GraphedStep):  # graphs of the old cache are of no more use
+                    fn.reset()
 
     def catch_up(self, aux, next_ids, start: int):
         """Write the step-0 entries of positions start..start+n-1 (aux [1,n,3H], next_ids [1,n] the

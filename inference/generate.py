@@ -21,18 +21,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eagle_train.methods import row
-from inference.block_drafting import BlockDrafter
-from inference.drafting import Drafter, TreeShape
+from eagle_train.methods import FAMILIES, row
+from inference.drafting import TreeShape
 from inference.graphs import GraphedStep
 from inference.hf_target import target_view
 from inference.hybrid_drafting import HybridDrafter
 from inference.llama import use_few_row_linears
-from inference.parallel_drafting import ParallelDrafter
 from inference.prompt_lookup import PromptLookup
 from inference.sampling import Sampler, accept_greedy, accept_sampling
-
-STEP_DRAFTERS = {"chain": Drafter, "parallel": ParallelDrafter}  # the drafters of the families a head steps
 
 
 @dataclass
@@ -77,11 +73,7 @@ class Runtime:
             use_few_row_linears(head)  # the head's 1 to K+1 rows, like the target's, on the CPU
             method = row(head.config.method)
             shape = shape or TreeShape.chain(method.drafts(head.config) if method.drafts else 5)
-            if method.family == "block":  # K drafts from one block
-                self.drafter = BlockDrafter(head, shape, sampler, graphed=self.use_graphs)
-            else:
-                step = GraphedStep(head.step) if self.use_graphs else head.step
-                self.drafter = STEP_DRAFTERS[method.family](head, shape, sampler, step)
+            self.drafter = FAMILIES[method.family].drafter(head, shape, sampler, graphed=self.use_graphs)
 
     # ---- helpers --------------------------------------------------------------------------------
 
@@ -99,10 +91,8 @@ class Runtime:
         self.target.setup_cache(max_len)
         if self.drafter:
             self.drafter.setup_cache(self.target.max_len)
-        if self.use_graphs and self.target.max_len != before:  # new buffers: recapture
+        if self.use_graphs and self.target.max_len != before:  # new buffers: recapture (a drafter resets its own)
             self.target_step.reset()
-            if self.drafter:
-                self.drafter.step_fn.reset()
 
     def causal_forward(self, ids: torch.Tensor):
         """The target over `ids` [1, n] from slot 0, each position attending to those before it."""
@@ -196,6 +186,8 @@ class Runtime:
         self.setup(n, max_new_tokens, drafter)
         self.sync()
         t0 = time.perf_counter()
+        if hasattr(drafter, "begin"):  # a drafter that reads the tokens from the first (a draft model) sees x_0
+            drafter.begin(prompt)
         pending, aux = self.prefill(prompt)
         out, stop = self.finish([], [int(pending.item())], self.eos, max_new_tokens)
         next_ids = torch.cat([prompt[:, 1:], pending.reshape(1, 1)], dim=1)

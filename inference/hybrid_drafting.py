@@ -20,6 +20,10 @@ class HybridDrafter:
         self.lookup, self.head = lookup, head
         self.shape = head.shape
 
+    def begin(self, prompt):
+        if hasattr(self.head, "begin"):
+            self.head.begin(prompt)
+
     def catch_up(self, aux, next_ids, start: int):
         self.lookup.catch_up(aux, next_ids, start)
         return self.head.catch_up(aux, next_ids, start)

@@ -14,13 +14,14 @@ import torch
 
 from eagle_train.methods.peagle import batch as pb
 from inference.drafting import Drafter, DraftTree, TreeShape
+from inference.graphs import GraphedStep
 
 
 class ParallelDrafter(Drafter):
     """A Drafter for P-EAGLE heads: `catch_up` returns (None, draft logits [K, Vd]), and `draft`
     turns those into the chain (greedy: argmax per slot; sampling: one draw per slot)."""
 
-    def __init__(self, head, shape: TreeShape, sampler, step_fn=None):
+    def __init__(self, head, shape: TreeShape, sampler, graphed: bool = False):
         if not shape.is_chain:
             raise ValueError("P-EAGLE drafts a chain (--parallel K); tree drafting needs an EAGLE-3 head")
         trained = head.config.num_depths
@@ -29,13 +30,15 @@ class ParallelDrafter(Drafter):
                 f"--parallel {shape.depth} asks for more drafts than the head was trained "
                 f"for (num_depths K={trained}): use --parallel <= {trained}"
             )
-        super().__init__(head, shape, sampler, step_fn)
+        super().__init__(head, shape, sampler, graphed)
 
     def setup_cache(self, max_len: int):
         size = max_len + 2 * self.shape.depth  # catch-up rows (<= K+1), mask rows (K-1), padding
         if size > self.max_len:
             self.cache = self.head.new_cache(1, size)
             self.max_len = size
+            if isinstance(self.step_fn, GraphedStep):  # graphs of the old cache are of no more use
+                self.step_fn.reset()
 
     def visible_slots(self, keys, pos, last: int):
         """bool [n, S]: the slots `keys` [S] each row at `pos` [n] attends to, by training's rule (`batch.visible`,

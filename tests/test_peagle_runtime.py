@@ -38,7 +38,7 @@ class Recorder(ParallelDrafter):
 def runtime_with(model, head, k, drafter_class):
     rt = Runtime(model, head, TreeShape.chain(k), cuda_graphs=False)
     assert type(rt.drafter) is ParallelDrafter  # the runtime drafts P-EAGLE heads in parallel by itself
-    rt.drafter = drafter_class(head, TreeShape.chain(k), rt.sampler, head.step)
+    rt.drafter = drafter_class(head, TreeShape.chain(k), rt.sampler)
     return rt
 
 

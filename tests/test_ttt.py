@@ -375,7 +375,8 @@ def test_the_runtime_drafter_reads_the_window_training_time_test_reads():
             steps.append(logits)
             return h, logits
 
-        drafter = Drafter(head, TreeShape.chain(2), Sampler(), step_fn=step)
+        drafter = Drafter(head, TreeShape.chain(2), Sampler())
+        drafter.step_fn = step
         drafter.setup_cache(length + 2)
         with torch.no_grad():
             h_root, logits_root = drafter.catch_up(aux, x[:, 1 : length + 1], 0)

@@ -3,8 +3,8 @@
 `eagle_train.trainer.train(cfg, build_head, objective)` is the loop every method shares; a row names what
 differs: the head builder, the objective built from the `TrainConfig` alone, and the checks of the method's
 own keys (after `train_config.validate`'s common ones); and, for the stages after training, its title, its
-drafting family (`FAMILIES`: the runtime has one drafter per family) and how many drafts one forward gives
-by default. A new method is a new row.
+drafting family (`FAMILIES`: each names the runtime's drafter of its heads) and how many drafts one forward
+gives by default. A new method is a new row.
 """
 
 import dataclasses
@@ -12,18 +12,34 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-FAMILIES = {  # how a head drafts, which decides the runtime's drafter and the engines' speculative method
-    "chain": "K sequential draft steps a round, or a tree",
-    "parallel": "all K drafts from one forward",
-    "block": "a block of drafts from one forward, the target's layers as keys and values",
-}
-
 
 def imported(ref: str):
     """`module:name`, imported when asked for: this module imports none of the methods' modules (they, the
     head loader, the export and the runtime all read the rows)."""
     module, name = ref.split(":")
     return getattr(importlib.import_module(module), name)
+
+
+@dataclass(frozen=True)
+class Family:
+    """How a head drafts, which decides the runtime's drafter and the engines' speculative method."""
+
+    description: str
+    drafter_at: str  # "module:Class" of the runtime: (head, TreeShape, Sampler, graphed) -> its drafter
+
+    @property
+    def drafter(self):
+        return imported(self.drafter_at)
+
+
+FAMILIES = {
+    "chain": Family("K sequential draft steps a round, or a tree", "inference.drafting:Drafter"),
+    "parallel": Family("all K drafts from one forward", "inference.parallel_drafting:ParallelDrafter"),
+    "block": Family(
+        "a block of drafts from one forward, the target's layers as keys and values",
+        "inference.block_drafting:BlockDrafter",
+    ),
+}
 
 
 @dataclass(frozen=True)
