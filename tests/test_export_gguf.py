@@ -20,7 +20,7 @@ from test_export import cli_exit
 from eagle_train.export import export_head
 from eagle_train.export.gguf import export_gguf
 from eagle_train.target import SMOLLM2, resolve_target
-from engines.llamacpp import converter_script
+from engines.llamacpp_build import converter_script
 
 T = GGUFValueType
 TOKENS = ["<s>", "</s>", "héllo", "Ġworld", *(f"t{i}" for i in range(V - 4))]

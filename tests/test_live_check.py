@@ -30,9 +30,9 @@ from eagle_train.checkpoint import load_draft_head
 from eagle_train.export.gguf import export_gguf
 from eagle_train.target import SMOLLM2
 from eagle_train.vocab_map import t2d_from_d2t
-from engines import ENGINES, llamacpp
+from engines import ENGINES, llamacpp_build
 from engines.live import FAR, Pooled, verdict
-from engines.llamacpp import static_findings
+from engines.llamacpp_rules import static_findings
 
 BROKEN = ("layers", "reversed", "d2t", "rope")  # the ways a file is broken below
 H, NH, NKV, D, FF, V, VD, N = 64, 4, 2, 16, 64, 512, 128, 8  # a tiny Llama target and head (q8_0 rows: 32s)
@@ -259,7 +259,7 @@ def test_a_head_directory_is_its_own_source(tiny, capsys):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """(the trained head's directory, its layers, its GGUFs good and broken against the Q4_1 target)."""
-    if llamacpp.tools_dir() is None:
+    if llamacpp_build.tools_dir() is None:
         pytest.skip("no llama.cpp build (EAGLE_LLAMACPP_BIN unset, none in the cache): `eagle-llamacpp build`")
     path = os.environ.get("EAGLE_TEST_TRAINED_HEAD")
     if not path:

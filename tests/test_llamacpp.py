@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from eagle_cli.evaluate import main
-from engines import llamacpp
+from engines import llamacpp, llamacpp_build, llamacpp_run
 
 # ---- parsing captured output (no llama.cpp needed) ----------------------------------------------
 
@@ -38,7 +38,9 @@ COMPLETION_STDERR = """Read 100 bytes from binary file /tmp/prompt.txt
 
 
 def test_speculative_output_parsed_into_forwards():
-    run = llamacpp.parse_speculative(f"\n\n{PROMPT}The capital of France is Paris.\n\n\n\n", SPECULATIVE_STDERR, PROMPT)
+    run = llamacpp_run.parse_speculative(
+        f"\n\n{PROMPT}The capital of France is Paris.\n\n\n\n", SPECULATIVE_STDERR, PROMPT
+    )
     assert run.text == "The capital of France is Paris."
     assert (run.prompt_tokens, run.tokens, run.drafted, run.accepted) == (21, 8, 15, 3)
     assert run.forwards == 5  # each round keeps its accepted drafts + one target token: 8 - 3
@@ -47,27 +49,29 @@ def test_speculative_output_parsed_into_forwards():
 
 
 def test_completion_output_parsed_with_and_without_end_of_text():
-    stopped = llamacpp.parse_completion("The capital of France is Paris. [end of text]\n\n\n", COMPLETION_STDERR)
+    stopped = llamacpp_run.parse_completion("The capital of France is Paris. [end of text]\n\n\n", COMPLETION_STDERR)
     assert (stopped.text, stopped.eos, stopped.prompt_tokens) == ("The capital of France is Paris.", True, 21)
     assert (stopped.tokens, stopped.forwards, stopped.decoded) == (8, 8, 7)  # the first token is the prompt's
     assert stopped.tokens_per_s == pytest.approx(7 / 0.06227) and stopped.target_seconds == pytest.approx(0.16181)
-    cut = llamacpp.parse_completion("The capital of\n\n", COMPLETION_STDERR)
+    cut = llamacpp_run.parse_completion("The capital of\n\n", COMPLETION_STDERR)
     assert (cut.text, cut.eos) == ("The capital of", False)
 
 
 def test_output_without_counters_or_echo_is_an_error_quoting_stderr():
-    with pytest.raises(llamacpp.LlamaCppError, match=r"no .*n_accept.*\n.*Read 100 bytes"):
-        llamacpp.parse_speculative(f"\n\n{PROMPT}x\n\n\n\n", SPECULATIVE_STDERR.replace("n_accept", "n_acc"), PROMPT)
-    with pytest.raises(llamacpp.LlamaCppError, match="did not echo the prompt"):
-        llamacpp.parse_speculative("\n\nsomething else\n\n\n\n", SPECULATIVE_STDERR, PROMPT)
+    with pytest.raises(llamacpp_build.LlamaCppError, match=r"no .*n_accept.*\n.*Read 100 bytes"):
+        llamacpp_run.parse_speculative(
+            f"\n\n{PROMPT}x\n\n\n\n", SPECULATIVE_STDERR.replace("n_accept", "n_acc"), PROMPT
+        )
+    with pytest.raises(llamacpp_build.LlamaCppError, match="did not echo the prompt"):
+        llamacpp_run.parse_speculative("\n\nsomething else\n\n\n\n", SPECULATIVE_STDERR, PROMPT)
 
 
 def test_identity_allows_the_speculative_overshoot_but_not_a_different_stop():
-    plain = llamacpp.parse_completion("Paris is\n\n", COMPLETION_STDERR)
-    stopped = llamacpp.parse_completion("Paris. [end of text]\n\n\n", COMPLETION_STDERR)
-    spec = llamacpp.parse_speculative(f"\n\n{PROMPT}Paris is the\n\n\n\n", SPECULATIVE_STDERR, PROMPT)
-    assert llamacpp.same_text(plain, spec)  # its last round drafted past n
-    assert not llamacpp.same_text(stopped, spec)
+    plain = llamacpp_run.parse_completion("Paris is\n\n", COMPLETION_STDERR)
+    stopped = llamacpp_run.parse_completion("Paris. [end of text]\n\n\n", COMPLETION_STDERR)
+    spec = llamacpp_run.parse_speculative(f"\n\n{PROMPT}Paris is the\n\n\n\n", SPECULATIVE_STDERR, PROMPT)
+    assert llamacpp_run.same_text(plain, spec)  # its last round drafted past n
+    assert not llamacpp_run.same_text(stopped, spec)
 
 
 # ---- the tools' command lines, with fake tools ----------------------------------------------------
@@ -95,22 +99,22 @@ def fake_tools(tmp_path, monkeypatch, exit_code=0):
 
 def test_runs_pass_n_k_and_threads_the_way_the_tools_count(tmp_path, monkeypatch):
     args = fake_tools(tmp_path, monkeypatch)
-    head = llamacpp.run_head("t.gguf", "h.gguf", PROMPT, 16, 3, threads=1)
+    head = llamacpp_run.run_head("t.gguf", "h.gguf", PROMPT, 16, 3, threads=1)
     assert head.text == "Paris." and head.forwards == 5
     spec = args("llama-speculative-simple")
     assert spec[spec.index("-n") + 1] == "15"  # the loop stops past -n: n - 1 asks for n
     assert spec[spec.index("--spec-draft-n-max") + 1] == "3" and spec[spec.index("-t") + 1] == "1"
     assert {"--no-escape", "-bf"} <= set(spec) and spec[spec.index("--temp") + 1] == "0"
-    llamacpp.run_ngram("t.gguf", PROMPT, 16, 3)
+    llamacpp_run.run_ngram("t.gguf", PROMPT, 16, 3)
     ngram = args("llama-speculative-simple")[len(spec) :]
     assert "-md" not in ngram and "-t" not in ngram
     # the lookup key at its measured best, 2 tokens (llama.cpp's default, 12, rarely fires), K drafts
     key, drafts = (ngram[ngram.index(f"--spec-ngram-simple-size-{x}") + 1] for x in "nm")
     assert (key, drafts) == ("2", "3")
-    plain = llamacpp.run_plain("t.gguf", PROMPT, 16)
+    plain = llamacpp_run.run_plain("t.gguf", PROMPT, 16)
     completion = args("llama-completion")
     assert (plain.text, plain.eos) == ("Paris.", True) and completion[completion.index("-n") + 1] == "16"
-    [measured] = llamacpp.measure("t.gguf", "h.gguf", [PROMPT], 3, 16)
+    [measured] = llamacpp_run.measure("t.gguf", "h.gguf", [PROMPT], 3, 16)
     assert measured["identical"] and measured["tokens_per_forward"] == pytest.approx(8 / 5)
 
 
@@ -206,20 +210,22 @@ def test_eval_all_lines_up_llama_cpp_beside_the_builtin_runtime(random_head, tmp
 
 def test_failed_run_quotes_the_end_of_stderr(tmp_path, monkeypatch):
     fake_tools(tmp_path, monkeypatch, exit_code=1)
-    with pytest.raises(llamacpp.LlamaCppError, match=r"(?s)llama-speculative-simple failed \(exit 1\).*n_accept  = 3"):
-        llamacpp.run_head("t.gguf", "h.gguf", PROMPT, 8, 3)
+    with pytest.raises(
+        llamacpp_build.LlamaCppError, match=r"(?s)llama-speculative-simple failed \(exit 1\).*n_accept  = 3"
+    ):
+        llamacpp_run.run_head("t.gguf", "h.gguf", PROMPT, 8, 3)
 
 
 def test_no_build_says_how_to_build(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("EAGLE_LLAMACPP_BIN", raising=False)
     monkeypatch.setenv("EAGLE_TRAIN_CACHE", str(tmp_path))
-    with pytest.raises(llamacpp.LlamaCppError, match="eagle-llamacpp build"):
-        llamacpp.require_tools()
+    with pytest.raises(llamacpp_build.LlamaCppError, match="eagle-llamacpp build"):
+        llamacpp_build.require_tools()
     with pytest.raises(SystemExit, match="build one with: eagle-llamacpp build"):
-        llamacpp.main(["where"])
+        llamacpp_build.main(["where"])
     monkeypatch.setenv("EAGLE_LLAMACPP_BIN", str(tmp_path))
-    with pytest.raises(llamacpp.LlamaCppError, match="does not hold llama-completion"):
-        llamacpp.tools_dir()
+    with pytest.raises(llamacpp_build.LlamaCppError, match="does not hold llama-completion"):
+        llamacpp_build.tools_dir()
 
 
 # ---- build(), its steps faked ---------------------------------------------------------------------
@@ -229,7 +235,7 @@ def fake_build(tmp_path, monkeypatch, fail_at=None):
     """Steps that write what pip and cmake would (an sdist, then the tools), or fail at `fail_at`."""
     monkeypatch.setenv("EAGLE_TRAIN_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("EAGLE_LLAMACPP_BIN", raising=False)  # CI points it at its real build
-    monkeypatch.setattr(llamacpp.shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(llamacpp_build.shutil, "which", lambda name: f"/usr/bin/{name}")
     calls = []
 
     def step(cmd, log):
@@ -238,7 +244,7 @@ def fake_build(tmp_path, monkeypatch, fail_at=None):
         if fail_at and fail_at in cmd:
             log.write("error: something broke\n")
             log.flush()
-            raise llamacpp.LlamaCppError("step failed")
+            raise llamacpp_build.LlamaCppError("step failed")
         if "download" in cmd:
             source = tmp_path / "llama_cpp_python-9.9/vendor/llama.cpp"
             source.mkdir(parents=True, exist_ok=True)
@@ -258,47 +264,47 @@ def fake_build(tmp_path, monkeypatch, fail_at=None):
             out = tmp_path / "fake-bin"
             out.mkdir(exist_ok=True)
             bin_dir = f"{cmd[cmd.index('--build') + 1]}/bin"
-            for tool in llamacpp.TOOLS:
+            for tool in llamacpp_build.TOOLS:
                 (out / tool).write_text("")
-            llamacpp.shutil.copytree(out, bin_dir)
+            llamacpp_build.shutil.copytree(out, bin_dir)
 
-    monkeypatch.setattr(llamacpp, "step", step)
+    monkeypatch.setattr(llamacpp_build, "step", step)
     return calls
 
 
 def test_build_once_per_version_and_flags_into_the_cache(tmp_path, monkeypatch):
     calls = fake_build(tmp_path, monkeypatch)
-    bin_dir = llamacpp.build("9.9", jobs=2)
+    bin_dir = llamacpp_build.build("9.9", jobs=2)
     assert bin_dir.parent.parent == tmp_path / "cache/llamacpp" and bin_dir.parent.name.startswith("9.9-")
-    assert bin_dir.name == "bin" and llamacpp.has_tools(bin_dir)
+    assert bin_dir.name == "bin" and llamacpp_build.has_tools(bin_dir)
     assert "llama-cpp-python==9.9" in calls[0] and calls[2][-2:] == ["-j", "2"]
     assert {p.name for p in bin_dir.parent.iterdir()} == {"bin", "convert", "build.log"}  # the work dir is gone
-    assert llamacpp.converter_script("9.9") == bin_dir.parent / "convert" / "convert_hf_to_gguf.py"
-    assert llamacpp.build("9.9") == bin_dir and len(calls) == 3  # reused, nothing rerun
+    assert llamacpp_build.converter_script("9.9") == bin_dir.parent / "convert" / "convert_hf_to_gguf.py"
+    assert llamacpp_build.build("9.9") == bin_dir and len(calls) == 3  # reused, nothing rerun
     # other build flags (a build that SIGILLs on this CPU, say) are never taken for this build
-    monkeypatch.setattr(llamacpp, "CMAKE_FLAGS", (*llamacpp.CMAKE_FLAGS, "-DGGML_AVX512=OFF"))
-    assert llamacpp.build("9.9") != bin_dir and len(calls) == 6
+    monkeypatch.setattr(llamacpp_build, "CMAKE_FLAGS", (*llamacpp_build.CMAKE_FLAGS, "-DGGML_AVX512=OFF"))
+    assert llamacpp_build.build("9.9") != bin_dir and len(calls) == 6
 
 
 def test_failed_build_leaves_nothing_that_looks_built(tmp_path, monkeypatch):
     fake_build(tmp_path, monkeypatch, fail_at="--build")
-    with pytest.raises(llamacpp.LlamaCppError, match="step failed"):
-        llamacpp.build("9.9")
-    home = llamacpp.home("9.9")
+    with pytest.raises(llamacpp_build.LlamaCppError, match="step failed"):
+        llamacpp_build.build("9.9")
+    home = llamacpp_build.home("9.9")
     assert {p.name for p in home.iterdir()} == {"build.log"}
     calls = fake_build(tmp_path, monkeypatch)
-    assert llamacpp.has_tools(llamacpp.build("9.9")) and len(calls) == 3  # the next build starts over
+    assert llamacpp_build.has_tools(llamacpp_build.build("9.9")) and len(calls) == 3  # the next build starts over
 
 
 def test_missing_toolchain_names_the_fix(tmp_path, monkeypatch):
     monkeypatch.setenv("EAGLE_TRAIN_CACHE", str(tmp_path))
     monkeypatch.delenv("CXX", raising=False)
-    monkeypatch.setattr(llamacpp.shutil, "which", lambda name: None)
-    with pytest.raises(llamacpp.LlamaCppError, match="needs cmake: pip install cmake"):
-        llamacpp.build("9.9")
-    monkeypatch.setattr(llamacpp.shutil, "which", lambda name: "/usr/bin/cmake" if name == "cmake" else None)
-    with pytest.raises(llamacpp.LlamaCppError, match="needs a C\\+\\+ compiler: apt-get install g\\+\\+"):
-        llamacpp.build("9.9")
+    monkeypatch.setattr(llamacpp_build.shutil, "which", lambda name: None)
+    with pytest.raises(llamacpp_build.LlamaCppError, match="needs cmake: pip install cmake"):
+        llamacpp_build.build("9.9")
+    monkeypatch.setattr(llamacpp_build.shutil, "which", lambda name: "/usr/bin/cmake" if name == "cmake" else None)
+    with pytest.raises(llamacpp_build.LlamaCppError, match="needs a C\\+\\+ compiler: apt-get install g\\+\\+"):
+        llamacpp_build.build("9.9")
 
 
 # ---- eagle-eval --engine llamacpp: what is refused before llama.cpp runs ------------------------------
@@ -324,7 +330,7 @@ def test_eval_llamacpp_refuses_what_it_cannot_do(extra, message, tmp_path):
 
 @pytest.fixture(scope="module")
 def target_gguf():
-    if llamacpp.tools_dir() is None:
+    if llamacpp_build.tools_dir() is None:
         pytest.skip(
             "no llama.cpp build (EAGLE_LLAMACPP_BIN unset, none in the cache): `eagle-llamacpp build` builds one"
         )
@@ -363,10 +369,10 @@ def test_exported_head_decodes_as_plain_at_the_builtin_runtimes_tokens_per_forwa
 
     model, tokenizer = smollm2
     ids, prompt = templated(tokenizer, "What is the capital of France? Answer in one word.")
-    plain = llamacpp.run_plain(target_gguf, prompt, 16, threads=1)
-    head = llamacpp.run_head(target_gguf, random_head[1], prompt, 16, 3, threads=1)
+    plain = llamacpp_run.run_plain(target_gguf, prompt, 16, threads=1)
+    head = llamacpp_run.run_head(target_gguf, random_head[1], prompt, 16, 3, threads=1)
     assert head.prompt_tokens == plain.prompt_tokens == len(ids)  # llama.cpp read the prompt as templated
-    assert head.drafted > 0 and llamacpp.same_text(plain, head)
+    assert head.drafted > 0 and llamacpp_run.same_text(plain, head)
     builtin_head = load_draft_head(random_head[0], model).eval()
     eos = {tokenizer.eos_token_id}
     runtime = Runtime(model, builtin_head, TreeShape.chain(3), Sampler(0.0, 0, 1.0), eos_token_ids=eos)
@@ -382,17 +388,17 @@ def test_exported_head_decodes_as_plain_at_the_builtin_runtimes_tokens_per_forwa
 def test_ngram_drafting_runs_without_a_head(smollm2, target_gguf):
     sentence = "The quick brown fox jumps over the lazy dog while the cat sleeps on the warm windowsill."
     _, prompt = templated(smollm2[1], f'Repeat the following text exactly: "{sentence}"')
-    plain = llamacpp.run_plain(target_gguf, prompt, 24, threads=1)
-    ngram = llamacpp.run_ngram(target_gguf, prompt, 24, 3, threads=1)
-    assert llamacpp.same_text(plain, ngram)
+    plain = llamacpp_run.run_plain(target_gguf, prompt, 24, threads=1)
+    ngram = llamacpp_run.run_ngram(target_gguf, prompt, 24, 3, threads=1)
+    assert llamacpp_run.same_text(plain, ngram)
     assert ngram.accepted > 0 and ngram.tokens_per_forward > 1.5  # the copy is drafted from the prompt
 
 
 def test_broken_head_fails_with_llama_cpps_reason(random_head, target_gguf, tmp_path):
     broken = tmp_path / "broken.gguf"
     broken.write_bytes(random_head[1].read_bytes()[:100_000])
-    with pytest.raises(llamacpp.LlamaCppError, match="(?s)exit 1.*failed to load draft model"):
-        llamacpp.run_head(target_gguf, broken, PROMPT, 4, 2, threads=1)
+    with pytest.raises(llamacpp_build.LlamaCppError, match="(?s)exit 1.*failed to load draft model"):
+        llamacpp_run.run_head(target_gguf, broken, PROMPT, 4, 2, threads=1)
 
 
 def test_eval_llamacpp_exports_the_checkpoint_and_writes_one_record(random_head, target_gguf, tmp_path, capsys):

@@ -29,14 +29,16 @@ from pathlib import Path
 from eagle_train.checkpoint import load_draft_head
 from eagle_train.export.gguf import export_gguf
 from eagle_train.target import SMOLLM2, cache_dir, load_tokenizer, resolve_target, target_gguf
-from engines import llamacpp
+from engines import llamacpp_build, llamacpp_run
 from inference.evaluate import BENCHES, chat_text, load_bench
 from inference.timing import rotation
 
 
 def target_file(name: str) -> Path:
     if name == "f32":
-        return llamacpp.convert_target(resolve_target(SMOLLM2), cache_dir() / "llamacpp" / "smollm2-135m-f32.gguf")
+        return llamacpp_build.convert_target(
+            resolve_target(SMOLLM2), cache_dir() / "llamacpp" / "smollm2-135m-f32.gguf"
+        )
     if name == "q4_1":
         return target_gguf(SMOLLM2)
     return Path(name)
@@ -60,7 +62,7 @@ def paired_runs(decode, target, prompts: dict[str, list[str]], n: int, threads) 
         for text in texts:
             for which in rotation(("plain", "run"), i):
                 if which == "plain":
-                    plain[bench].append(llamacpp.run_plain(target, text, n, threads))
+                    plain[bench].append(llamacpp_run.run_plain(target, text, n, threads))
                 else:
                     runs[bench].append(decode(text))
             i += 1
@@ -131,7 +133,7 @@ def main(argv=None):
     heads = dict(h.split("=", 1) for h in args.head)
     prompts = first_turns(load_tokenizer(SMOLLM2), args.num_prompts)
     n, t = args.max_new_tokens, args.threads
-    record = {"settings": vars(args), "bin": str(llamacpp.require_tools()), "targets": {}}
+    record = {"settings": vars(args), "bin": str(llamacpp_build.require_tools()), "targets": {}}
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         for target_name in args.targets:
@@ -143,18 +145,20 @@ def main(argv=None):
                 for name, path in heads.items()
                 for outtype in args.outtypes
             }
-            plain = {b: [llamacpp.run_plain(target, text, n, t) for text in prompts[b]] for b in BENCHES}
+            plain = {b: [llamacpp_run.run_plain(target, text, n, t) for text in prompts[b]] for b in BENCHES}
             rows, runs_json = [{**row("plain", None, plain, plain), "same": "-"}], {"plain": plain}
             for k in args.ks:
                 for label, file in {"n-gram": None, **files}.items():
 
                     def decode(text, file=file, k=k, target=target):
                         if file is None:
-                            return llamacpp.run_ngram(target, text, n, k, t)
-                        return llamacpp.run_head(target, file, text, n, k, t)
+                            return llamacpp_run.run_ngram(target, text, n, k, t)
+                        return llamacpp_run.run_head(target, file, text, n, k, t)
 
                     runs, beside = paired_runs(decode, target, prompts, n, t)
-                    same = sum(llamacpp.same_text(base, run) for b in BENCHES for base, run in zip(plain[b], runs[b]))
+                    same = sum(
+                        llamacpp_run.same_text(base, run) for b in BENCHES for base, run in zip(plain[b], runs[b])
+                    )
                     rows.append({**row(label, k, runs, beside), "same": f"{same}/{len(BENCHES) * args.num_prompts}"})
                     runs_json[f"{label} K={k}"] = runs
             print(format_table(f"{target_name} ({target})", rows), flush=True)
