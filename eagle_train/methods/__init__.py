@@ -3,8 +3,10 @@
 `eagle_train.trainer.train(cfg, build_head, objective)` is the loop every method shares; a row names what
 differs: the head builder, the objective built from the `TrainConfig` alone, and the checks of the method's
 own keys (after `train_config.validate`'s common ones); and, for the stages after training, its title, its
-drafting family (`FAMILIES`: each names the runtime's drafter of its heads) and how many drafts one forward
-gives by default. A new method is a new row.
+drafting family (`FAMILIES`: each names the runtime's drafter of its heads), how many drafts one forward
+gives by default, and its names outside: its export layouts, llama.cpp's spec type, vLLM's speculative method,
+speculators' model type. No code outside `eagle_train/methods/` tests a method's name: it reads the row. A new
+method is a new row (and its folder).
 """
 
 import dataclasses
@@ -52,7 +54,17 @@ class Method:
     check_at: str | None = None  # (cfg, target_config) -> None, raising ValueError naming the fix
     drafts_at: str | None = None  # (DraftConfig) -> drafts one forward gives; None: the user's K
     layouts: tuple[str, ...] = ()  # the export layouts (eagle_train.export.layouts.LAYOUTS) that can hold its heads
+    # its names outside, each None where that engine or library has no form of it
+    gguf_spec_type: str | None = None  # llama.cpp's --spec-type for its heads; None: eagle-export --format gguf refuses
+    vllm_method: str | None = None  # vLLM's speculative_config["method"] for its heads
+    speculators_type: str | None = None  # speculators' speculators_model_type (and algorithm) for its heads
+    head_options: tuple[str, ...] = ()  # the options of its head class it switches on (DSpark: BlockHead's)
     summary: str = ""  # one line for --help
+
+    @property
+    def layout(self) -> str | None:
+        """Its own layout, the first of `layouts`: what its heads are exported in where no layout is asked for."""
+        return self.layouts[0] if self.layouts else None
 
     @property
     def head_class(self):
@@ -84,6 +96,9 @@ DFLASH = Method(
     "eagle_train.methods.block.train:validate_block",
     "eagle_train.methods.block.head:num_drafts",
     layouts=("dflash", "speculators"),
+    gguf_spec_type="draft-dflash",
+    vllm_method="dflash",
+    speculators_type="dflash",
     summary="DFlash: a block of block_size - 1 drafts in one forward, the target's layers as keys and values",
 )
 
@@ -95,6 +110,9 @@ METHODS = {
         "eagle_train.methods.eagle3.train:build_eagle3_head",
         "eagle_train.methods.eagle3.train:eagle3_objective",
         layouts=("eagle3", "speculators"),
+        gguf_spec_type="draft-eagle3",
+        vllm_method="eagle3",
+        speculators_type="eagle3",
         summary="EAGLE-3: one fused decoder layer, trained with training-time test (ttt_length drafts unrolled)",
     ),
     "peagle": Method(
@@ -105,6 +123,8 @@ METHODS = {
         "eagle_train.methods.peagle.train:peagle_objective",
         "eagle_train.methods.peagle.train:validate_peagle",
         layouts=("peagle", "speculators"),
+        vllm_method="eagle3",  # with parallel_drafting, which its family asks for
+        speculators_type="peagle",
         summary="P-EAGLE: all num_depths drafts in one forward pass, trained with sequence partitioning",
     ),
     "dflash": DFLASH,
@@ -112,6 +132,10 @@ METHODS = {
         DFLASH,
         title="DSpark",
         layouts=("dspark", "speculators"),
+        gguf_spec_type="draft-dspark",
+        vllm_method="dspark",
+        speculators_type="dspark",
+        head_options=("sample_from_anchor", "markov_rank"),  # markov_rank: the config's, MARKOV_RANK when unset
         summary="DSpark: DFlash drafting from the anchor's slot too, with a Markov logit bias and a confidence head",
     ),
 }
@@ -127,6 +151,12 @@ def row(method: str) -> Method:
     if method not in METHODS:
         raise ValueError(f"method {method!r} is not one of {', '.join(METHODS)}")
     return METHODS[method]
+
+
+def method_with(**fields) -> str | None:
+    """The first method whose row has these values (`layout="dflash"`, `speculators_type="peagle"`): the method of
+    a file that names its layout or another's name for it, not ours; None when no row has them."""
+    return next((name for name, m in METHODS.items() if all(getattr(m, k) == v for k, v in fields.items())), None)
 
 
 def method_of(cfg) -> Method:
