@@ -82,7 +82,7 @@ class TargetLayer(nn.Module):
         self.q_norm = shared_norm(attn.q_norm) if hasattr(attn, "q_norm") else None  # Qwen3
         self.k_norm = shared_norm(attn.k_norm) if hasattr(attn, "k_norm") else None
         mlp = hf_layer.mlp
-        self.mlp = MLP(mlp.gate_proj.in_features, mlp.gate_proj.out_features)
+        self.mlp = MLP(*reversed(mlp.gate_proj.weight.shape))  # [out, in]: an HF Linear or a FewRowLinear
         self.mlp.gate_proj, self.mlp.up_proj, self.mlp.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
         self.cache: KVCache | None = None
 
