@@ -83,6 +83,8 @@ class DraftConfig:
     norm_output: bool = False  # the layer's output passes the final norm before it is fed back and read by lm_head
     qk_norm: bool = False  # Qwen3 attention: each head's query and key pass an RMSNorm (q_norm, k_norm)
     sliding_window: int | None = None  # the layer attends to the last sliding_window positions only
+    # draft_model: the draft's own transformers config (the target's architecture with fewer layers)
+    model_config: dict | None = None
 
     def __post_init__(self):
         self.aux_layer_ids = tuple(self.aux_layer_ids)

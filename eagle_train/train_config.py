@@ -70,7 +70,7 @@ class TrainConfig:
     # engine=vllm: answer, the engine answers every epoch again; keep, the first epoch's samples stay in the buffer
     # (the cap must hold them all) and later epochs read them again
     later_epochs: str = "answer"
-    method: str = "eagle3"  # a row of eagle_train.methods.METHODS: eagle3, peagle, dflash or dspark
+    method: str = "eagle3"  # a row of eagle_train.methods.METHODS: eagle3, peagle, dflash, dspark or draft_model
     # None: offline, the store's layers; online, hidden_states.default_aux_layer_ids (2, N//2, N-3 from 7 layers)
     aux_layer_ids: list[int] | None = None
     draft_vocab_size: int | None = None  # None: the data's vocab map's; else its most frequent ids (by its counts)
@@ -106,6 +106,10 @@ class TrainConfig:
     # draft: the head's own lm_head over the draft vocabulary; target: the target's frozen lm_head over its whole
     # vocabulary (the published recipe; draft_vocab_size is the target's)
     block_lm_head: str = "draft"
+    # draft_model (checked by eagle_train.methods.draft_model.train.validate_draft_model): the target layers the draft
+    # starts from (None: the first draft_num_layers, by default a tenth of the target's), or draft_init=random
+    draft_layers: list[int] | None = None
+    draft_init: str = "target"  # target: the target's embedding, layers, final norm and lm_head; random: none of them
     # batching (per process): padded tokens per micro-batch; samples longer than max_length are truncated
     max_length: int | None = None  # None: the data's (the max_length it was prepared with)
     tokens_per_batch: int = 8192

@@ -41,6 +41,10 @@ FAMILIES = {
         "a block of drafts from one forward, the target's layers as keys and values",
         "inference.block_drafting:BlockDrafter",
     ),
+    "model": Family(
+        "K sequential steps of a standalone causal LM over its own cache, the tokens alone",
+        "inference.model_drafting:ModelDrafter",
+    ),
 }
 
 
@@ -137,6 +141,16 @@ METHODS = {
         speculators_type="dspark",
         head_options=("sample_from_anchor", "markov_rank"),  # markov_rank: the config's, MARKOV_RANK when unset
         summary="DSpark: DFlash drafting from the anchor's slot too, with a Markov logit bias and a confidence head",
+    ),
+    "draft_model": Method(
+        "draft model",
+        "model",
+        "eagle_train.methods.draft_model.model:DraftModel",
+        "eagle_train.methods.draft_model.train:build_draft_model",
+        "eagle_train.methods.draft_model.train:draft_model_objective",
+        "eagle_train.methods.draft_model.train:validate_draft_model",
+        vllm_method="draft_model",
+        summary="draft model: the target's architecture with a few of its layers, distilled on its answers",
     ),
 }
 

@@ -1,0 +1,100 @@
+"""The draft model (method draft_model): built from the target's own layers it computes what they compute, it drafts
+losslessly in the built-in runtime, and it trains, saves and loads back through the shared trainer."""
+
+import pytest
+import torch
+from test_trainer import config
+
+from eagle_train.checkpoint import load_draft_head
+from eagle_train.methods import check_method, method_of, objective_for
+from eagle_train.methods.draft_model.model import DraftModel
+from eagle_train.target import load_target_config
+from eagle_train.train_config import validate
+from eagle_train.trainer import train
+from inference.drafting import TreeShape
+from inference.generate import Runtime
+from inference.sampling import Sampler
+
+
+def draft_of(target_dir, layers, weights=True):
+    config = load_target_config(str(target_dir))
+    return DraftModel.from_target(
+        config, layers, target=str(target_dir), weights_from=str(target_dir) if weights else None
+    )
+
+
+def test_a_draft_of_every_target_layer_computes_the_targets_logits(tiny_llama_dir, tiny_llama):
+    target = tiny_llama[0]
+    draft = draft_of(tiny_llama_dir, [0, 1, 2, 3])
+    ids = torch.randint(0, 49152, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = target(input_ids=ids).logits
+        got = draft.logits(draft.hidden(ids))
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
+    assert draft.tied and "lm.lm_head.weight" not in draft.saved_state_dict()  # tied as the target ties them
+
+
+def test_draft_layer_j_is_the_target_layer_it_names(tiny_llama_dir, tiny_llama):
+    target = tiny_llama[0]
+    draft = draft_of(tiny_llama_dir, [3, 1])
+    for j, i in enumerate([3, 1]):
+        mine, theirs = draft.lm.model.layers[j].state_dict(), target.model.layers[i].state_dict()
+        assert mine.keys() == theirs.keys()
+        assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+    assert torch.equal(draft.lm.model.norm.weight, target.model.norm.weight)
+    random = draft_of(tiny_llama_dir, [3, 1], weights=False)
+    assert not torch.equal(random.lm.model.layers[0].mlp.up_proj.weight, target.model.layers[3].mlp.up_proj.weight)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_the_runtime_drafts_losslessly_and_a_draft_equal_to_the_target_is_always_accepted(
+    k, tiny_llama_dir, tiny_llama
+):
+    target = tiny_llama[0]
+    prompt = torch.randint(3, 49152, (7,), generator=torch.Generator().manual_seed(1)).tolist()
+    whole, cut = draft_of(tiny_llama_dir, [0, 1, 2, 3]), draft_of(tiny_llama_dir, [0])
+    for draft in (whole, cut):
+        runtime = Runtime(target, draft, TreeShape.chain(k), cuda_graphs=False)
+        spec, plain = runtime.generate(prompt, 20), runtime.generate_plain(prompt, 20)
+        assert spec.output_ids == plain.output_ids
+    assert spec.forwards > 0 and all(a <= k for a in spec.accepted)
+    exact = Runtime(target, whole, TreeShape.chain(k), cuda_graphs=False).generate(prompt, 20)
+    assert exact.accepted[:-1] == [k] * (len(exact.accepted) - 1)  # every round but the cut last one
+    # sampling: q is p itself, so every draft is accepted (min(1, p/q) = 1): the drafts' q reach the sampler
+    sampled = Runtime(target, whole, TreeShape.chain(k), Sampler(temperature=1.0), cuda_graphs=False, seed=0)
+    result = sampled.generate(prompt, 20)
+    assert result.accepted[:-1] == [k] * (len(result.accepted) - 1)
+
+
+def run(cfg):
+    return train(cfg, method_of(cfg).build_head, objective_for(cfg))
+
+
+def test_a_draft_model_learns_and_loads_back_as_it_was_saved(train_store, smollm2, tmp_path):
+    overrides = ["method=draft_model", "draft_num_layers=1", "eval_fraction=0.2", "num_epochs=2", "ttt_length=2"]
+    done = run(config(train_store, tmp_path / "a", *overrides))
+    assert done["eval_after"]["loss"] < done["eval_before"]["loss"]
+    assert done["eval_after"]["count_rounds"] > 0 and 1 <= done["eval_after"]["chain_al"] <= 3
+    draft = load_draft_head(tmp_path / "a" / "final", smollm2[0])
+    assert isinstance(draft, DraftModel) and draft.config.num_hidden_layers == 1
+    assert draft.config.draft_vocab_size == smollm2[0].config.vocab_size  # the whole vocabulary, as engines serve it
+    first_layer = smollm2[0].model.layers[0].self_attn.q_proj.weight
+    assert not torch.equal(draft.lm.model.layers[0].self_attn.q_proj.weight, first_layer)  # trained away from it
+    again = run(config(train_store, tmp_path / "b", *overrides, f"init_from={tmp_path / 'a' / 'final'}", "max_steps=1"))
+    assert again["eval_before"]["loss"] == pytest.approx(done["eval_after"]["loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["draft_layers=[0,30]"], r"draft_layers must name layers of the 30-layer target \(0 to 29\)"),
+        (["draft_layers=[0,1]", "draft_num_layers=3"], "draft_layers names 2 layers and draft_num_layers says 3"),
+        (["draft_init=zeros"], "draft_init must be one of target, random"),
+    ],
+)
+def test_its_keys_are_checked_before_any_compute(overrides, match, train_store, smollm2, tmp_path):
+    cfg = config(train_store, tmp_path, "method=draft_model", *overrides)
+    validate(cfg, smollm2[0].config)  # the common checks pass: the method's own refuse
+    with pytest.raises(ValueError, match=match) as err:
+        check_method(cfg, smollm2[0].config)
+    assert "\n" not in str(err.value)
