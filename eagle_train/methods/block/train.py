@@ -1,14 +1,15 @@
 """The block drafters' plug-ins for the shared trainer loop (`eagle_train.trainer.train`): the head builder,
 the objective (blocks at random anchors, `eagle_train.methods.block.loss`) and the checks of their keys.
 
-`method: dflash` trains a DFlash head (block_size - 1 drafts a forward); `method: dspark` the same head with
-DSpark's options on: the anchor's slot drafts too (`sample_from_anchor`), the Markov bias of rank
-`markov_rank` and the confidence head (loss weight `confidence_weight`).
+`method: dflash` trains a DFlash head (block_size - 1 drafts a forward); `method: dspark` the same head with the
+options its row switches on (`head_options`): the anchor's slot drafts too (`sample_from_anchor`), the Markov bias
+of rank `markov_rank` and the confidence head (loss weight `confidence_weight`).
 """
 
 import torch
 
 from eagle_train.architectures import text_config
+from eagle_train.methods import row
 from eagle_train.methods.block.head import BlockHead
 from eagle_train.methods.block.loss import block_loss, default_gamma, sample_anchors
 from eagle_train.train_config import BLOCK_LM_HEADS, BLOCK_MASKS, MARKOV_RANK
@@ -16,13 +17,12 @@ from eagle_train.training_parts import check_layers_and_mask, head_from_init, ma
 from eagle_train.warm_start import warm_start_from_target
 
 
-def dspark_options(cfg) -> dict:
-    """The head options `method` implies: DSpark's on (Markov rank `markov_rank`, MARKOV_RANK when unset),
-    DFlash's off."""
-    if cfg.method == "dspark":
-        rank = MARKOV_RANK if cfg.markov_rank is None else cfg.markov_rank
-        return {"sample_from_anchor": True, "markov_rank": rank, "confidence_head": rank > 0}
-    return {"sample_from_anchor": False, "markov_rank": 0, "confidence_head": False}
+def head_options(cfg) -> dict:
+    """The head options the method's row switches on (`Method.head_options`: DSpark's), the others off; the Markov
+    rank is `markov_rank` (MARKOV_RANK when unset), and the confidence head reads the Markov bias."""
+    on = row(cfg.method).head_options
+    rank = (MARKOV_RANK if cfg.markov_rank is None else cfg.markov_rank) if "markov_rank" in on else 0
+    return {"sample_from_anchor": "sample_from_anchor" in on, "markov_rank": rank, "confidence_head": rank > 0}
 
 
 def build_block_head(cfg, target_model, vocab_map: dict | None) -> BlockHead:
@@ -47,7 +47,7 @@ def build_block_head(cfg, target_model, vocab_map: dict | None) -> BlockHead:
         causal=cfg.causal,
         block_mask=cfg.block_mask,
         block_lm_head=cfg.block_lm_head,
-        **dspark_options(cfg),
+        **head_options(cfg),
     )
     head.set_vocab_map(vocab_map["d2t"], vocab_map["t2d"])
     if cfg.warm_start:
@@ -100,8 +100,10 @@ def validate_block(cfg, target_config) -> None:
         raise ValueError(f"num_anchors (blocks per sequence) must be >= 1, got {cfg.num_anchors}")
     if cfg.block_gamma is not None and cfg.block_gamma <= 0:
         raise ValueError(f"block_gamma must be > 0 (or null for the block size's default), got {cfg.block_gamma}")
-    if cfg.method == "dflash" and cfg.markov_rank:
-        raise ValueError("markov_rank is DSpark's Markov bias: use method dspark, or markov_rank null for dflash")
+    if cfg.markov_rank and "markov_rank" not in row(cfg.method).head_options:
+        raise ValueError(
+            f"markov_rank is DSpark's Markov bias: use method dspark, or markov_rank null for {cfg.method}"
+        )
     if cfg.markov_rank is not None and cfg.markov_rank < 0:
         raise ValueError(f"markov_rank must be >= 0 (0: no Markov bias; null: {MARKOV_RANK}), got {cfg.markov_rank}")
     check_layers_and_mask(cfg, vocab)
