@@ -86,12 +86,15 @@ def eval_drafters(runtime, ngram: int | None) -> tuple[dict, dict]:
 
 def hybrid_configuration(cfg) -> Configuration:
     """Head + n-gram as the verdict names it: how llama.cpp serves it (vLLM cannot combine drafters; llama.cpp
-    drafts with no P-EAGLE head)."""
+    drafts only with the heads whose row has a GGUF spec type)."""
     from eagle_train.export.gguf import spec_type
-    from eagle_train.methods import family_of
+    from eagle_train.methods import row
 
-    if family_of(cfg.method) == "parallel":
-        return Configuration("head + n-gram", "hybrid", "no engine here serves a P-EAGLE head behind n-gram lookup")
+    method = row(cfg.method)
+    if method.gguf_spec_type is None:
+        return Configuration(
+            "head + n-gram", "hybrid", f"no engine here serves a {method.title} head behind n-gram lookup"
+        )
     combined = f"--spec-type ngram-simple,{spec_type(cfg)}"
     serve = f"llama.cpp: {combined}, the whole command printed by eagle-export --format gguf; vLLM cannot combine them"
     return Configuration("head + n-gram", "hybrid", serve)

@@ -36,7 +36,7 @@ from eagle_train.draft_config import DraftConfig
 from eagle_train.export import check_vocab_map
 from eagle_train.export.layouts import variants_refusal
 from eagle_train.layers import rope_inv_freq
-from eagle_train.methods import family_of
+from eagle_train.methods import METHODS, family_of, row
 from eagle_train.target import target_gguf
 from eagle_train.unreadable import HEAD_FIX, open_gguf
 
@@ -135,20 +135,24 @@ def block_names(n_layers: int) -> tuple[dict[str, str], dict[str, str]]:
 
 def check_head(head, target: GGUFReader) -> None:
     """Refuse heads llama.cpp's eagle3 or dflash model cannot hold, or that were trained for another target."""
-    cfg = head.config
+    cfg, method = head.config, row(head.config.method)
     names = set(head.saved_state_dict()) - {EMBEDDING[0]}
-    if family_of(cfg.method) == "block":
+    if method.gguf_spec_type is None:
+        titles = {}  # family -> the titles of its methods llama.cpp drafts with
+        for m in METHODS.values():
+            if m.gguf_spec_type:
+                titles.setdefault(m.family, []).append(m.title)
+        drafts = ", ".join(f"{family}s with {' and '.join(names)} heads only" for family, names in titles.items())
+        raise ValueError(
+            f"a {method.title} head cannot be written as a llama.cpp GGUF: llama.cpp drafts {drafts} (export "
+            f"{method.title} heads with --format {' or --format '.join(method.layouts)})"
+        )
+    if method.family == "block":
         unplaced = names - {"d2t", "t2d", MASK_EMBEDDING} - set().union(*block_names(cfg.num_hidden_layers))
         if unplaced:
             raise ValueError(f"llama.cpp's dflash model has no place for the head's tensors {sorted(unplaced)}")
         if not 0 <= cfg.mask_token_id < cfg.vocab_size:
             raise ValueError(f"the head's mask_token_id {cfg.mask_token_id} is outside the vocabulary")
-    elif cfg.method != "eagle3":
-        raise ValueError(
-            f"a {cfg.method} head cannot be written as a llama.cpp GGUF: llama.cpp drafts with "
-            "chains with EAGLE-3 heads only, blocks with DFlash and DSpark heads (serve P-EAGLE heads with vLLM: "
-            "--format peagle or speculators)"
-        )
     elif names != HEAD_TENSORS:
         raise ValueError(
             f"llama.cpp's eagle3 model has no place for the head's tensors {sorted(names - HEAD_TENSORS)} "
@@ -326,12 +330,17 @@ def add_block_tensors(writer: GGUFWriter, head, qtype: GGMLQuantizationType, tar
     add_common_tensors(writer, cfg, state)
 
 
+def block_method(switched_on: bool) -> str:
+    """The block method a head in llama.cpp's dflash architecture is, which its file does not name: llama.cpp tells
+    them by the head's options (its draft-dflash reads the masks' slots only), so a head with the Markov head or
+    drafting from the anchor's slot is the block method whose row switches those on, else the one switching none."""
+    return next(name for name, m in METHODS.items() if m.family == "block" and bool(m.head_options) == switched_on)
+
+
 def spec_type(cfg) -> str:
-    """llama.cpp's `--spec-type` for a head: draft-dspark where it has the Markov head or drafts from the
-    anchor's slot (llama.cpp's draft-dflash reads the masks' slots only), else draft-dflash or draft-eagle3."""
-    if family_of(cfg.method) != "block":
-        return "draft-eagle3"
-    return "draft-dspark" if cfg.markov_rank or cfg.sample_from_anchor else "draft-dflash"
+    """llama.cpp's `--spec-type` for a head: its row's, a block head's that of the method its options make it."""
+    block = family_of(cfg.method) == "block"
+    return row(block_method(bool(cfg.markov_rank or cfg.sample_from_anchor)) if block else cfg.method).gguf_spec_type
 
 
 def export_gguf(head, out_path, target, outtype: str = "f32") -> Path:
@@ -488,8 +497,8 @@ def d2t_offsets(path, file: HeadFile, cfg: DraftConfig) -> torch.Tensor:
 
 
 def read_block_head(path, file: HeadFile, target_config) -> tuple[DraftConfig, dict[str, torch.Tensor]]:
-    """A dflash file's head: DSpark where it has the Markov head or drafts from the anchor's slot (the two
-    methods differ in nothing else), its mask embedding the token embedding's row mask_token_id."""
+    """A dflash file's head, of the method its options make it (`block_method`: the block methods differ in
+    nothing else), its mask embedding the token embedding's row mask_token_id."""
     keys, tensors = file.keys, dict(file.tensors)
     scaling = keys.get("rope.scaling.type")
     unreadable = [
@@ -512,7 +521,7 @@ def read_block_head(path, file: HeadFile, target_config) -> tuple[DraftConfig, d
         target_config,
         target_hidden_size=keys["embedding_length"],  # llama.cpp reads target layers as wide as the head
         num_hidden_layers=keys["block_count"],
-        method="dspark" if markov is not None or sample_from_anchor else "dflash",
+        method=block_method(markov is not None or sample_from_anchor),
         mask_token_id=file.mask_token_id,
         block_size=keys.get("block_size", 16),  # llama.cpp's default
         causal=bool(keys.get("attention.causal", False)),

@@ -45,7 +45,7 @@ import torch
 
 from eagle_train.draft_config import DraftConfig, target_rope
 from eagle_train.hidden_states import engine_aux_layer_ids
-from eagle_train.methods import METHODS, family_of, row
+from eagle_train.methods import METHODS, family_of, method_with, row
 from eagle_train.target import HUB_IDS, resolve_target
 from eagle_train.train_config import NUM_DEPTHS
 
@@ -58,7 +58,7 @@ MASK_EMBEDDING_FILE = "mask_embedding.pt"  # a block head's learnt mask embeddin
 EMBEDDING_TENSOR = "embed_tokens.weight"  # the target's token embedding some exports ship (Layout.ships_embedding)
 DFLASH_ARCHITECTURE = "DFlashDraftModel"
 DSPARK_ARCHITECTURE = "Qwen3DSparkModel"
-SPECULATOR_ARCHITECTURES = {"dflash": "DFlashSpeculator", "dspark": "DSparkSpeculator"}
+SPECULATOR_ARCHITECTURES = {"dflash": "DFlashSpeculator", "dspark": "DSparkSpeculator"}  # by speculators' model type
 # DSpark's Markov head: raw Parameters in our head, an Embedding's and a Linear's weight in the engines
 MARKOV_TENSORS = ("markov_head.markov_w1", "markov_head.markov_w2")
 
@@ -256,7 +256,7 @@ def draft_config_from_llama(llama: dict, top: dict, target_config=None, aux_laye
         target_num_layers=n,
         aux_layer_ids=tuple(aux),
         num_hidden_layers=llama.get("num_hidden_layers", 1),
-        method=ours.get("method", "eagle3"),
+        method=ours.get("method") or speculators_method(top) or method_with(layout="eagle3"),
         target=ours.get("target") or (top.get("speculators_config") or {}).get("verifier", {}).get("name_or_path", ""),
     )
 
@@ -284,7 +284,7 @@ def speculators_config(cfg: DraftConfig, dtype: torch.dtype, extra: dict) -> dic
     layer = with_window(cfg, qwen3_keys(cfg, dtype) if cfg.qk_norm else llama_keys(cfg, dtype))
     peagle = family_of(cfg.method) == "parallel"
     config = {
-        "speculators_model_type": cfg.method,
+        "speculators_model_type": row(cfg.method).speculators_type,
         "architectures": ["PEagleSpeculator" if peagle else "Eagle3Speculator"],
         "transformer_layer_config": layer,
         "draft_vocab_size": cfg.draft_vocab_size,
@@ -296,7 +296,7 @@ def speculators_config(cfg: DraftConfig, dtype: torch.dtype, extra: dict) -> dic
         "tie_word_embeddings": False,
         "torch_dtype": DTYPE_NAMES[dtype],
         "speculators_config": {
-            "algorithm": cfg.method,
+            "algorithm": row(cfg.method).speculators_type,
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": tokens}],
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": verifier, "architectures": list(cfg.target_architectures)},
@@ -314,11 +314,12 @@ def speculators_read(config: dict, target_config=None) -> DraftConfig:
     layer = config.get("transformer_layer_config")
     if not isinstance(layer, dict):
         raise ValueError("speculators config.json has no transformer_layer_config dict")
-    if family_of(config.get("speculators_model_type")) == "block":
+    family = family_of(speculators_method(config))
+    if family == "block":
         return block_read(config, target_config)
     layer = full_layer_config(layer)
     cfg = draft_config_from_llama(layer, config, target_config)
-    parallel = family_of(config.get("speculators_model_type")) == "parallel"
+    parallel = family == "parallel"
     # absent, vLLM takes norm_before_residual as true for EAGLE-3 and false for P-EAGLE
     cfg.norm_before_residual = bool(config.get("norm_before_residual", not parallel))
     for flag in SPECULATORS_NORM_FLAGS:
@@ -370,8 +371,15 @@ def with_window(cfg: DraftConfig, layer: dict) -> dict:
     return layer
 
 
+def speculators_method(config: dict) -> str | None:
+    """The method of a speculators config, by the model type it names (`Method.speculators_type`); None for a
+    config of another layout or a model type no method has."""
+    kind = config.get("speculators_model_type")
+    return method_with(speculators_type=kind) if kind is not None else None
+
+
 def is_speculators(config: dict) -> bool:
-    return config.get("speculators_model_type") in METHODS  # speculators names its model types as we name methods
+    return speculators_method(config) is not None
 
 
 # ---- peagle (vLLM parallel drafting) -------------------------------------------------------------
@@ -393,7 +401,7 @@ def as_peagle(cfg: DraftConfig, config: dict, num_depths=None) -> DraftConfig:
     if not ids:
         raise ValueError(f"P-EAGLE config.json names no mask token id (one of {', '.join(MASK_TOKEN_KEYS)})")
     ours = config.get(PROVENANCE_KEY) or {}
-    cfg.method, cfg.mask_token_id = "peagle", int(ids[0])
+    cfg.method, cfg.mask_token_id = method_with(layout="peagle"), int(ids[0])
     cfg.num_depths = int(ours.get("num_depths") or num_depths or NUM_DEPTHS)
     return cfg
 
@@ -432,7 +440,7 @@ def dspark_keys(cfg: DraftConfig) -> dict:
     return keys
 
 
-SPECULATORS_BLOCK_KEYS = {  # speculators' block algorithms and the keys each writes beyond the common ones
+SPECULATORS_BLOCK_KEYS = {  # speculators' block model types and the keys each writes beyond the common ones
     "dflash": lambda cfg: {},
     "dspark": dspark_keys,
 }
@@ -479,9 +487,10 @@ def block_speculators_config(cfg: DraftConfig, dtype: torch.dtype, extra: dict) 
     K = the drafts a block gives, whatever --speculative-tokens says."""
     extra = {k: v for k, v in extra.items() if k != "speculative_tokens"}
     verifier, extra = verifier_entry(cfg, extra)
+    kind = row(cfg.method).speculators_type
     config = {
-        "speculators_model_type": cfg.method,
-        "architectures": [SPECULATOR_ARCHITECTURES[cfg.method]],
+        "speculators_model_type": kind,
+        "architectures": [SPECULATOR_ARCHITECTURES[kind]],
         "transformer_layer_config": with_window(cfg, qwen3_keys(cfg, dtype)),
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.target_hidden_size,
@@ -494,13 +503,13 @@ def block_speculators_config(cfg: DraftConfig, dtype: torch.dtype, extra: dict) 
         "tie_word_embeddings": False,
         "torch_dtype": DTYPE_NAMES[dtype],
         "speculators_config": {
-            "algorithm": cfg.method,
+            "algorithm": kind,
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": row(cfg.method).drafts(cfg)}],
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": verifier, "architectures": list(cfg.target_architectures)},
         },
     }
-    config.update(SPECULATORS_BLOCK_KEYS[cfg.method](cfg))
+    config.update(SPECULATORS_BLOCK_KEYS[kind](cfg))
     config[PROVENANCE_KEY] = provenance(cfg, extra)
     return config
 
@@ -511,19 +520,19 @@ def block_settings(config: dict) -> dict:
     DSpark): method, aux ids (ours), mask token, block size, causal, sample_from_anchor, Markov rank, confidence."""
     dflash = config.get("dflash_config") or {}
     window = None
-    if family_of(config.get("speculators_model_type")) == "block":
-        method, aux = config["speculators_model_type"], config.get("aux_hidden_state_layer_ids")
+    if family_of(speculators_method(config)) == "block":
+        method, aux = speculators_method(config), config.get("aux_hidden_state_layer_ids")
         # speculators: a block is causal in sliding-window layers unless sliding_window_non_causal, never in others
         window = layer_window(full_layer_config(config.get("transformer_layer_config") or {}))
         causal = bool(window) and not config.get("sliding_window_non_causal", False)
         from_anchor = config.get("sample_from_anchor", False)
     elif is_dflash(config):
-        method, causal = "dflash", config.get("is_causal", dflash.get("causal"))
+        method, causal = method_with(layout="dflash"), config.get("is_causal", dflash.get("causal"))
         ids = zlab_target_layer_ids(config)
         aux = [i + 1 for i in ids] if ids else None
         from_anchor = dflash.get("sample_from_anchor", False)
     else:
-        method, causal = "dspark", config.get("is_causal")
+        method, causal = method_with(layout="dspark"), config.get("is_causal")
         aux = [i + 1 for i in config["target_layer_ids"]] if config.get("target_layer_ids") else None
         from_anchor = config.get("sample_from_anchor", True)
     return {
@@ -576,7 +585,8 @@ def speculators_refusal(cfg: DraftConfig) -> str:
     verifier's row mask_token_id), and replaces a full-vocabulary lm_head by the verifier's."""
     if family_of(cfg.method) != "block":
         return ""
-    own = f"export --format {cfg.method}" + (" --target T" if cfg.method == "dspark" else "")  # its own layout
+    own_layout = row(cfg.method).layout
+    own = f"export --format {own_layout}" + " --target T" * LAYOUTS[own_layout].ships_embedding(cfg)
     if cfg.block_mask != "target":
         return (
             "speculators embeds the mask slots by the verifier's row mask_token_id and never reads this head's "
@@ -644,7 +654,7 @@ def is_dspark(config: dict) -> bool:
 
 def is_block(config: dict) -> bool:
     """A DFlash or DSpark config, in any of the three layouts."""
-    return is_dflash(config) or is_dspark(config) or family_of(config.get("speculators_model_type")) == "block"
+    return is_dflash(config) or is_dspark(config) or family_of(speculators_method(config)) == "block"
 
 
 def markov_to_file(name: str, method: str = "") -> str:
@@ -743,10 +753,11 @@ def detect_layout(config: dict) -> Layout:
     for layout in sorted(LAYOUTS.values(), key=lambda lay: lay.name == "eagle3"):
         if layout.matches(config):
             return layout
+    kinds = ", ".join(dict.fromkeys(f'"{m.speculators_type}"' for m in METHODS.values() if m.speculators_type))
     raise ValueError(
         'config.json is in no known draft layout (expected architectures ["LlamaForCausalLMEagle3"], '
-        f'["{DFLASH_ARCHITECTURE}"] or ["{DSPARK_ARCHITECTURE}"], or speculators_model_type "eagle3", "peagle", '
-        f'"dflash" or "dspark"; known layouts: {", ".join(LAYOUTS)})'
+        f'["{DFLASH_ARCHITECTURE}"] or ["{DSPARK_ARCHITECTURE}"], or speculators_model_type one of {kinds}; '
+        f"known layouts: {', '.join(LAYOUTS)})"
     )
 
 
