@@ -27,21 +27,22 @@ from eagle_train.export.layouts import (
     PROVENANCE_KEY,
     block_read,
     detect_layout,
+    speculators_method,
 )
-from eagle_train.methods import row
-from eagle_train.methods.block.head import num_drafts
+from eagle_train.methods import method_with, row
 from engines.rules import SHARD_ORDER, EngineReport, check_target, check_vocab_map, stack
 
 
 def restated_hf_config(config: dict) -> dict:
     """vLLM's speculators dflash / dspark mapping (algos.py update_dflash, update_dspark), for when vLLM is
-    not installed here: the Qwen3 keys with the native keys built from the speculators ones."""
+    not installed here: the Qwen3 keys with the native keys built from the speculators ones, those of the own
+    layout of the config's method."""
     hf = dict(config.get("transformer_layer_config") or {})
     aux = config.get("aux_hidden_state_layer_ids")
     if aux is None:
         raise KeyError("aux_hidden_state_layer_ids")
     hf["eagle_aux_hidden_state_layer_ids"] = aux
-    if config["speculators_model_type"] == "dflash":
+    if row(speculators_method(config)).layout == "dflash":
         hf["architectures"] = ["DFlashDraftModel"]
         hf["draft_vocab_size"] = config.get("draft_vocab_size")
         hf["dflash_config"] = {
@@ -86,17 +87,17 @@ def vllm_hf_config(config: dict) -> tuple[dict, str]:
 
 
 def engine_settings(hf: dict) -> dict:
-    """What vLLM reads from its draft config: the method, target layers (HF hidden_states indices), mask token,
-    sample_from_anchor, Markov rank, confidence head."""
+    """What vLLM reads from its draft config: its layout (dflash: DFlashDraftModel, else dspark: Qwen3DSparkModel),
+    target layers (HF hidden_states indices), mask token, sample_from_anchor, Markov rank, confidence head."""
     dflash = hf.get("dflash_config") or {}
-    method = "dflash" if any(a.startswith("DFlash") for a in hf.get("architectures") or []) else "dspark"
-    layers = dflash.get("target_layer_ids") if method == "dflash" else hf.get("target_layer_ids")
+    layout = "dflash" if any(a.startswith("DFlash") for a in hf.get("architectures") or []) else "dspark"
+    layers = dflash.get("target_layer_ids") if layout == "dflash" else hf.get("target_layer_ids")
     return {
-        "method": method,
+        "layout": layout,
         "aux": tuple(i + 1 for i in layers) if layers else None,
         "mask_token_id": dflash.get("mask_token_id", hf.get("mask_token_id")),
         "sample_from_anchor": dflash.get("sample_from_anchor", False)
-        if method == "dflash"
+        if layout == "dflash"
         else hf.get("sample_from_anchor", True),
         "markov_rank": hf.get("markov_rank"),
         "confidence": bool(hf.get("enable_confidence_head")),
@@ -134,7 +135,7 @@ def block_shapes(cfg, settings: dict) -> dict[str, tuple]:
                 p + "post_attention_layernorm.weight": (h,),
             }
         )
-    if settings["method"] == "dspark" and settings["markov_rank"]:
+    if settings["layout"] == "dspark" and settings["markov_rank"]:
         r = settings["markov_rank"]
         shapes[MARKOV_TENSORS[0] + ".weight"] = (cfg.vocab_size, r)
         shapes[MARKOV_TENSORS[1] + ".weight"] = (cfg.draft_vocab_size, r)
@@ -163,7 +164,7 @@ def inspect(eng, files: DraftFiles, target_config=None) -> EngineReport:
         report.add("error", str(e))
         return report
     settings = engine_settings(hf)
-    title = f"vLLM's {row(settings['method']).title}"
+    title = f"vLLM's {row(method_with(layout=settings['layout'])).title}"
     report.config, report.aux_layers, report.context_length = cfg, settings["aux"], cfg.max_position_embeddings
     report.add("info", f"the draft config vLLM builds comes from {said}")
     check_config(report, title, config, hf, cfg, settings)
@@ -179,7 +180,7 @@ def inspect(eng, files: DraftFiles, target_config=None) -> EngineReport:
 def check_config(report, title, config, hf, cfg, settings) -> None:
     layer = config.get("transformer_layer_config") if "speculators_model_type" in config else config
     if settings["aux"] is None:
-        where = "dflash_config.target_layer_ids" if settings["method"] == "dflash" else "target_layer_ids"
+        where = "dflash_config.target_layer_ids" if settings["layout"] == "dflash" else "target_layer_ids"
         report.add("error", f"no {where}: {title} cannot tell which target layers the head reads")
     intended = tuple((config.get(PROVENANCE_KEY) or {}).get("aux_layer_ids") or ())
     if intended and settings["aux"] and settings["aux"] != intended:
@@ -200,13 +201,13 @@ def check_config(report, title, config, hf, cfg, settings) -> None:
             f"sample_from_anchor unset: {title} takes {settings['sample_from_anchor']} (engines differ on the "
             "default); write the value the head was trained with",
         )
-    if settings["method"] == "dflash" and settings["sample_from_anchor"]:
+    if settings["layout"] == "dflash" and settings["sample_from_anchor"]:
         report.add(
             "error",
             "sample_from_anchor true: vLLM's DFlash drafts from the mask slots only (its DFlash speculator refuses "
             "the key, the CPU proposer ignores it); export the head as dspark",
         )
-    if settings["method"] == "dspark":
+    if settings["layout"] == "dspark":
         if settings["markov_rank"] is None:
             report.add("error", "no markov_rank: vLLM's Qwen3DSparkModel needs it (0 for no Markov head)")
         if hf.get("markov_head_type", "vanilla") != "vanilla":
@@ -222,7 +223,7 @@ def check_config(report, title, config, hf, cfg, settings) -> None:
     report.add(
         "info",
         f"vLLM drafts num_speculative_tokens per block (--speculative-config); this head gives at most "
-        f"{num_drafts(cfg)} (block_size {cfg.block_size}"
+        f"{row(cfg.method).drafts(cfg)} (block_size {cfg.block_size}"
         + (", the anchor's slot drafting)" if cfg.sample_from_anchor else ", the anchor's slot drafting nothing)"),
     )
 
@@ -280,7 +281,7 @@ def check_mask_embedding(report, title, files, cfg, settings) -> None:
     if cfg.block_mask == "target" and not path.is_file() and EMBEDDING_TENSOR not in files.meta:
         report.add("info", f"the mask slots: the target's row of token {mask_id}, as trained (block_mask: target)")
         return
-    if settings["method"] == "dspark":
+    if settings["layout"] == "dspark":
         check_dspark_mask_row(report, title, files, cfg, mask_id)
         return
     if not path.is_file():

@@ -21,10 +21,10 @@ import torch
 
 from eagle_train.checkpoint import load_draft_head
 from eagle_train.export.draft_files import DraftFiles
-from eagle_train.export.layouts import MASK_TOKEN_KEYS, is_block, mask_token_ids, verifier
+from eagle_train.export.layouts import MASK_TOKEN_KEYS, is_block, mask_token_ids, speculators_method, verifier
 from eagle_train.files import write_json
 from eagle_train.hidden_states import engine_aux_layer_ids
-from eagle_train.methods import family_of
+from eagle_train.methods import family_of, row
 from eagle_train.target import HUB_IDS, cache_dir, load_target_config, load_tokenizer
 from engines import block_rules, vllm_child, vllm_decode
 from engines.engine import Engine
@@ -83,7 +83,7 @@ class Vllm(Engine):
 
     def check_norm_before_residual(self, report, config: dict) -> None:
         norm_first = config.get("norm_before_residual")
-        if config.get("speculators_model_type") == "eagle3" and norm_first is None:
+        if family_of(speculators_method(config)) == "chain" and norm_first is None:
             report.add(
                 "error",
                 "norm_before_residual unset: vLLM takes true for speculators eagle3 configs, the "
@@ -131,7 +131,7 @@ class Vllm(Engine):
                 f"3 x target hidden = {3 * cfg.target_hidden_size} values",
             )
         ids = mask_token_ids(config)
-        if config.get("speculators_model_type") == "peagle":  # vLLM's update_peagle: pard_token = mask_token_id
+        if family_of(speculators_method(config)) == "parallel":  # vLLM's update_peagle: pard_token = mask_token_id
             if "mask_token_id" not in config:
                 report.add(
                     "error",
@@ -159,7 +159,7 @@ class Vllm(Engine):
         report.add(
             "info",
             "vLLM drafts all K tokens in one pass only with --speculative-config "
-            '\'{"method": "eagle3", "parallel_drafting": true, ...}\'',
+            f'\'{{"method": "{row(cfg.method).vllm_method}", "parallel_drafting": true, ...}}\'',
         )
 
     def inspect(self, files: DraftFiles, target_config=None):
@@ -175,7 +175,7 @@ class Vllm(Engine):
         return vllm_child.check_refusal(target, threads)
 
     def head_refusal(self, method: str) -> str:
-        return vllm_child.head_refusal(method)
+        return vllm_child.head_refusal(row(method).vllm_method)
 
     def check_live(self, artifact, target: str, source=None, threads: int | None = None, **sizes) -> LiveReport:
         """Without vLLM the rule findings are the verdict (exit 0 when they pass), not SKIPPED: vLLM is a venv
@@ -186,7 +186,7 @@ class Vllm(Engine):
         if refusal:
             raise ValueError(refusal)
         report = super().check_live(artifact, target, source, threads, **sizes)
-        report.engine = f"vLLM (speculative_config method {method if family_of(method) == 'block' else 'eagle3'})"
+        report.engine = f"vLLM (speculative_config method {row(method).vllm_method})"
         report.rules_stand = bool(report.skipped) and bool(self.missing())
         return report
 

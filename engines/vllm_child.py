@@ -54,9 +54,9 @@ def check_refusal(target: str | None, threads: int | None) -> str:
     return "--threads is for --engine llamacpp (vLLM binds its own threads)" if threads is not None else ""
 
 
-def head_refusal(method: str) -> str:
-    """Why vLLM cannot draft here with a head of `method` ("" when it can)."""
-    return dspark_refusal() if method == "dspark" else ""
+def head_refusal(vllm_method: str) -> str:
+    """Why vLLM cannot draft here with a head of its speculative method `vllm_method` ("" when it can)."""
+    return dspark_refusal() if vllm_method == "dspark" else ""
 
 
 DSPARK_ON_V1 = 'unsupported.append("dspark speculative decoding")'  # vllm/config/vllm.py, V1 runner's refusals

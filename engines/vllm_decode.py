@@ -23,11 +23,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from eagle_train.checkpoint import load_draft_head, locate_head
+from eagle_train.draft_config import DraftConfig
 from eagle_train.export import export_head
 from eagle_train.export.draft_files import DraftFiles
 from eagle_train.export.layouts import block_read, block_settings, is_block
-from eagle_train.methods import row
-from eagle_train.methods.block.head import num_drafts
+from eagle_train.methods import method_with, row
 from engines import vllm_child  # its missing() looked up when called: tests stand in for it
 from engines.rules import is_parallel
 from engines.vllm_child import ChildServer, VllmError
@@ -57,56 +57,54 @@ SPEC_METRICS = {
 
 
 def speculative(method: str, head_dir, k: int) -> dict:
-    """vLLM's speculative_config: an EAGLE-3 head, a P-EAGLE head (all K drafts in one pass), a DFlash or
-    DSpark head (K drafts from one block), or n-gram prompt lookup (no head; the same 2- to 4-gram lookup as
-    the built-in runtime's)."""
+    """vLLM's speculative_config for a head of our `method` (its row's `vllm_method`; a P-EAGLE head drafts all K
+    in one pass, a DFlash or DSpark head K from one block), or for "ngram", prompt lookup (no head; the same 2- to
+    4-gram lookup as the built-in runtime's)."""
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": MIN_N, "prompt_lookup_max": MAX_N}
-    family = row(method).family
-    if family == "block":  # vLLM names its block drafters as we name the methods
-        return {"method": method, "model": str(head_dir), "num_speculative_tokens": k}
-    config = {"method": "eagle3", "model": str(head_dir), "num_speculative_tokens": k}
-    if family == "parallel":
+    config = {"method": row(method).vllm_method, "model": str(head_dir), "num_speculative_tokens": k}
+    if row(method).family == "parallel":
         config["parallel_drafting"] = True
     return config
 
 
 def export_dir(draft, tmp: Path):
     """(the export directory vLLM loads for `draft`, the head when `draft` is a training checkpoint or
-    None): an engine-layout directory is used as it is, a checkpoint is exported in fp32 into `tmp`
-    (eagle3; a P-EAGLE, DFlash or DSpark head in its own layout)."""
+    None): an engine-layout directory is used as it is, a checkpoint is exported in fp32 into `tmp`, in its
+    method's own layout (`Method.layout`)."""
     found = locate_head(draft)
     if not found.ours:
         return found.path, None
     head = load_draft_head(found.path)
-    layout = "eagle3" if row(head.config.method).family == "chain" else head.config.method
-    return export_head(head, Path(tmp) / "export", layout, dtype="fp32"), head
+    return export_head(head, Path(tmp) / "export", row(head.config.method).layout, dtype="fp32"), head
 
 
 def export_method(directory) -> str:
-    """The `speculative()` method an export directory drafts with: dflash or dspark (a block head), peagle
-    (parallel drafting) or eagle3."""
+    """The method (for `speculative()`) an export directory drafts with: a block head's, else the method of the
+    peagle layout (parallel drafting) or of the eagle3 layout."""
     files = DraftFiles(directory)
     if is_block(files.config):
         return block_settings(files.config)["method"]
-    return "peagle" if is_parallel(files.config, files.meta) else "eagle3"
+    return method_with(layout="peagle" if is_parallel(files.config, files.meta) else "eagle3")
 
 
 def head_method(draft) -> str:
-    """The method of the head at `draft`, one of ours or an export, without reading its weights."""
+    """The method of the head at `draft`, one of ours or an export, without reading its weights (a config that
+    names none: DraftConfig's default)."""
     found = locate_head(draft)
     if found.ours:
-        return found.config.get("method", "eagle3")
-    return export_method(found.path) if found.config is not None else "eagle3"
+        return found.config.get("method", DraftConfig.method)
+    return export_method(found.path) if found.config is not None else DraftConfig.method
 
 
 def check_block_k(directory, k: int) -> None:
     """Refuse, in one line, K drafts a block head cannot give (vLLM would draft them from slots it never trained)."""
     cfg = block_read(DraftFiles(directory).config)
-    if not 1 <= k <= num_drafts(cfg):
+    most = row(cfg.method).drafts(cfg)
+    if not 1 <= k <= most:
         raise ValueError(
-            f"a {cfg.method} head with block_size {cfg.block_size} drafts at most {num_drafts(cfg)} tokens a "
-            f"forward: use K from 1 to {num_drafts(cfg)} (got {k})"
+            f"a {cfg.method} head with block_size {cfg.block_size} drafts at most {most} tokens a "
+            f"forward: use K from 1 to {most} (got {k})"
         )
 
 
@@ -230,7 +228,7 @@ def evaluate(options: EvalOptions, answers=None) -> dict:
         raise ValueError(refusal)
     if o.tree or not o.greedy:
         raise ValueError("--engine vllm decodes greedy chains here: leave out --tree, --temperature, --top-p, --top-k")
-    reason = vllm_child.missing() or vllm_child.head_refusal(head_method(o.draft))
+    reason = vllm_child.missing() or vllm_child.head_refusal(row(head_method(o.draft)).vllm_method)
     if reason:
         raise ValueError(reason)
     k = o.depth

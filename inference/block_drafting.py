@@ -16,14 +16,13 @@ depends only on the chain above it, so acceptance stays lossless.
 import torch
 
 from eagle_train.methods import row
-from eagle_train.methods.block.head import block_attention_mask, num_drafts
 from inference.drafting import Drafter, DraftTree, TreeShape
 from inference.graphs import GraphedStep
 
 
 def check_block_drafts(cfg, k: int) -> None:
     """Refuse, in one line, K drafts a block of this head cannot give."""
-    most = num_drafts(cfg)
+    most = row(cfg.method).drafts(cfg)
     if not 1 <= k <= most:
         raise ValueError(
             f"a {row(cfg.method).title} head with block_size {cfg.block_size} drafts at most {most} "
@@ -102,9 +101,7 @@ class BlockDrafter(Drafter):
         `root_token` = x_L (L = `length`)."""
         size, dev = self.head.config.block_size, root_token.device
         positions = torch.arange(length, length + size, device=dev)
-        mask = block_attention_mask(
-            positions[:1], size, self.max_len, self.head.config.causal, self.head.config.sliding_window
-        )
+        mask = self.head.block_mask(positions[:1], self.max_len)
         (h,) = self.step_fn(root_token.reshape(1), positions, mask, self.cache)
         ids, probs = self.drafts(h, root_token)
         k = self.shape.depth

@@ -12,7 +12,6 @@ the chain is laid out from those K distributions and verified exactly like an EA
 
 import torch
 
-from eagle_train.methods.peagle import batch as pb
 from inference.drafting import Drafter, DraftTree, TreeShape
 from inference.graphs import GraphedStep
 
@@ -41,7 +40,7 @@ class ParallelDrafter(Drafter):
                 self.step_fn.reset()
 
     def visible_slots(self, keys, pos, last: int):
-        """bool [n, S]: the slots `keys` [S] each row at `pos` [n] attends to, by training's rule (`batch.visible`,
+        """bool [n, S]: the slots `keys` [S] each row at `pos` [n] attends to, by training's rule (`head.visible`,
         the head's sliding window included): slot p holds element (p, 0) up to the last accepted position `last`,
         and the mask row (last, p - last) after it, and so does row p."""
 
@@ -50,7 +49,7 @@ class ParallelDrafter(Drafter):
             return anchor, p - anchor
 
         (q_anchor, q_depth), (k_anchor, k_depth) = element(pos[:, None]), element(keys[None, :])
-        return pb.visible(q_anchor, q_depth, 0, k_anchor, k_depth, 0, self.head.config.sliding_window)
+        return self.head.visible(q_anchor, q_depth, k_anchor, k_depth)
 
     def step_rows(self, aux, next_ids, start: int, size: int | None = None):
         """One forward over the n catch-up rows, the K-1 mask rows and (for a fixed `size`) padding

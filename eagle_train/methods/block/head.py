@@ -262,6 +262,12 @@ class BlockHead(DraftHead):
             x = layer(x, cos, sin, attend)
         return x[:, self.draft_slots()]
 
+    def block_mask(self, block_start: torch.Tensor, cache_len: int) -> torch.Tensor:
+        """`draft_block`'s mask for a block at slots from `block_start` [B]: `block_attention_mask` with this head's
+        block size, causality and sliding window."""
+        c = self.config
+        return block_attention_mask(block_start, c.block_size, cache_len, c.causal, c.sliding_window)
+
     def greedy_drafts(self, h, anchor_ids):
         """Greedy drafts of a block's outputs h [B, D, H]: (target ids [B, D], logits [B, D, Vd], confidence
         [B, D] or None). With the Markov bias each draft's bias reads the draft before it (the anchor first)."""

@@ -13,7 +13,7 @@ One stack of layers serves both uses:
 - `forward`: training over flattened (anchor, depth) elements with any attention mask (a dense
   boolean mask, or a FlexAttention BlockMask on CUDA);
 - `step`: the runtime's cached step over per-layer static KV caches (`mask_inputs` gives the
-  parallel-drafting slots; `inference.parallel_drafting` lays out a round).
+  parallel-drafting slots, `visible` the attention rule; `inference.parallel_drafting` lays out a round).
 """
 
 import functools
@@ -24,6 +24,7 @@ from torch import nn
 from eagle_train.architectures import text_config
 from eagle_train.draft_config import DraftConfig
 from eagle_train.head import DecoderLayer, DraftHead, KVCache, LayerCaches
+from eagle_train.methods.peagle.batch import visible
 from eagle_train.train_config import NUM_DEPTHS
 
 
@@ -165,3 +166,8 @@ class PEagleHead(DraftHead):
 
         h = self.run_layers(hidden, input_ids, position_ids, attend)
         return h, self.logits(h if draft_rows is None else h[:, draft_rows])
+
+    def visible(self, q_anchor, q_depth, k_anchor, k_depth):
+        """Training's attention rule (`batch.visible`) within one document, with this head's sliding window: the
+        runtime lays out its rows by it."""
+        return visible(q_anchor, q_depth, 0, k_anchor, k_depth, 0, self.config.sliding_window)
