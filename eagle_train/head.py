@@ -3,8 +3,8 @@
 `DraftHead` (the parts and checkpoint tensors all heads share) and the runtime's `KVCache` are used by every
 method (EAGLE-3, P-EAGLE and the block drafters DFlash and DSpark), `KVCache` also by the runtime's target model;
 the Llama `DecoderLayer` by EAGLE-3 and P-EAGLE (a block head's layers are `eagle_train.methods.block.head.BlockLayer`);
-a method's row (`eagle_train.methods`) names its class, and `head_from_state` is the one way a head
-is rebuilt from saved tensors, whichever file they came from (eagle_train.checkpoint reads them).
+a method's row (`eagle_train.methods`) names its class, which imports this module, so this one resolves no row:
+the loader (`eagle_train.checkpoint.head_from_state`) builds the class a row names.
 """
 
 from pathlib import Path
@@ -15,7 +15,6 @@ from torch import nn
 from eagle_train.draft_config import DraftConfig
 from eagle_train.files import write_safetensors
 from eagle_train.layers import MLP, Attention, RMSNorm, RotaryEmbedding
-from eagle_train.methods import row
 from eagle_train.vocab_map import t2d_from_d2t
 
 
@@ -228,64 +227,3 @@ def non_finite_values(tensors: dict[str, torch.Tensor]) -> str:
         return ", ".join(names[:shown]) + (f" and {len(names) - shown} more tensors" if len(names) > shown else "")
 
     return ", and ".join(f"{kinds} in {listed(names)}" for kinds, names in found.items())
-
-
-def shape_mismatch(cfg: DraftConfig, name: str, got: list[int], want: list[int], source: str) -> str:
-    """Why a tensor's shape is not the one the config implies; for fc, how many target layers each side reads."""
-    width = cfg.target_hidden_size
-    if name == "fc.weight" and got[0] == want[0] and got[1] % width == 0:
-        return (
-            f"{source}: fc.weight reads {got[1] // width} target layers of {width}, the config {cfg.num_aux} (aux "
-            f"layer ids {list(cfg.aux_layer_ids)}, stated in config.json or, where it states none, its reader's "
-            "defaults): state the target layers the head was trained on in config.json"
-        )
-    return f"{source}: {name} is {got}, config.json implies {want}: config.json and the weights disagree"
-
-
-def head_from_state(
-    cfg: DraftConfig, state: dict[str, torch.Tensor], target_embedding=None, source="", target_lm_head=None
-) -> DraftHead:
-    """The head of `cfg.method` holding `state` (head tensor names), in fp32.
-
-    Every reader ends here: our checkpoints, engine layouts and GGUF files. `t2d` follows from
-    `d2t` when absent, and a full-vocabulary head without `d2t` gets the identity map. An embedding
-    in `state` that the head class does not save is the head's own (a head trained elsewhere with its
-    own); otherwise a borrowing head takes `target_embedding` (the target's), when given. A head that
-    `borrows_lm_head` takes `target_lm_head` (the target's), else a copy of it that `state` carries.
-    A head holding nan or inf anywhere is refused: it diverged or was trained on broken data.
-    """
-    head = row(cfg.method).head_class(cfg)
-    state = dict(state)
-    expected = head.saved_state_dict()
-    own_embedding = None if "embed_tokens.weight" in expected else state.pop("embed_tokens.weight", None)
-    shipped_lm_head = state.pop("lm_head.weight", None) if head.borrows_lm_head else None
-    if "d2t" not in state and cfg.draft_vocab_size == cfg.vocab_size:
-        state["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
-    missing = sorted(set(expected) - set(state) - {"t2d"})
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise ValueError(f"{source}: missing tensors {missing}, tensors this head does not have {unexpected}")
-    for name, t in state.items():
-        if tuple(t.shape) != tuple(expected[name].shape):
-            raise ValueError(shape_mismatch(cfg, name, list(t.shape), list(expected[name].shape), source))
-        if name == "d2t" and t.is_floating_point():
-            raise ValueError(f"{source}: d2t is {t.dtype}; offsets must be integers (re-export it as int64)")
-    bad = non_finite_values(state)
-    if bad:
-        raise ValueError(
-            f"{source} holds non-finite values ({bad}): this head was trained on broken data or diverged; "
-            "do not deploy it"
-        )
-    if "t2d" not in state:
-        state["t2d"] = t2d_from_d2t(state["d2t"].long(), cfg.vocab_size)
-    head.load_state_dict(
-        {k: v.long() if k == "d2t" else v.bool() if k == "t2d" else v.float() for k, v in state.items()}, strict=False
-    )
-    if own_embedding is not None:
-        head.attach_embedding(own_embedding, own=True)
-    elif target_embedding is not None and not head.owns_embedding:
-        head.attach_embedding(target_embedding)
-    lm_head = target_lm_head if target_lm_head is not None else shipped_lm_head
-    if head.borrows_lm_head and lm_head is not None:
-        head.attach_lm_head(lm_head if target_lm_head is not None else lm_head.float())
-    return head

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from eagle_train.checkpoint import head_from_state
 from eagle_train.draft_config import DraftConfig, head_rope, target_rope
 from eagle_train.export.draft_files import DraftFiles
 from eagle_train.export.layouts import (
@@ -27,10 +28,10 @@ from eagle_train.export.layouts import (
     draft_config_from_llama,
     is_block,
     mask_token_ids,
+    speculators_method,
 )
-from eagle_train.head import head_from_state
 from eagle_train.hidden_states import engine_aux_layer_ids
-from eagle_train.methods import row
+from eagle_train.methods import family_of, method_with, row
 
 STACKED = (
     (".q_proj.", ".qkv_proj.", "q"),
@@ -167,7 +168,7 @@ def is_parallel(config: dict, meta: dict) -> bool:
     return (
         bool(mask_token_ids(config))
         or "mask_hidden" in meta
-        or config.get("speculators_model_type") == "peagle"
+        or family_of(speculators_method(config)) == "parallel"
         or max(config.get("num_hidden_layers", 1), layer.get("num_hidden_layers", 1)) > 1
     )
 
@@ -223,7 +224,7 @@ def inspect(eng, files: DraftFiles, target_config=None) -> EngineReport:
         return report
     if parallel:  # a P-EAGLE head: the mask token from config.json, K from our provenance (if any)
         ids = list(mask_token_ids(config).values())
-        cfg.method, cfg.mask_token_id = "peagle", (int(ids[0]) if ids else None)
+        cfg.method, cfg.mask_token_id = method_with(layout="peagle"), (int(ids[0]) if ids else None)
         cfg.num_depths = (config.get(PROVENANCE_KEY) or {}).get("num_depths")
     report.config = cfg
     if parallel and not eng.parallel_drafting:

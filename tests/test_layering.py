@@ -89,26 +89,108 @@ def imported_modules(path: Path, modules: set[str]) -> set[str]:
     return found - {"", module_name(path)}
 
 
-def test_no_module_imports_one_that_imports_it_back():
-    """No import circle between modules, lazy imports included: the state a checkpoint saves is declared in
-    train_checkpoint (the trainer's `Run` is one), vLLM's child-process helpers live in engines/vllm_child.py,
-    `Engine` in engines/engine.py (engines/__init__.py, the registry, imports each engine; none imports it back).
-    A package's `__init__` counts like any module."""
+def test_the_engines_and_the_runtime_reach_a_method_only_through_its_row():
+    """engines/ and inference/ import the registry (`eagle_train.methods`), never a method folder: what they need of a
+    method is its row's (`drafts`, its names outside) or its head's (the class the row names), so a new method's
+    folder and row are all it brings."""
+    paths = {module_name(m): m for package in ("engines", "inference") for m in sorted((REPO / package).rglob("*.py"))}
+    modules = set(paths) | {module_name(m) for m in (REPO / "eagle_train").rglob("*.py")}
+    wrong = {
+        name: sorted(reached)
+        for name, path in paths.items()
+        if (reached := {m for m in imported_modules(path, modules) if method_folder(m)})
+    }
+    assert not wrong, f"these import a method folder instead of reading its row: {wrong}"
+
+
+def import_arrows() -> tuple[dict[str, Path], dict[str, set[str]]]:
+    """Every project module's path and the project modules it imports, lazy imports included."""
     paths = {module_name(m): m for package in PACKAGES for m in sorted((REPO / package).rglob("*.py"))}
-    arrows = {name: imported_modules(path, set(paths)) for name, path in paths.items()}
+    return paths, {name: imported_modules(path, set(paths)) for name, path in paths.items()}
+
+
+def circles(arrows: dict[str, set[str]]) -> list[list[str]]:
+    """Each circle of `arrows`, once, from its smallest module."""
 
     def circle_from(start: str, at: str, seen: list[str]) -> list[str] | None:
-        for nxt in sorted(arrows[at]):
+        for nxt in sorted(arrows.get(at, ())):
             if nxt == start:
                 return [*seen, start]
-            if nxt not in seen and nxt > start:  # each circle is found from its smallest module
+            if nxt not in seen and nxt > start:
                 found = circle_from(start, nxt, [*seen, nxt])
                 if found:
                     return found
         return None
 
-    circles = [c for name in sorted(paths) if (c := circle_from(name, name, [name]))]
-    assert not circles, "import circles: " + "; ".join(" -> ".join(c) for c in circles)
+    return [c for name in sorted(arrows) if (c := circle_from(name, name, [name]))]
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    """No import circle between modules, lazy imports included: the state a checkpoint saves is declared in
+    train_checkpoint (the trainer's `Run` is one), vLLM's child-process helpers live in engines/vllm_child.py,
+    `Engine` in engines/engine.py (engines/__init__.py, the registry, imports each engine; none imports it back).
+    A package's `__init__` counts like any module."""
+    found = circles(import_arrows()[1])
+    assert not found, "import circles: " + "; ".join(" -> ".join(c) for c in found)
+
+
+REGISTRY = "eagle_train.methods"
+
+
+def row_resolvers() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """The names through which a module imports what a row names as "module:name" (its `*_at` fields), with the
+    fields each resolves: (the properties of `Method` and `Family` that read such a field, as `head_class` reads
+    `head_at`; the registry's functions that read such a property, as `objective_for` reads `objective`)."""
+    tree = ast.parse((REPO / "eagle_train" / "methods" / "__init__.py").read_text())
+    properties, functions = {}, {}
+    for cls in (node for node in tree.body if isinstance(node, ast.ClassDef)):
+        for fn in (node for node in cls.body if isinstance(node, ast.FunctionDef)):
+            fields = {n.attr for n in ast.walk(fn) if isinstance(n, ast.Attribute) and n.attr.endswith("_at")}
+            if fields:
+                properties[fn.name] = fields
+    for fn in (node for node in tree.body if isinstance(node, ast.FunctionDef)):
+        read = {n.attr for n in ast.walk(fn) if isinstance(n, ast.Attribute) and n.attr in properties}
+        if read:
+            functions[fn.name] = set().union(*(properties[name] for name in read))
+    return properties, functions
+
+
+def row_arrows(paths: dict[str, Path]) -> dict[str, set[str]]:
+    """module -> the modules named by the rows' strings it resolves (reading a resolving property of an object, or
+    calling a resolving function of the registry): an import made when asked for, an arrow all the same. The registry
+    only holds the strings; a property of that name read of another object (`turn.drafts`) adds an arrow too many,
+    never one too few."""
+    from eagle_train import methods
+
+    rows = [*methods.METHODS.values(), *methods.FAMILIES.values()]
+    properties, functions = row_resolvers()
+    named = {
+        reader: {getattr(r, f).partition(":")[0] for r in rows for f in fields if getattr(r, f, None)} & set(paths)
+        for reader, fields in {**properties, **functions}.items()
+    }
+    arrows = {}
+    for name, path in paths.items():
+        nodes = list(ast.walk(ast.parse(path.read_text(), str(path))))
+        attributes = {n.attr for n in nodes if isinstance(n, ast.Attribute)}
+        names = attributes | {n.id for n in nodes if isinstance(n, ast.Name)}
+        read = (attributes & set(properties)) | (names & set(functions))
+        if name != REGISTRY and read:
+            arrows[name] = set().union(*(named[reader] for reader in read)) - {name}
+    return arrows
+
+
+def test_no_module_reaches_through_a_row_one_that_imports_it_back():
+    """A row's "module:name" strings are imports made when asked for: the module that resolves one
+    (`row(cfg.method).head_class`) imports the module named. No circle through them either, so a method's head
+    module may import what every head is built from (eagle_train.head) while the loader that resolves a row's head
+    class (eagle_train.checkpoint, `head_from_state`) sits above both."""
+    paths, arrows = import_arrows()
+    for name, named in row_arrows(paths).items():
+        arrows[name] = arrows[name] | named
+    found = circles(arrows)
+    assert not found, "import circles through the rows' module:name strings: " + "; ".join(
+        " -> ".join(c) for c in found
+    )
 
 
 def test_the_checker_sees_lazy_imports(tmp_path):
