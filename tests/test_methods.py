@@ -1,6 +1,6 @@
-"""A method is one folder plus one row: a fifth method (`tests/twin_method/`: its head class and builder), registered
-as a row naming them by reference, trains, exports and is evaluated by the built-in runtime with no other file
-changed."""
+"""A method is one folder plus one row: another method (`tests/twin_method/`: its head class and builder), registered
+as a row naming them by reference under a key of its own, with an export layout of its own, trains, exports and is
+evaluated by the built-in runtime with no other file changed."""
 
 import dataclasses
 import json
@@ -8,13 +8,21 @@ import json
 import pytest
 
 from eagle_train import methods
+from eagle_train.export.layouts import LAYOUTS, PROVENANCE_KEY
 
 TWIN = dataclasses.replace(
     methods.METHODS["eagle3"],
     title="EAGLE-3 twin",
     head_at="twin_method.head:TwinHead",
     build_head_at="twin_method.train:build_twin_head",
-    layouts=("eagle3",),
+    layouts=("twin",),
+)
+# the twin's own layout: the eagle3 layout's keys (vLLM reads them as EAGLE-3's), told apart by the method it holds
+TWIN_LAYOUT = dataclasses.replace(
+    LAYOUTS["eagle3"],
+    name="twin",
+    engines=("vllm",),
+    matches=lambda c: (c.get(PROVENANCE_KEY) or {}).get("method") == "twin",
 )
 
 
@@ -32,22 +40,26 @@ def test_a_fifth_method_is_one_row(monkeypatch, tiny_llama_dir, small_tokenized,
     from eagle_cli.export import main as export
     from eagle_cli.train import main as train
     from eagle_train.checkpoint import load_draft_head
+    from engines import ENGINES
 
-    monkeypatch.setitem(methods.METHODS, "eagle3_twin", TWIN)
+    monkeypatch.setitem(methods.METHODS, "twin", TWIN)
+    monkeypatch.setitem(LAYOUTS, "twin", TWIN_LAYOUT)
+    monkeypatch.setattr(ENGINES["vllm"], "layouts", (*ENGINES["vllm"].layouts, "twin"))
     run, out = tmp_path / "run", tmp_path / "export"
     train(
-        ["--config", "eagle3_smollm2", "method=eagle3_twin", "mode=online", f"target={tiny_llama_dir}"]
+        ["--config", "eagle3_smollm2", "method=twin", "mode=online", f"target={tiny_llama_dir}"]
         + [f"data_path={small_tokenized}", f"output_dir={run}", "max_steps=2", "warmup_steps=1", "ttt_length=2"]
         + ["tokens_per_batch=256", "max_length=128", "eval_fraction=0", "report_to=none", "save_every=0"]
     )
     head = load_draft_head(run / "final")
-    assert head.config.method == "eagle3_twin" and type(head).__name__ == "TwinHead"
+    assert head.config.method == "twin" and type(head).__name__ == "TwinHead"
     with pytest.raises(SystemExit) as exported:  # vLLM's rules: the tiny target's layers suit its aux layer ids
         export(
-            [str(run / "final"), "--format", "eagle3", "--out", str(out), "--target", str(tiny_llama_dir)]
+            [str(run / "final"), "--format", "twin", "--out", str(out), "--target", str(tiny_llama_dir)]
             + ["--engine", "vllm"]
         )
     assert exported.value.code == 0
+    assert "vLLM (twin layout)" in capsys.readouterr().out
     for draft in (run / "final", out):  # the checkpoint (the twin's row) and the engine layout it was written in
         results = tmp_path / "eval.json"
         evaluate(
