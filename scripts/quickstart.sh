@@ -18,9 +18,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DRAFTER=${DRAFTER:-eagle3}
-FAMILY=$(python -c 'import sys; from eagle_train.methods import METHODS as m; d = sys.argv[1]
-print(m[d].family) if d in m else sys.exit("DRAFTER=" + d + ": choose one of " + ", ".join(m))' "$DRAFTER")
-case "$FAMILY" in   # the method's drafting family (eagle_train/methods/__init__.py)
+# the method's drafting family and own export layout, from its row (eagle_train/methods/__init__.py)
+read -r FAMILY LAYOUT < <(python -c 'import sys; from eagle_train.methods import METHODS as m; d = sys.argv[1]
+print(m[d].family, m[d].layout) if d in m else sys.exit("DRAFTER=" + d + ": choose one of " + ", ".join(m))' "$DRAFTER")
+case "$FAMILY" in
   chain) DRAFTING=(--chain "${K:-1}"); METHOD=(ttt_length="${K:-1}") ;;
   *) DRAFTING=(--parallel "${K:-1}"); METHOD=() ;;   # the first K of one forward's drafts
 esac
@@ -40,6 +41,6 @@ eagle-prep run --config smollm2_sharegpt "${PREP[@]}"   # resumes a killed run; 
 accelerate launch --num_processes 1 --num_cpu_threads_per_process "$(nproc)" --num_machines 1 --mixed_precision no \
     --dynamo_backend no -m eagle_cli.train --config "${DRAFTER}_smollm2" \
     data_path="$RUN/store" output_dir="$HEAD" resume=auto "${METHOD[@]}" "${TRAIN[@]}"
-eagle-export "$HEAD/final" --format "$DRAFTER" --out "$HEAD/export" --target smollm2-135m
+eagle-export "$HEAD/final" --format "$LAYOUT" --out "$HEAD/export" --target smollm2-135m
 eagle-eval --target smollm2-135m --draft "$HEAD/export" --bench mt_bench "${DRAFTING[@]}" \
     --out "$HEAD/eval_mt_bench.json" "${EVAL[@]}"

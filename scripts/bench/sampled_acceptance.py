@@ -26,6 +26,8 @@ import torch
 
 from eagle_train.checkpoint import load_draft_head, locate_head
 from eagle_train.hidden_states import TargetLogits
+from eagle_train.methods import row
+from eagle_train.methods.eagle3.head import Eagle3Head
 from eagle_train.methods.eagle3.ttt import chain_walk
 from eagle_train.store import ShardedSamples, read_manifest
 from eagle_train.target import load_target
@@ -144,8 +146,9 @@ def main(argv=None):
     )
     for path in args.head:
         head = load_draft_head(path, model).to(device).eval()
-        if head.config.method != "eagle3":
-            raise SystemExit(f"{path} holds a {head.config.method} head: this script unrolls EAGLE-3's TTT steps")
+        if not isinstance(head, Eagle3Head):
+            title = row(head.config.method).title
+            raise SystemExit(f"{path} holds a {title} head: this script unrolls EAGLE-3's TTT steps (Eagle3Head)")
         draft_ids = head.draft_to_target_ids(torch.arange(head.lm_head.weight.shape[0], device=device))
         totals = {temp: [[0.0, 0] for _ in range(args.steps)] for temp in args.temperature}
         walk, classes = [0, 0], {c: [0, 0] for c in TOKEN_CLASSES}
