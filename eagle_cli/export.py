@@ -8,11 +8,12 @@ from pathlib import Path
 
 from eagle_train.checkpoint import load_draft_head
 from eagle_train.export import LAYOUTS, export_head, ships_target_embedding
-from eagle_train.export.gguf import OUTTYPES, export_gguf, spec_type
+from eagle_train.export.gguf import OUTTYPES, spec_type
 from eagle_train.export.layouts import verifier_for, verifier_notice
 from eagle_train.target import load_input_embedding, load_target_config
 from eagle_train.train_checkpoint import checkpoint_step, read_state
 from engines import DIRECTORY_ENGINES, ENGINES, check_directory
+from engines.llamacpp import draft_gguf
 from engines.llamacpp_run import hybrid_flags
 
 LIVE_ENGINES = tuple(name for name, e in ENGINES.items() if e.decodes_live)
@@ -183,7 +184,7 @@ def print_reports(reports) -> int:
 def run_gguf(args) -> int:
     outtype = args.outtype or "f32"
     head = load_draft_head(Path(args.checkpoint))
-    out = export_gguf(head, args.out, args.target, outtype)
+    out = draft_gguf(head, args.out, args.target, outtype)
     combined = " ".join(map(str, hybrid_flags(out, 3)))  # llama.cpp's own rule for the flags, at K=3
     print(
         f"wrote {out} (gguf, {outtype}); serve with: llama-server -m TARGET.gguf -md {out} "

@@ -25,6 +25,14 @@ def text_config(config):
     return getattr(config, "text_config", None) or config
 
 
+def config_from_dict(values: dict):
+    """A transformers config from its `to_dict()` (a config.json's keys)."""
+    from transformers import AutoConfig
+
+    values = dict(values)
+    return AutoConfig.for_model(values.pop("model_type"), **values)
+
+
 def structure_problem(config) -> str | None:
     """Why transformers' model for `config` is not a decoder-only causal LM with its decoder layers at
     `model.model.layers`, from the model built on the meta device (no memory, no weights); None if it is."""

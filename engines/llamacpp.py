@@ -6,16 +6,20 @@ Building its tools is engines/llamacpp_build.py (with `eagle-llamacpp`), running
 counters engines/llamacpp_run.py, what it reads from a head GGUF engines/llamacpp_rules.py.
 """
 
+import shutil
 import tempfile
 import time
 from pathlib import Path
 
 from eagle_train.checkpoint import GGUF, load_draft_head, locate_head
+from eagle_train.export import export_head
 from eagle_train.export.gguf import export_gguf
+from eagle_train.export.layouts import layout
+from eagle_train.methods import row
 from eagle_train.target import load_tokenizer, target_gguf
 from engines.engine import Engine
 from engines.live import EngineFailed, Pooled
-from engines.llamacpp_build import BUILD_HINT, LlamaCppError, require_tools, tools_dir
+from engines.llamacpp_build import BUILD_HINT, LlamaCppError, convert_target, require_tools, tools_dir
 from engines.llamacpp_rules import static_findings
 from engines.llamacpp_run import (
     LlamaCppRun,
@@ -49,7 +53,19 @@ def head_gguf(draft, target, out: Path):
     if found.kind == GGUF:
         return found.path, None
     head = load_draft_head(found.path)
-    return export_gguf(head, out, target), head
+    return draft_gguf(head, out, target), head
+
+
+def draft_gguf(head, out, target, outtype: str = "f32") -> Path:
+    """`head` as the one GGUF llama.cpp loads beside the target's: a head by `export_gguf` (against the target's
+    GGUF `target`), a draft model by llama.cpp's own converter from its model directory (`Layout.llamacpp_converts`:
+    a model of the target's architecture is llama.cpp's format to know)."""
+    own = row(head.config.method).layout
+    if own is None or not layout(own).llamacpp_converts:
+        return export_gguf(head, out, target, outtype)
+    with tempfile.TemporaryDirectory() as tmp:
+        export_head(head, Path(tmp) / "model", own, dtype="fp32")
+        return Path(shutil.move(convert_target(Path(tmp) / "model", Path(tmp) / "model.gguf", outtype), out))
 
 
 class LlamaCpp(Engine):

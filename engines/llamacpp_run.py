@@ -23,7 +23,7 @@ from pathlib import Path
 
 from gguf import GGUFReader
 
-from eagle_train.export.gguf import BLOCK_ARCH, field_value
+from eagle_train.export.gguf import ARCHS, BLOCK_ARCH, field_value
 from engines.llamacpp_build import LlamaCppError, require_tools, tail
 
 
@@ -160,13 +160,16 @@ class Drafting:
 def drafting(head) -> Drafting:
     """What the file says it is: a dflash file drafts as draft-dspark where it has the Markov head or drafts
     from the anchor's slot (llama.cpp's default for DSpark when the key is absent), up to block_size drafts,
-    else as draft-dflash, up to block_size - 1 (the anchor's slot drafts nothing). A file that does not read
-    as a GGUF goes as draft-eagle3, and llama.cpp says why it cannot load it."""
+    else as draft-dflash, up to block_size - 1 (the anchor's slot drafts nothing); an eagle3 file as draft-eagle3;
+    a model of any other architecture is a draft model (draft-simple). A file that does not read as a GGUF goes as
+    draft-eagle3, and llama.cpp says why it cannot load it."""
     try:
         reader = GGUFReader(head)
         arch = field_value(reader.fields["general.architecture"]).decode()
     except (OSError, ValueError, KeyError, IndexError):
         return Drafting("draft-eagle3", None)
+    if arch not in ARCHS:
+        return Drafting("draft-simple", None)
     if arch != BLOCK_ARCH:
         return Drafting("draft-eagle3", None)
 

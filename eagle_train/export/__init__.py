@@ -28,6 +28,7 @@ from eagle_train.export.layouts import (
 )
 from eagle_train.files import write_json, write_safetensors
 from eagle_train.methods import family_of, row
+from eagle_train.target import load_tokenizer
 from eagle_train.vocab_map import t2d_from_d2t
 
 __all__ = ["export_head", "read_export", "LAYOUTS"]
@@ -98,6 +99,8 @@ def export_head(head, out_dir, format: str = "eagle3", dtype="bf16", target_embe
     for name, t in head.saved_state_dict().items():
         if lay.mask_file and family_of(head.config.method) == "block" and name in block_skipped(head.config, lay):
             continue
+        if name in INTEGER_TENSORS and not lay.vocab_map:
+            continue
         t = t.detach().cpu()
         tensors[lay.to_file(name, head.config.method)] = (t if name in INTEGER_TENSORS else t.to(dtype)).contiguous()
     card_fields = {k: provenance.pop(k) for k in ("eval_results",) if k in provenance}
@@ -109,6 +112,8 @@ def export_head(head, out_dir, format: str = "eagle3", dtype="bf16", target_embe
     if lay.mask_file and "mask_embedding" in tensors:
         write_mask_embedding(out, head.config.mask_token_id, tensors.pop("mask_embedding"))
     write_safetensors(out / "model.safetensors", tensors, metadata={"format": "pt"})
+    if lay.ships_tokenizer:
+        load_tokenizer(head.config.target).save_pretrained(out)
     write_model_card(out, config, lay.name, dtype, **card_fields)
     return out
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from eagle_train.export.layouts import PROVENANCE_KEY, servable_target, verifier
 from eagle_train.files import write_text
+from eagle_train.methods import METHODS
 
 SERVE = {
     "eagle3": """```bash
@@ -18,6 +19,16 @@ python -m sglang.launch_server --model-path {target} --speculative-algorithm EAG
 ```""",
     "speculators": """```bash
 vllm serve {out}    # the config names the verifier ({target}) and the number of draft tokens
+```""",
+    "draft_model": """```bash
+# vLLM
+vllm serve {target} --speculative-config '{{"method": "draft_model", "model": "{out}", "num_speculative_tokens": 3}}'
+# SGLang
+python -m sglang.launch_server --model-path {target} --speculative-algorithm STANDALONE \\
+    --speculative-draft-model-path {out} --speculative-num-steps 3 --speculative-eagle-topk 1 \\
+    --speculative-num-draft-tokens 4
+# llama.cpp: eagle-export CHECKPOINT --format gguf --out draft.gguf --target TARGET.gguf, then
+llama-server -m TARGET.gguf -md draft.gguf --spec-type draft-simple --spec-draft-n-max 3
 ```""",
 }
 
@@ -56,7 +67,7 @@ def write_model_card(out: Path, config: dict, layout_name: str, dtype, eval_resu
     target = ours.get("target") or "TARGET"
     layer = config.get("transformer_layer_config") or config
     lines = [
-        f"# EAGLE-3 draft head for {target}",
+        f"# {METHODS[ours.get('method', 'eagle3')].title} draft for {target}",
         "",
         f"Speculative-decoding draft head exported by eagle-train in the `{layout_name}` layout "
         f"({str(dtype).replace('torch.', '')}).",

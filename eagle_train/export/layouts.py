@@ -43,6 +43,7 @@ from types import SimpleNamespace
 
 import torch
 
+from eagle_train.architectures import config_from_dict, text_config
 from eagle_train.draft_config import DraftConfig, target_rope
 from eagle_train.hidden_states import engine_aux_layer_ids
 from eagle_train.methods import METHODS, family_of, method_with, row
@@ -673,6 +674,45 @@ def by_method(eagle: Callable[[str, str], str], block: Callable[[str, str], str]
 # ---- the table -----------------------------------------------------------------------------------
 
 
+# ---- a draft model: a transformers causal LM directory --------------------------------------------------------
+
+DRAFT_MODEL_PREFIX = "lm."  # a draft model's tensors are its causal LM's under this prefix (methods/draft_model)
+
+
+def draft_model_config(cfg: DraftConfig, dtype: torch.dtype, extra: dict) -> dict:
+    """The draft's own transformers config.json (its architecture reads it as any checkpoint of it), in `dtype`,
+    with our block."""
+    dtype_key = "torch_dtype" if "torch_dtype" in cfg.model_config else "dtype"
+    return {**cfg.model_config, dtype_key: DTYPE_NAMES[dtype], PROVENANCE_KEY: provenance(cfg, extra)}
+
+
+def draft_model_read(config: dict, target_config=None) -> DraftConfig:
+    """The DraftConfig of a causal LM directory (ours or any model's), for the target of `target_config` when given
+    (else for itself); ValueError when its vocabulary is not the target's."""
+    model_config = {k: v for k, v in config.items() if k != PROVENANCE_KEY}
+    draft = config_from_dict(model_config)
+    ours = config.get(PROVENANCE_KEY) or {}
+    if target_config is not None and text_config(target_config).vocab_size != draft.vocab_size:
+        raise ValueError(
+            f"the draft model's vocabulary ({draft.vocab_size} tokens) is not the target's "
+            f"({text_config(target_config).vocab_size}): a draft model must share the target's tokenizer"
+        )
+    return DraftConfig.from_target_config(
+        target_config if target_config is not None else draft,
+        draft_vocab_size=draft.vocab_size,
+        num_hidden_layers=draft.num_hidden_layers,
+        method=method_with(layout="draft_model"),
+        target=ours.get("target", ""),
+        model_config=model_config,
+    )
+
+
+def is_causal_lm(config: dict) -> bool:
+    """A transformers causal LM's config.json: its class `...ForCausalLM`, none of the draft layouts' keys."""
+    architectures = config.get("architectures") or [""]
+    return "model_type" in config and architectures[0].endswith("ForCausalLM") and not is_speculators(config)
+
+
 def rename(prefixes: list[tuple[str, str]]) -> Callable[[str, str], str]:
     """Name map replacing the first matching prefix (old, new), for heads of any method."""
 
@@ -699,11 +739,28 @@ class Layout:
     # mask embedding), because the layout's reader never takes it from the target
     ships_embedding: Callable[[DraftConfig], bool] = lambda cfg: False
     block_t2d: bool = False  # a reduced-vocabulary block head ships t2d beside d2t (its reader needs both)
+    vocab_map: bool = True  # the files carry the head's d2t (and t2d); a draft model's drafts the whole vocabulary
+    ships_tokenizer: bool = False  # the target's tokenizer files go beside the weights (a model directory's readers)
+    # llama.cpp's own converter writes its GGUF from a directory of it (a model's); heads' GGUFs are
+    # eagle_train.export.gguf's
+    llamacpp_converts: bool = False
     refusal: Callable[[DraftConfig], str] = variants_refusal  # why a head cannot be written so its reader reads it
     notice: Callable[[DraftConfig], str] = says_nothing  # a line on a reader that cannot read the written head
 
 
 LAYOUTS: dict[str, Layout] = {
+    "draft_model": Layout(
+        "draft_model",
+        ("vllm",),
+        draft_model_config,
+        draft_model_read,
+        lambda name, method="": name.removeprefix(DRAFT_MODEL_PREFIX),
+        lambda name, method="": DRAFT_MODEL_PREFIX + name,
+        is_causal_lm,
+        vocab_map=False,
+        ships_tokenizer=True,
+        llamacpp_converts=True,
+    ),
     "eagle3": Layout(
         "eagle3", ("vllm", "sglang", "trtllm"), eagle3_config, eagle3_read, rename([]), rename([]), is_eagle3
     ),

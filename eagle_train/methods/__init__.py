@@ -149,6 +149,8 @@ METHODS = {
         "eagle_train.methods.draft_model.train:build_draft_model",
         "eagle_train.methods.draft_model.train:draft_model_objective",
         "eagle_train.methods.draft_model.train:validate_draft_model",
+        layouts=("draft_model",),
+        gguf_spec_type="draft-simple",
         vllm_method="draft_model",
         summary="draft model: the target's architecture with a few of its layers, distilled on its answers",
     ),

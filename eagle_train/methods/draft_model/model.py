@@ -12,27 +12,18 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from eagle_train.architectures import text_config
+from eagle_train.architectures import config_from_dict, text_config
 from eagle_train.draft_config import DraftConfig
+from eagle_train.export.layouts import DRAFT_MODEL_PREFIX
 from eagle_train.files import write_safetensors
 from eagle_train.hidden_states import TargetLogits
 from eagle_train.target import read_target_weights
-
-PREFIX = "lm."  # the causal LM's tensor names in our checkpoints; an HF directory has them without it
-
-
-def hf_config(model_config: dict):
-    """A transformers config from its dict (`to_dict()`)."""
-    from transformers import AutoConfig
-
-    values = dict(model_config)
-    return AutoConfig.for_model(values.pop("model_type"), **values)
 
 
 def fewer_layers(target_config, layers: list[int]):
     """The target's text config for a stack of its decoder layers `layers` (in that order): the layer count and each
     per-layer list (`layer_types`) follow them."""
-    cfg = hf_config(text_config(target_config).to_dict())
+    cfg = config_from_dict(text_config(target_config).to_dict())
     cfg.num_hidden_layers = len(layers)
     if getattr(cfg, "layer_types", None):
         cfg.layer_types = [cfg.layer_types[i] for i in layers]
@@ -53,7 +44,7 @@ class DraftModel(nn.Module):
             raise ValueError("a draft_model config must carry the draft's transformers config (model_config)")
         self.config = cfg
         self.lm = AutoModelForCausalLM.from_config(
-            hf_config(cfg.model_config), attn_implementation="sdpa", dtype=torch.float32
+            config_from_dict(cfg.model_config), attn_implementation="sdpa", dtype=torch.float32
         )
         self.register_buffer("d2t", torch.zeros(cfg.vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
@@ -73,6 +64,7 @@ class DraftModel(nn.Module):
             model_config=model_config.to_dict(),
         )
         model = cls(cfg)
+        cfg.model_config["architectures"] = [type(model.lm).__name__]  # what from_pretrained and the engines build
         if weights_from is not None:
             model.copy_target_layers(weights_from, layers)
         return model
@@ -102,7 +94,7 @@ class DraftModel(nn.Module):
 
     def saved_state_dict(self) -> dict[str, torch.Tensor]:
         """Every tensor but a tied lm_head (the embedding holds it)."""
-        tied = f"{PREFIX}lm_head.weight" if self.tied else None
+        tied = f"{DRAFT_MODEL_PREFIX}lm_head.weight" if self.tied else None
         return {k: v for k, v in self.state_dict().items() if k != tied}
 
     def save_pretrained(self, directory):
