@@ -98,3 +98,51 @@ def test_its_keys_are_checked_before_any_compute(overrides, match, train_store, 
     with pytest.raises(ValueError, match=match) as err:
         check_method(cfg, smollm2[0].config)
     assert "\n" not in str(err.value)
+
+
+def test_the_model_directory_export_is_what_transformers_loads_and_reads_back(tiny_llama_dir, tiny_llama, tmp_path):
+    from conftest import tiny_target
+    from transformers import AutoModelForCausalLM
+
+    from eagle_train.export import export_head
+    from eagle_train.target import load_tokenizer
+
+    target, tokenizer = tiny_llama
+    draft = draft_of(tiny_llama_dir, [2, 0])
+    out = export_head(draft, tmp_path / "export", "draft_model", dtype="fp32")
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    ids = torch.randint(0, 49152, (1, 10), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = draft.logits(draft.hidden(ids))
+        torch.testing.assert_close(loaded(input_ids=ids).logits, want, rtol=0, atol=1e-5 * want.abs().max().item())
+    assert load_tokenizer(str(out)).get_vocab() == tokenizer.get_vocab()  # the target's tokenizer ships with it
+    back = load_draft_head(out, target)
+    assert isinstance(back, DraftModel) and back.config.num_hidden_layers == 2
+    mine, theirs = draft.saved_state_dict(), back.saved_state_dict()
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+    other = tmp_path / "other"  # a causal LM of another vocabulary: refused in one line
+    tiny_target(vocab_size=1000, num_hidden_layers=2).save_pretrained(other)
+    with pytest.raises(ValueError, match=r"vocabulary \(1000 tokens\) is not the target's \(49152\)") as err:
+        load_draft_head(other, target)
+    assert "\n" not in str(err.value)
+
+
+def test_llamacpp_drafts_with_the_gguf_and_decodes_as_plain(smollm2, tmp_path):
+    """llama-speculative-simple -md: the GGUF llama.cpp's converter writes for a draft of every SmolLM2 layer (the
+    target itself) decodes what plain decoding does, and its drafts are accepted (the same model proposes them)."""
+    from eagle_train.target import SMOLLM2, target_gguf
+    from engines import llamacpp_build
+    from engines.llamacpp import draft_gguf
+    from engines.llamacpp_run import drafting, run_head, run_plain, same_text
+
+    if llamacpp_build.tools_dir() is None:
+        pytest.skip("no llama.cpp build (EAGLE_LLAMACPP_BIN unset, none in the cache): `eagle-llamacpp build`")
+    draft = DraftModel.from_target(smollm2[0].config, list(range(30)), target=SMOLLM2, weights_from=SMOLLM2)
+    gguf = draft_gguf(draft, tmp_path / "draft.gguf", target_gguf(SMOLLM2), "f32")
+    assert drafting(gguf).spec_type == "draft-simple"
+    prompt = "<|im_start|>user\nName three colours.<|im_end|>\n<|im_start|>assistant\n"
+    plain = run_plain(target_gguf(SMOLLM2), prompt, 24, threads=1)
+    spec = run_head(target_gguf(SMOLLM2), gguf, prompt, 24, 3, threads=1)
+    assert same_text(plain, spec)
+    assert spec.drafted > 0 and spec.accepted >= 0.9 * spec.drafted
