@@ -7,8 +7,9 @@ imports no engine module.
 import re
 
 from eagle_train.export.draft_files import DraftFiles
+from eagle_train.export.layouts import is_causal_lm
 from eagle_train.hidden_states import engine_aux_layer_ids
-from engines import live, rules
+from engines import live, model_rules, rules
 from engines.rules import EngineReport, stack
 
 
@@ -91,7 +92,10 @@ class Engine:
         """Whether it serves EAGLE-3 heads on the target's architecture (no limit known by default)."""
 
     def inspect(self, files: DraftFiles, target_config=None) -> EngineReport:
-        """What it would do with the directory in `files` (no weights are read but d2t)."""
+        """What it would do with the directory in `files` (no weights are read but d2t): a draft model by the rules
+        of a model loaded as one (engines/model_rules.py), a head by EAGLE-3's (engines/rules.py)."""
+        if is_causal_lm(files.config):
+            return model_rules.inspect(self, files, target_config)
         return rules.inspect(self, files, target_config)
 
     # ---- running it: how it is found, how a head gets into it, how it decodes live

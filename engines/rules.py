@@ -130,6 +130,7 @@ class EngineReport:
     config: DraftConfig | None = None  # the head as the engine sizes it
     parallel: bool = False
     findings: list[Finding] = field(default_factory=list)
+    reads_target_states: bool = True  # a head reads the target's layers; a draft model only the tokens
 
     @property
     def ok(self) -> bool:
@@ -148,10 +149,11 @@ class EngineReport:
         if self.ignored:
             lines.append("  ignores: " + ", ".join(self.ignored))
         lines.append(f"  drafts up to: {self.context_length if self.context_length else 'unknown'} tokens")
-        lines.append(
-            "  captures target layers (HF hidden_states indices): "
-            + (str(list(self.aux_layers)) if self.aux_layers else "the target's defaults (2, N//2, N-3)")
-        )
+        if self.reads_target_states:
+            lines.append(
+                "  captures target layers (HF hidden_states indices): "
+                + (str(list(self.aux_layers)) if self.aux_layers else "the target's defaults (2, N//2, N-3)")
+            )
         lines += [f"  {f.severity.upper()}: {f.message}" for f in self.findings]
         return "\n".join(lines)
 

@@ -14,7 +14,7 @@ from engines.rules import LLAMA_EAGLE3_TOP, stack
 class SGLang(Engine):
     name = "sglang"
     title = "SGLang"
-    layouts = ("eagle3",)
+    layouts = ("eagle3", "draft_model")
     top = {**LLAMA_EAGLE3_TOP, "d2t": "hot_token_id"}
     without_d2t = "no hot-token map, so draft ids are used as target ids"
     float_d2t_effect = ", and SGLang indexes with floats"

@@ -15,7 +15,7 @@ from engines.rules import LLAMA_EAGLE3_TOP
 class TensorRTLLM(Engine):
     name = "trtllm"
     title = "TensorRT-LLM"
-    layouts = ("eagle3",)
+    layouts = ("eagle3", "draft_model")
     top = {**LLAMA_EAGLE3_TOP, "d2t": "model.d2t"}
     d2t_only_when_reduced = True
     without_d2t = "an uninitialised int32 buffer"

@@ -43,7 +43,7 @@ EAGLE3_TARGETS = Path(__file__).with_name("vllm_eagle3_targets.json")
 class Vllm(Engine):
     name = "vllm"
     title = "vLLM"
-    layouts = ("eagle3", "speculators", "dflash", "dspark")
+    layouts = ("eagle3", "speculators", "dflash", "dspark", "draft_model")
     top = {**LLAMA_EAGLE3_TOP, "d2t": "draft_id_to_target_id", "mask_hidden": "mask_hidden"}
     unknown_tensors = "crash"
     parallel_drafting = True

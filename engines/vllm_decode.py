@@ -26,7 +26,7 @@ from eagle_train.checkpoint import load_draft_head, locate_head
 from eagle_train.draft_config import DraftConfig
 from eagle_train.export import export_head
 from eagle_train.export.draft_files import DraftFiles
-from eagle_train.export.layouts import block_read, block_settings, is_block
+from eagle_train.export.layouts import block_read, block_settings, is_block, is_causal_lm
 from eagle_train.methods import method_with, row
 from engines import vllm_child  # its missing() looked up when called: tests stand in for it
 from engines.rules import is_parallel
@@ -80,11 +80,13 @@ def export_dir(draft, tmp: Path):
 
 
 def export_method(directory) -> str:
-    """The method (for `speculative()`) an export directory drafts with: a block head's, else the method of the
-    peagle layout (parallel drafting) or of the eagle3 layout."""
+    """The method (for `speculative()`) an export directory drafts with: a block head's, a draft model's, else the
+    method of the peagle layout (parallel drafting) or of the eagle3 layout."""
     files = DraftFiles(directory)
     if is_block(files.config):
         return block_settings(files.config)["method"]
+    if is_causal_lm(files.config):
+        return method_with(layout="draft_model")
     return method_with(layout="peagle" if is_parallel(files.config, files.meta) else "eagle3")
 
 
