@@ -12,6 +12,9 @@
 #   exported in the z-lab (vLLM) or DeepSpec layout; the eval drafts the first K=$K of them (--parallel K,
 #   default 1), the head trained for the whole block whatever K. DRAFTER=peagle: a P-EAGLE head (7 drafts a
 #   forward), the same way.
+# DRAFTER=draft_model: a draft model, SmolLM2's first 3 layers with its embedding, final norm and lm_head, distilled
+#   on the same store, exported as the model directory engines serve as a standalone drafter (vLLM draft_model,
+#   SGLang STANDALONE; llama.cpp -md after eagle-export --format gguf); the eval drafts a chain of K=$K (default 1).
 #
 # SCALE=smoke runs every step at toy size (a few conversations, steps and tokens) into runs/smoke:
 # what CI runs to prove the job finishes, not a head worth measuring.
@@ -23,6 +26,7 @@ read -r FAMILY LAYOUT < <(python -c 'import sys; from eagle_train.methods import
 print(m[d].family, m[d].layout) if d in m else sys.exit("DRAFTER=" + d + ": choose one of " + ", ".join(m))' "$DRAFTER")
 case "$FAMILY" in
   chain) DRAFTING=(--chain "${K:-1}"); METHOD=(ttt_length="${K:-1}") ;;
+  model) DRAFTING=(--chain "${K:-1}"); METHOD=() ;;   # a draft model's steps: K of them a round
   *) DRAFTING=(--parallel "${K:-1}"); METHOD=() ;;   # the first K of one forward's drafts
 esac
 if [ "${SCALE:-full}" = smoke ]; then

@@ -17,7 +17,7 @@ the other (eagle-eval's loop), and its speedup is the pairs' Hodges-Lehmann cent
 that its tokens equal plain decoding's.
 
 --drafters names what drafting costs: `free` (the oracle alone), or a head of a training method (eagle3,
-peagle, dflash, dspark) with random weights, shaped for the target as the method's shipped config shapes
+peagle, dflash, dspark, draft_model) with random weights, shaped for the target as the method's shipped config shapes
 one: the runtime's drafter for that head runs every forward it would (catch-up, the chain's steps, the
 block), and its chain's tokens are then replaced by the oracle's. So speedup / AL at p = 0 is what a
 perfect head of that shape would reach in this runtime, P-EAGLE's and the block drafters' one-pass chains
@@ -137,6 +137,8 @@ class AtHeadCost:
     def __init__(self, drafter, oracle: OracleDrafter):
         self.drafter, self.oracle, self.shape = drafter, oracle, drafter.shape
         self.catch_up, self.catch_up_padded = drafter.catch_up, drafter.catch_up_padded
+        if hasattr(drafter, "begin"):  # a draft model's drafter reads the prompt's first token
+            self.begin = drafter.begin
 
     def draft(self, root_token: torch.Tensor, h_root, logits_root, length: int):
         tree = self.drafter.draft(root_token, h_root, logits_root, length)
@@ -155,6 +157,7 @@ def random_head(method: str, model, target: str, draft_vocab_size: int = DRAFT_V
     vocab_size = text_config(model.config).vocab_size
     draft_vocab_size = min(draft_vocab_size, vocab_size)
     overrides = [f"target={target}", "data_path=", "mask_token_id=0", f"draft_vocab_size={draft_vocab_size}"]
+    overrides += ["draft_init=random"]  # a draft model's too: no weight read from the target's files
     cfg = load_train_config(config_file(f"{method}_smollm2"), overrides)
     vocab_map = top_k_vocab_map(torch.arange(vocab_size, 0, -1), draft_vocab_size)
     head = METHODS[method].build_head(cfg, model, vocab_map)

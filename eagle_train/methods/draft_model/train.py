@@ -9,7 +9,7 @@ Position t reads x_0..x_t and drafts x_{t+1}: it is trained where x_{t+1} is an 
 import torch
 
 from eagle_train.methods.draft_model.model import DraftModel
-from eagle_train.target import load_target_config, load_tokenizer
+from eagle_train.target import load_tokenizer
 from eagle_train.train_config import TrainConfig
 from eagle_train.training_parts import chain_rounds, head_from_init, loss_rows, shift_left
 
@@ -67,7 +67,7 @@ def build_draft_model(cfg: TrainConfig, target_model, vocab_map: dict | None) ->
     not used: a draft model drafts over the whole vocabulary, as engines serve it."""
     if cfg.init_from:
         return head_from_init(cfg, target_model)
-    config = load_target_config(cfg.target)
+    config = target_model.config
     layers = draft_layers(cfg, config.num_hidden_layers)
     weights_from = cfg.target if cfg.draft_init == "target" else None
     return DraftModel.from_target(config, layers, target=cfg.target, weights_from=weights_from)
