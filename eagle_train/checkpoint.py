@@ -16,10 +16,11 @@ from safetensors.torch import load_file
 
 from eagle_train.draft_config import HEAD_FORMAT, DraftConfig
 from eagle_train.export import read_export
-from eagle_train.export.gguf import read_gguf_head
+from eagle_train.export.gguf import ARCHS, gguf_arch, read_gguf_head
 from eagle_train.export.layouts import detect_layout
 from eagle_train.head import DraftHead, non_finite_values
 from eagle_train.methods import row
+from eagle_train.target import resolve_target
 from eagle_train.unreadable import HEAD_FIX, check_safetensors, read_json_object
 from eagle_train.vocab_map import t2d_from_d2t
 
@@ -69,7 +70,9 @@ def load_draft_head(path, target_model=None, target_config=None) -> DraftHead:
     found = locate_head(path)
     if target_model is not None and target_config is None:
         target_config = target_model.config
-    if found.kind == GGUF:
+    if found.kind == GGUF and gguf_arch(found.path) not in ARCHS:  # a draft model: the model transformers reads in it
+        cfg, state = read_export(resolve_target(str(found.path)), target_config)
+    elif found.kind == GGUF:
         if target_config is None:
             raise ValueError(f"{path}: a GGUF head does not record the target's layer count; pass the target")
         cfg, state = read_gguf_head(found.path, target_config)

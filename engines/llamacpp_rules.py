@@ -10,7 +10,17 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-from eagle_train.export.gguf import BLOCK_ARCH, MASK_KEY, export_gguf, field_value, read_gguf, read_target
+from eagle_train.export.gguf import (
+    ARCHS,
+    BLOCK_ARCH,
+    MASK_KEY,
+    export_gguf,
+    field_value,
+    gguf_arch,
+    read_gguf,
+    read_target,
+)
+from eagle_train.unreadable import HEAD_FIX, open_gguf
 from engines.live import d2t_finding, layers_finding
 from engines.llamacpp_build import VERSION
 from engines.rules import Finding
@@ -52,9 +62,52 @@ def target_arch_finding(target_arch: str, head_arch: str) -> list[Finding]:
     ]
 
 
+VOCAB_SIZE_SLACK, VOCAB_CHECK_FROM = (
+    128,
+    5,
+)  # common/speculative.cpp: SPEC_VOCAB_MAX_SIZE_DIFFERENCE, ..._START_TOKEN_ID
+
+
+def model_findings(file: Path, target: str) -> list[Finding]:
+    """A draft model's GGUF (any architecture but the heads'): llama.cpp drafts with it only when its vocabulary is the
+    target's, by its own rule (common_speculative_are_compatible): the tokenizer type, whether and which bos and eos are
+    added, sizes within VOCAB_SIZE_SLACK and each token's text from id VOCAB_CHECK_FROM on."""
+    draft, tgt = open_gguf(file, "draft model GGUF", HEAD_FIX), read_target(target)
+
+    def field(reader, key, default=None):
+        found = reader.fields.get(key)
+        return field_value(found) if found is not None else default
+
+    def tokens(reader) -> list:
+        found = reader.fields.get("tokenizer.ggml.tokens")
+        return [bytes(found.parts[i]) for i in found.data] if found is not None else []
+
+    findings = []
+    for key in ("tokenizer.ggml.model", "tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_eos_token"):
+        if field(draft, key) != field(tgt, key):
+            findings.append(Finding("error", f"{key} is {field(draft, key)!r}, the target's {field(tgt, key)!r}"))
+    for end in ("bos", "eos"):
+        key = f"tokenizer.ggml.{end}_token_id"
+        if field(tgt, f"tokenizer.ggml.add_{end}_token") and field(draft, key) != field(tgt, key):
+            findings.append(Finding("error", f"{key} is {field(draft, key)}, the target's {field(tgt, key)}"))
+    ours, theirs = tokens(draft), tokens(tgt)
+    if abs(len(ours) - len(theirs)) > VOCAB_SIZE_SLACK:
+        findings.append(Finding("error", f"the file's tokenizer has {len(ours)} tokens, the target's {len(theirs)}"))
+    differ = [i for i in range(VOCAB_CHECK_FROM, min(len(ours), len(theirs))) if ours[i] != theirs[i]]
+    if differ:
+        findings.append(Finding("error", f"{len(differ)} tokens differ from the target's (the first: id {differ[0]})"))
+    for f in findings:
+        f.message += ": llama.cpp refuses the pair (draft model vocab must match target); draft with a model of the "
+        f.message += "target's tokenizer"
+    return findings
+
+
 def static_findings(file: Path, target: str, source_head) -> list[Finding]:
     """What llama.cpp would read from `file` against the target's GGUF and, given a source head,
-    against what export_gguf writes for it; errors name the likely cause and the fix."""
+    against what export_gguf writes for it; errors name the likely cause and the fix. A draft model's file (an
+    architecture no head has) by `model_findings`."""
+    if gguf_arch(file) not in ARCHS:
+        return model_findings(file, target)
     head, tgt = read_gguf(file), read_target(target)
     arch = field_value(tgt.fields["general.architecture"]).decode()
 

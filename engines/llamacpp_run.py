@@ -23,7 +23,7 @@ from pathlib import Path
 
 from gguf import GGUFReader
 
-from eagle_train.export.gguf import ARCHS, BLOCK_ARCH, field_value
+from eagle_train.export.gguf import ARCHS, BLOCK_ARCH, field_value, gguf_arch
 from engines.llamacpp_build import LlamaCppError, require_tools, tail
 
 
@@ -164,14 +164,14 @@ def drafting(head) -> Drafting:
     a model of any other architecture is a draft model (draft-simple). A file that does not read as a GGUF goes as
     draft-eagle3, and llama.cpp says why it cannot load it."""
     try:
-        reader = GGUFReader(head)
-        arch = field_value(reader.fields["general.architecture"]).decode()
+        arch = gguf_arch(head)
     except (OSError, ValueError, KeyError, IndexError):
         return Drafting("draft-eagle3", None)
     if arch not in ARCHS:
         return Drafting("draft-simple", None)
     if arch != BLOCK_ARCH:
         return Drafting("draft-eagle3", None)
+    reader = GGUFReader(head)
 
     def key(name, default):
         found = reader.fields.get(f"{BLOCK_ARCH}.{name}")

@@ -128,21 +128,41 @@ def test_the_model_directory_export_is_what_transformers_loads_and_reads_back(ti
     assert "\n" not in str(err.value)
 
 
-def test_llamacpp_drafts_with_the_gguf_and_decodes_as_plain(smollm2, tmp_path):
-    """llama-speculative-simple -md: the GGUF llama.cpp's converter writes for a draft of every SmolLM2 layer (the
-    target itself) decodes what plain decoding does, and its drafts are accepted (the same model proposes them)."""
+def llamacpp_draft(smollm2, layers, path):
+    """(the target's GGUF, a draft of SmolLM2's `layers` as the GGUF llama.cpp's converter writes, the draft)."""
     from eagle_train.target import SMOLLM2, target_gguf
     from engines import llamacpp_build
     from engines.llamacpp import draft_gguf
-    from engines.llamacpp_run import drafting, run_head, run_plain, same_text
 
     if llamacpp_build.tools_dir() is None:
         pytest.skip("no llama.cpp build (EAGLE_LLAMACPP_BIN unset, none in the cache): `eagle-llamacpp build`")
-    draft = DraftModel.from_target(smollm2[0].config, list(range(30)), target=SMOLLM2, weights_from=SMOLLM2)
-    gguf = draft_gguf(draft, tmp_path / "draft.gguf", target_gguf(SMOLLM2), "f32")
+    draft = DraftModel.from_target(smollm2[0].config, layers, target=SMOLLM2, weights_from=SMOLLM2)
+    return target_gguf(SMOLLM2), draft_gguf(draft, path, target_gguf(SMOLLM2), "f32"), draft
+
+
+PROMPT = "<|im_start|>user\nName three colours.<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_llamacpp_drafts_with_the_converters_gguf(smollm2, tmp_path):
+    from eagle_train.target import SMOLLM2
+    from engines.llamacpp_rules import static_findings
+    from engines.llamacpp_run import drafting, run_head, run_plain, same_text
+
+    target, gguf, _ = llamacpp_draft(smollm2, [0, 1], tmp_path / "draft.gguf")
     assert drafting(gguf).spec_type == "draft-simple"
-    prompt = "<|im_start|>user\nName three colours.<|im_end|>\n<|im_start|>assistant\n"
-    plain = run_plain(target_gguf(SMOLLM2), prompt, 24, threads=1)
-    spec = run_head(target_gguf(SMOLLM2), gguf, prompt, 24, 3, threads=1)
+    assert not static_findings(gguf, SMOLLM2, None)  # llama.cpp's own vocabulary rule: the target's tokenizer
+    plain, spec = run_plain(target, PROMPT, 24, threads=1), run_head(target, gguf, PROMPT, 24, 3, threads=1)
+    assert same_text(plain, spec) and spec.drafted > 0
+
+
+@pytest.mark.slow
+def test_llamacpp_accepts_a_target_drafting_for_itself_and_the_file_reads_back_as_the_draft(smollm2, tmp_path):
+    from engines.llamacpp_run import run_head, run_plain, same_text
+
+    target, gguf, draft = llamacpp_draft(smollm2, list(range(30)), tmp_path / "draft.gguf")
+    plain, spec = run_plain(target, PROMPT, 24, threads=1), run_head(target, gguf, PROMPT, 24, 3, threads=1)
     assert same_text(plain, spec)
     assert spec.drafted > 0 and spec.accepted >= 0.9 * spec.drafted
+    back = load_draft_head(gguf, smollm2[0])  # the model transformers reads in the file
+    mine, theirs = draft.saved_state_dict(), back.saved_state_dict()
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)

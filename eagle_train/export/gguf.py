@@ -113,6 +113,11 @@ def field_value(field):
     return values if field.types[0] == GGUFValueType.ARRAY else values[0]
 
 
+def gguf_arch(path) -> str:
+    """A GGUF file's `general.architecture`: eagle3 or dflash for a head (ARCHS), a model's own otherwise."""
+    return field_value(open_gguf(path, "draft GGUF", HEAD_FIX).fields["general.architecture"]).decode()
+
+
 def read_target(target) -> GGUFReader:
     """The target's GGUF: it lends the head its tokenizer (llama.cpp requires one)."""
     path = target_gguf(target)
