@@ -166,3 +166,27 @@ def test_llamacpp_accepts_a_target_drafting_for_itself_and_the_file_reads_back_a
     back = load_draft_head(gguf, smollm2[0])  # the model transformers reads in the file
     mine, theirs = draft.saved_state_dict(), back.saved_state_dict()
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+def test_init_from_a_sibling_model_fine_tunes_it_and_another_tokenizer_is_refused(
+    tiny_llama_dir, train_store, smollm2, tmp_path
+):
+    """init_from any causal LM directory with the target's tokenizer (here a 4-layer Llama of hidden 32 with
+    SmolLM2's tokenizer, a stand-in for Qwen3-0.6B beside Qwen3-8B) trains as it is; another tokenizer is refused."""
+    import shutil
+
+    overrides = ["method=draft_model", "max_steps=2", "eval_fraction=0.2"]
+    done = run(config(train_store, tmp_path / "run", *overrides, f"init_from={tiny_llama_dir}"))
+    assert done["eval_after"]["loss"] < done["eval_before"]["loss"]
+    tuned = load_draft_head(tmp_path / "run" / "final", smollm2[0])
+    assert (tuned.config.model_config["hidden_size"], tuned.config.num_hidden_layers) == (32, 4)
+
+    other = tmp_path / "other"
+    shutil.copytree(tiny_llama_dir, other)
+    tokenizer = smollm2[1].__class__.from_pretrained(str(other))
+    tokenizer.add_tokens(["<not-in-the-target>"])
+    tokenizer.save_pretrained(other)
+    cfg = config(train_store, tmp_path / "refused", *overrides, f"init_from={other}")
+    with pytest.raises(ValueError, match="does not share the target's tokenizer") as err:
+        check_method(cfg, smollm2[0].config)
+    assert "\n" not in str(err.value)
