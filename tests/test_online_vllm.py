@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from eagle_cli.train import run
+from eagle_train.methods import METHODS
 from eagle_train.sample_buffer import BufferStopped
 from eagle_train.store import VOCAB_MAP, ShardedSamples
 from eagle_train.target import SMOLLM2
@@ -184,7 +185,7 @@ def test_an_engine_started_apart_with_tensor_parallelism_makes_the_targets_own_s
         rows_close(fed["final_hidden"][:-1], final[0])
 
 
-@pytest.mark.parametrize("method", ["eagle3", "peagle", "dflash", "dspark"])
+@pytest.mark.parametrize("method", list(METHODS))
 def test_every_method_trains_on_the_engines_samples(kept, tmp_path, method):
     """Every method reads the engine's samples as it reads a store's: here the kept ones of an engine-fed run, read
     again without an engine (later_epochs=keep, every sample on disk)."""
