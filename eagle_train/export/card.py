@@ -27,6 +27,7 @@ vllm serve {target} --speculative-config '{{"method": "draft_model", "model": "{
 python -m sglang.launch_server --model-path {target} --speculative-algorithm STANDALONE \\
     --speculative-draft-model-path {out} --speculative-num-steps 3 --speculative-eagle-topk 1 \\
     --speculative-num-draft-tokens 4
+# TensorRT-LLM: speculative_config: {{decoding_type: DraftTarget, max_draft_len: 3, speculative_model: {out}}}
 # llama.cpp: eagle-export CHECKPOINT --format gguf --out draft.gguf --target TARGET.gguf, then
 llama-server -m TARGET.gguf -md draft.gguf --spec-type draft-simple --spec-draft-n-max 3
 ```""",
