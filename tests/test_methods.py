@@ -31,7 +31,7 @@ def test_every_row_names_what_it_needs():
         assert row.family in methods.FAMILIES, name
         assert callable(row.build_head) and callable(row.objective) and isinstance(row.head_class, type)
         assert (row.drafts is None) == (row.family != "block"), name  # a block's drafts follow its config
-    with pytest.raises(ValueError, match="'medusa' is not one of eagle3, peagle, dflash, dspark, draft_model"):
+    with pytest.raises(ValueError, match=f"'medusa' is not one of {', '.join(methods.METHODS)}$"):
         methods.row("medusa")
 
 

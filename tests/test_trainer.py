@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from eagle_train import backend, bf16
 from eagle_train.batching import epoch_batches
 from eagle_train.checkpoint import load_draft_head
-from eagle_train.methods import objective_for
+from eagle_train.methods import METHODS, objective_for
 from eagle_train.methods.eagle3.train import build_eagle3_head, eagle3_objective
 from eagle_train.train_checkpoint import STATE_FILE, check_resumable, checkpoint_damage
 from eagle_train.train_config import TrainConfig, load_train_config
@@ -81,7 +81,7 @@ def test_a_training_script_implies_its_method_and_refuses_another():
     assert config_from_command_line(["--config", "peagle_smollm2"]).method == "peagle"
     with pytest.raises(SystemExit, match=r"^error: method=eagle3: this script trains peagle heads") as err:
         config_from_command_line(["--config", str(REPO / "configs" / "eagle3_smollm2.yaml")], method="peagle")
-    with pytest.raises(SystemExit, match=r"^error: method 'medusa' is not one of eagle3, peagle, dflash, dspark$"):
+    with pytest.raises(SystemExit, match=rf"^error: method 'medusa' is not one of {', '.join(METHODS)}$"):
         config_from_command_line(["method=medusa"])
     assert "\n" not in str(err.value)
 

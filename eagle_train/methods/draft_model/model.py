@@ -7,15 +7,13 @@ model directory is its state without the prefix. Built from the target (`from_ta
 decoder layers, the final norm and the lm_head are copies of the target's, tied as the target ties them.
 """
 
-from pathlib import Path
-
 import torch
 from torch import nn
 
 from eagle_train.architectures import config_from_dict, text_config
 from eagle_train.draft_config import DraftConfig
 from eagle_train.export.layouts import DRAFT_MODEL_PREFIX
-from eagle_train.files import write_safetensors
+from eagle_train.head import DraftHead
 from eagle_train.hidden_states import TargetLogits
 from eagle_train.target import read_target_weights
 
@@ -97,12 +95,7 @@ class DraftModel(nn.Module):
         tied = f"{DRAFT_MODEL_PREFIX}lm_head.weight" if self.tied else None
         return {k: v for k, v in self.state_dict().items() if k != tied}
 
-    def save_pretrained(self, directory):
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        self.config.save(directory)
-        tensors = {k: v.detach().contiguous().cpu() for k, v in self.saved_state_dict().items()}
-        write_safetensors(directory / "model.safetensors", tensors)
+    save_pretrained = DraftHead.save_pretrained  # config.json and the saved tensors, as every head's
 
     def use_target_weights(self, target_model) -> None:
         """Nothing: a draft model holds all its weights."""
