@@ -461,3 +461,21 @@ class EagerStep:
 
     def reset(self):
         pass
+
+
+def vllm_turns_are_hf_greedy(smollm2, method: str, export, k: int, questions, new_tokens: int) -> list:
+    """vLLM's turns on `questions` with `export` drafting K=`k` a round (its `method`'s speculative_config), each
+    checked equal to HF's greedy continuation and non-empty; the turns, for the caller's counts."""
+    from eagle_train.target import SMOLLM2, end_of_turn_ids
+    from engines import vllm_decode
+    from inference.evaluate import chat_ids
+
+    model, tokenizer = smollm2
+    prompts = [chat_ids(tokenizer, [{"role": "user", "content": q}]) for q in questions]
+    turns = vllm_decode.decode(SMOLLM2, prompts, new_tokens, vllm_decode.speculative(method, export, k))
+    eos = list(end_of_turn_ids(model, tokenizer))
+    for ids, turn in zip(prompts, turns):
+        with torch.no_grad():
+            hf = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=eos)
+        assert turn.output_ids == hf[0, len(ids) :].tolist() and turn.output_ids
+    return turns

@@ -6,12 +6,11 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_head
+from conftest import tiny_head, vllm_turns_are_hf_greedy
 
 from eagle_train.export import export_head
 from eagle_train.methods.block.head import BlockHead
-from eagle_train.target import SMOLLM2, end_of_turn_ids
-from engines import check_directory, vllm_child, vllm_decode
+from engines import check_directory, vllm_child
 from engines.block_rules import engine_settings, restated_hf_config, vllm_hf_config
 
 needs_vllm = pytest.mark.skipif(bool(vllm_child.missing()), reason="vLLM is not installed: scripts/install_vllm.sh")
@@ -33,17 +32,8 @@ def dflash_head(target_model):
 
 @needs_vllm
 def test_vllm_drafts_with_a_dflash_export_and_decodes_hfs_greedy_text(smollm2, tmp_path):
-    from inference.evaluate import chat_ids
-
-    model, tokenizer = smollm2
-    export = export_head(dflash_head(model), tmp_path / "dflash", "dflash", dtype="fp32")
-    prompts = [chat_ids(tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
-    spec = vllm_decode.decode(SMOLLM2, prompts, NEW_TOKENS, vllm_decode.speculative("dflash", export, K))
-    eos = list(end_of_turn_ids(model, tokenizer))
-    for ids, turn in zip(prompts, spec):
-        with torch.no_grad():
-            hf = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=eos)
-        assert turn.output_ids == hf[0, len(ids) :].tolist() and turn.output_ids
+    export = export_head(dflash_head(smollm2[0]), tmp_path / "dflash", "dflash", dtype="fp32")
+    for turn in vllm_turns_are_hf_greedy(smollm2, "dflash", export, K, QUESTIONS, NEW_TOKENS):
         assert turn.drafts > 0 and turn.draft_tokens == K * turn.drafts  # vLLM drafted K a round with the head
         assert turn.accepted == sum(turn.accepted_per_pos) and len(turn.accepted_per_pos) == K
 

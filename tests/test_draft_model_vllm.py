@@ -3,11 +3,11 @@ export of a draft of every SmolLM2 layer (the target itself, so its drafts shoul
 speculative method draft_model and decodes exactly HF's greedy text."""
 
 import pytest
-import torch
+from conftest import vllm_turns_are_hf_greedy
 
 from eagle_train.export import export_head
 from eagle_train.methods.draft_model.model import DraftModel
-from eagle_train.target import SMOLLM2, end_of_turn_ids
+from eagle_train.target import SMOLLM2
 from engines import check_directory, vllm_child, vllm_decode
 
 needs_vllm = pytest.mark.skipif(bool(vllm_child.missing()), reason="vLLM is not installed: scripts/install_vllm.sh")
@@ -17,19 +17,11 @@ K, NEW_TOKENS = 3, 16
 
 @needs_vllm
 def test_vllm_drafts_with_a_draft_model_export_and_decodes_hfs_greedy_text(smollm2, tmp_path):
-    from inference.evaluate import chat_ids
-
-    model, tokenizer = smollm2
+    model = smollm2[0]
     draft = DraftModel.from_target(model.config, list(range(30)), target=SMOLLM2, weights_from=SMOLLM2)
     export = export_head(draft, tmp_path / "draft", "draft_model", dtype="fp32")
     assert all(report.ok for report in check_directory(export, ["vllm"], model.config).values())
     assert vllm_decode.export_method(export) == "draft_model"
-    prompts = [chat_ids(tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
-    spec = vllm_decode.decode(SMOLLM2, prompts, NEW_TOKENS, vllm_decode.speculative("draft_model", export, K))
-    eos = list(end_of_turn_ids(model, tokenizer))
-    for ids, turn in zip(prompts, spec):
-        with torch.no_grad():
-            hf = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=eos)
-        assert turn.output_ids == hf[0, len(ids) :].tolist() and turn.output_ids
+    for turn in vllm_turns_are_hf_greedy(smollm2, "draft_model", export, K, QUESTIONS, NEW_TOKENS):
         assert turn.drafts > 0 and turn.draft_tokens == K * turn.drafts  # vLLM drafted K a round with the model
         assert turn.accepted >= 0.9 * turn.draft_tokens  # the target drafting for itself
