@@ -1,9 +1,9 @@
 """llama.cpp as an engine (`LlamaCpp`, its entry in engines.ENGINES): it loads no export directory: its file is
-the single GGUF `eagle_train.export.gguf.export_gguf` writes (`head_gguf`), and it decodes a bench live for
-eagle-eval (`LlamaCppTurns`, `evaluate`) and the live check.
+one GGUF (`draft_gguf`: a head's as `eagle_train.export.gguf.export_gguf` writes it, a draft model's as llama.cpp's
+converter does), and it decodes a bench live for eagle-eval (`LlamaCppTurns`, `evaluate`) and the live check.
 
 Building its tools is engines/llamacpp_build.py (with `eagle-llamacpp`), running them and reading their
-counters engines/llamacpp_run.py, what it reads from a head GGUF engines/llamacpp_rules.py.
+counters engines/llamacpp_run.py, what it reads from a draft's GGUF engines/llamacpp_rules.py.
 """
 
 import shutil

@@ -62,10 +62,8 @@ def target_arch_finding(target_arch: str, head_arch: str) -> list[Finding]:
     ]
 
 
-VOCAB_SIZE_SLACK, VOCAB_CHECK_FROM = (
-    128,
-    5,
-)  # common/speculative.cpp: SPEC_VOCAB_MAX_SIZE_DIFFERENCE, ..._START_TOKEN_ID
+# common/speculative.cpp's SPEC_VOCAB_MAX_SIZE_DIFFERENCE and SPEC_VOCAB_CHECK_START_TOKEN_ID
+VOCAB_SIZE_SLACK, VOCAB_CHECK_FROM = 128, 5
 
 
 def model_findings(file: Path, target: str) -> list[Finding]:
@@ -78,10 +76,6 @@ def model_findings(file: Path, target: str) -> list[Finding]:
         found = reader.fields.get(key)
         return field_value(found) if found is not None else default
 
-    def tokens(reader) -> list:
-        found = reader.fields.get("tokenizer.ggml.tokens")
-        return [bytes(found.parts[i]) for i in found.data] if found is not None else []
-
     findings = []
     for key in ("tokenizer.ggml.model", "tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_eos_token"):
         if field(draft, key) != field(tgt, key):
@@ -90,15 +84,14 @@ def model_findings(file: Path, target: str) -> list[Finding]:
         key = f"tokenizer.ggml.{end}_token_id"
         if field(tgt, f"tokenizer.ggml.add_{end}_token") and field(draft, key) != field(tgt, key):
             findings.append(Finding("error", f"{key} is {field(draft, key)}, the target's {field(tgt, key)}"))
-    ours, theirs = tokens(draft), tokens(tgt)
+    ours, theirs = field(draft, "tokenizer.ggml.tokens", []), field(tgt, "tokenizer.ggml.tokens", [])
     if abs(len(ours) - len(theirs)) > VOCAB_SIZE_SLACK:
         findings.append(Finding("error", f"the file's tokenizer has {len(ours)} tokens, the target's {len(theirs)}"))
     differ = [i for i in range(VOCAB_CHECK_FROM, min(len(ours), len(theirs))) if ours[i] != theirs[i]]
     if differ:
         findings.append(Finding("error", f"{len(differ)} tokens differ from the target's (the first: id {differ[0]})"))
     for f in findings:
-        f.message += ": llama.cpp refuses the pair (draft model vocab must match target); draft with a model of the "
-        f.message += "target's tokenizer"
+        f.message += ": llama.cpp refuses the pair; draft with a model of the target's tokenizer"
     return findings
 
 

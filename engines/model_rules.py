@@ -7,7 +7,7 @@ import torch
 
 from eagle_train.architectures import config_from_dict, text_config
 from eagle_train.export.draft_files import DraftFiles
-from eagle_train.export.layouts import PROVENANCE_KEY, draft_model_read
+from eagle_train.export.layouts import draft_model_read
 from engines.rules import EngineReport
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -15,11 +15,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 def inspect(eng, files: DraftFiles, target_config=None) -> EngineReport:
     """What engine `eng` would do with the draft model directory in `files`."""
-    config = {k: v for k, v in files.config.items() if k != PROVENANCE_KEY}
     report = EngineReport(eng.name, "draft_model", eng, reads_target_states=False)
     try:
         report.config = draft_model_read(files.config)
-        draft = config_from_dict(config)
+        draft = config_from_dict(report.config.model_config)
     except (KeyError, ValueError) as e:
         report.add("error", f"config.json does not make a model: {e}")
         return report

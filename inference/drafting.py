@@ -111,8 +111,12 @@ class Drafter:
         window = self.head.config.sliding_window
         return seen & (keys[None, :] > pos[:, None] - window) if window else seen
 
+    def cache_size(self, max_len: int) -> int:
+        """Slots for `max_len` committed positions and a round's speculative entries."""
+        return max_len + self.shape.spec_slots
+
     def setup_cache(self, max_len: int):
-        size = max_len + self.shape.spec_slots
+        size = self.cache_size(max_len)
         if size > self.max_len:
             self.cache = self.head.new_cache(1, size)
             self.max_len = size

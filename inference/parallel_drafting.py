@@ -13,7 +13,6 @@ the chain is laid out from those K distributions and verified exactly like an EA
 import torch
 
 from inference.drafting import Drafter, DraftTree, TreeShape
-from inference.graphs import GraphedStep
 
 
 class ParallelDrafter(Drafter):
@@ -31,13 +30,8 @@ class ParallelDrafter(Drafter):
             )
         super().__init__(head, shape, sampler, graphed)
 
-    def setup_cache(self, max_len: int):
-        size = max_len + 2 * self.shape.depth  # catch-up rows (<= K+1), mask rows (K-1), padding
-        if size > self.max_len:
-            self.cache = self.head.new_cache(1, size)
-            self.max_len = size
-            if isinstance(self.step_fn, GraphedStep):  # graphs of the old cache are of no more use
-                self.step_fn.reset()
+    def cache_size(self, max_len: int) -> int:
+        return max_len + 2 * self.shape.depth  # catch-up rows (<= K+1), mask rows (K-1), padding
 
     def visible_slots(self, keys, pos, last: int):
         """bool [n, S]: the slots `keys` [S] each row at `pos` [n] attends to, by training's rule (`head.visible`,

@@ -47,10 +47,10 @@ def validate_draft_model(cfg: TrainConfig, target_config) -> None:
 
 def check_same_tokenizer(draft: str, target: str) -> None:
     """Refuse, in one line, a draft whose tokenizer is not the target's: its ids would mean other tokens."""
-    from eagle_train.checkpoint import HEAD, locate_head
+    from eagle_train.checkpoint import locate_head
 
     found = locate_head(draft)
-    if found.ours or found.kind == HEAD:
+    if found.ours:
         return  # ours: built for a target, checked by `check_fits`
     theirs, ours = load_tokenizer(str(found.path)), load_tokenizer(target)
     if theirs.get_vocab() != ours.get_vocab():
