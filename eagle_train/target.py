@@ -52,8 +52,9 @@ def _alias_path(alias: str) -> Path:
 
 
 # Conversions by one major version of transformers are not another's: a 5.x cache's tokenizer_config.json names a
-# tokenizer class 4.x lacks, and 4.x's converted tokenizer prepends a BOS that 5.x's does not (same weights).
-CONVERTER = f"tf{importlib.metadata.version('transformers').split('.')[0]}"
+# tokenizer class 4.x lacks, and 4.x's converted tokenizer prepends a BOS that 5.x's does not (same weights). The
+# suffix is this conversion's own revision: a change to what it writes makes a new cache.
+CONVERTER = f"tf{importlib.metadata.version('transformers').split('.')[0]}-r2"
 SAMPLED_BLOCKS, BLOCK = 9, 1 << 20
 
 
@@ -96,6 +97,7 @@ def _convert_gguf(gguf: Path) -> str:
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        drop_gguf_copy(tmp / "tokenizer.model")
         share_directory(tmp)  # safetensors writes owner-only files; every user of the machine reads this cache
         try:
             tmp.rename(out)
@@ -105,6 +107,16 @@ def _convert_gguf(gguf: Path) -> str:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return str(out)
+
+
+def drop_gguf_copy(path: Path) -> None:
+    """transformers before 5 gives a GGUF's tokenizer the GGUF itself as its sentencepiece `vocab_file` and saves a
+    copy of it as tokenizer.model, which every sentencepiece reader (llama.cpp's converter among them) fails to
+    parse; tokenizer.json holds the whole tokenizer, so the copy goes."""
+    if path.is_file():
+        with path.open("rb") as f:
+            if f.read(4) == b"GGUF":
+                path.unlink()
 
 
 def target_gguf(name_or_path: str) -> Path | None:

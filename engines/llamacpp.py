@@ -13,7 +13,7 @@ from pathlib import Path
 
 from eagle_train.checkpoint import GGUF, load_draft_head, locate_head
 from eagle_train.export import export_head
-from eagle_train.export.gguf import export_gguf
+from eagle_train.export.gguf import export_gguf, with_target_tokenizer
 from eagle_train.export.layouts import layout
 from eagle_train.methods import row
 from eagle_train.target import load_tokenizer, target_gguf
@@ -59,13 +59,16 @@ def head_gguf(draft, target, out: Path):
 def draft_gguf(head, out, target, outtype: str = "f32") -> Path:
     """`head` as the one GGUF llama.cpp loads beside the target's: a head by `export_gguf` (against the target's
     GGUF `target`), a draft model by llama.cpp's own converter from its model directory (`Layout.llamacpp_converts`:
-    a model of the target's architecture is llama.cpp's format to know)."""
+    a model of the target's architecture is llama.cpp's format to know), with the target's GGUF tokenizer."""
     own = row(head.config.method).layout
     if own is None or not layout(own).llamacpp_converts:
         return export_gguf(head, out, target, outtype)
     with tempfile.TemporaryDirectory() as tmp:
         export_head(head, Path(tmp) / "model", own, dtype="fp32")
-        return Path(shutil.move(convert_target(Path(tmp) / "model", Path(tmp) / "model.gguf", outtype), out))
+        converted = with_target_tokenizer(
+            convert_target(Path(tmp) / "model", Path(tmp) / "model.gguf", outtype), target
+        )
+        return Path(shutil.move(converted, out))
 
 
 class LlamaCpp(Engine):

@@ -1,6 +1,7 @@
 """Target loading and the hidden-state function shared by capture, online training and the runtime."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -39,6 +40,8 @@ def test_smollm2_alias_loads_frozen_fp32(smollm2):
     path = resolve_target(SMOLLM2)
     assert json.loads(open(f"{path}/config.json").read()).get("quantization_config") is None
     assert load_target_config(SMOLLM2).num_hidden_layers == 30
+    # nor a copy of the GGUF under a tokenizer's name (transformers 4.x saves one as tokenizer.model)
+    assert not [f.name for f in Path(path).iterdir() if f.open("rb").read(4) == b"GGUF"]
 
 
 def test_smollm2_generates_sensible_text(smollm2):

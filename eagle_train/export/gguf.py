@@ -236,16 +236,42 @@ def add_block_keys(writer: GGUFWriter, cfg, file_type: LlamaFileType, name: str)
     writer.add_bool(f"{BLOCK_ARCH}.has_confidence_head", cfg.confidence_head)
 
 
-def copy_tokenizer(target: GGUFReader, writer: GGUFWriter, skip: tuple[str, ...] = ()) -> None:
-    """Every `tokenizer.*` key of the target but `skip`, with its value type."""
-    for key, field in target.fields.items():
-        if not key.startswith("tokenizer.") or key in skip:
+def copy_keys(source: GGUFReader, writer: GGUFWriter, wanted, whose: str = "the target GGUF's") -> None:
+    """Every key of `source` that `wanted(key)` accepts, with its value type."""
+    for key, field in source.fields.items():
+        if not wanted(key):
             continue
         vtype = field.types[0]
         if vtype == GGUFValueType.ARRAY and (len(field.types) != 2 or field.types[1] not in COPYABLE_ITEM_TYPES):
             items = "/".join(t.name for t in field.types[1:])
-            raise ValueError(f"the target GGUF's {key} is an array of {items}, which cannot be copied with its type")
+            raise ValueError(f"{whose} {key} is an array of {items}, which cannot be copied with its type")
         writer.add_key_value(key, field_value(field), vtype)
+
+
+def copy_tokenizer(target: GGUFReader, writer: GGUFWriter, skip: tuple[str, ...] = ()) -> None:
+    """Every `tokenizer.*` key of the target but `skip`, with its value type."""
+    copy_keys(target, writer, lambda key: key.startswith("tokenizer.") and key not in skip)
+
+
+def with_target_tokenizer(path, target) -> Path:
+    """The model GGUF at `path` rewritten in place with the target GGUF's tokenizer keys in place of its own.
+    llama.cpp pairs a draft with its target only when their vocabularies agree, and the tokenizer a converter
+    writes from a model directory depends on the transformers that saved it and the converter's version; the
+    target's own file is the one the draft will run beside."""
+    path = Path(path)
+    source, tokenizer = GGUFReader(path), read_target(target)
+    partial = path.with_name(path.name + ".partial")
+    writer = GGUFWriter(partial, arch=gguf_arch(path))
+    own = ("GGUF.", "tokenizer.", "general.architecture")  # the reader's framing, the tokenizer, the writer's arch
+    copy_keys(source, writer, lambda key: not key.startswith(own), whose="the converted GGUF's")
+    copy_tokenizer(tokenizer, writer)
+    for t in source.tensors:
+        writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return partial.replace(path)
 
 
 def add_matrix(writer: GGUFWriter, gguf_name: str, w: np.ndarray, qtype: GGMLQuantizationType, name: str) -> None:
