@@ -99,9 +99,10 @@ def target_fingerprint(model) -> str:
 
 
 def _target_name(name_or_path: str) -> str:
-    """A location-independent name: the hub id's or directory's last part, without our cache hash."""
+    """A location-independent name: the hub id's or directory's last part, without our cache's key
+    (`target.gguf_content_key`: the content hash, then the converter and its revision)."""
     name = Path(str(name_or_path).rstrip("/")).name
-    return re.sub(r"-[0-9a-f]{12}(-tf\d+)?$", "", name)
+    return re.sub(r"-[0-9a-f]{12}(-tf\d+(-r\d+)?)?$", "", name)
 
 
 # --------------------------------------------------------------------------------------- writing

@@ -160,7 +160,8 @@ def config(name="/cache/targets/SmolLM2-135M-Instruct.Q4_1-e9965bdc7643", layers
 def test_check_store_matches(small_store, smollm2):
     manifest = ShardedSamples(small_store).manifest
     check_store_matches(manifest, smollm2[0].config)  # the target that made it
-    check_store_matches(manifest, config(name="/elsewhere/SmolLM2-135M-Instruct.Q4_1-0123456789ab"))  # moved cache
+    for key in ("", "-tf4", "-tf5", "-tf5-r2"):  # moved cache, conversions by other transformers and revisions
+        check_store_matches(manifest, config(name=f"/elsewhere/SmolLM2-135M-Instruct.Q4_1-0123456789ab{key}"))
     check_store_matches(manifest, smollm2[0].config, aux_layer_ids=(2, 15, 27))
     with pytest.raises(ValueError, match=r"Llama-3\.2-1B.*16 layers.*hidden 2048.*Capture a new store"):
         check_store_matches(manifest, config("meta-llama/Llama-3.2-1B", layers=16, hidden=2048, vocab=128256))
