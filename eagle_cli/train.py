@@ -39,8 +39,8 @@ from eagle_train.methods import METHODS, check_method, method_of, objective_for
 from eagle_train.target import load_target_config
 from eagle_train.train_config import (
     TrainConfig,
-    field_names,
     from_data,
+    keys_by_method,
     load_train_config,
     one_line_refusals,
     validate,
@@ -54,6 +54,11 @@ def description() -> str:
     return __doc__.format(methods=methods, shipped=SHIPPED)
 
 
+def keys_listing() -> str:
+    """The config keys, the common ones first, then each method's own under the methods they belong to."""
+    return "\n".join(f"  {owner}: {', '.join(names)}" for owner, names in keys_by_method().items())
+
+
 def config_from_command_line(argv=None, method: str | None = None) -> TrainConfig:
     """`--config C key=value ...`; `method` (a script that trains one method) is the default and refuses a
     config of another. Exits with one line on a bad file, key or method."""
@@ -61,7 +66,7 @@ def config_from_command_line(argv=None, method: str | None = None) -> TrainConfi
         prog=None if method else "eagle-train",
         description=description(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=f"shipped configs: {', '.join(shipped_names('method'))}\nconfig keys: {', '.join(field_names())}",
+        epilog=f"shipped configs: {', '.join(shipped_names('method'))}\nconfig keys:\n{keys_listing()}",
     )
     parser.add_argument("--config", help="a run YAML: a path, or a shipped config's name (eagle3_smollm2)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config keys, over the file's")

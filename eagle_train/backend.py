@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from eagle_train.bf16 import bf16_is_fast
-from eagle_train.train_config import TrainConfig, launched_with
+from eagle_train.launch import launched_with
+from eagle_train.train_config import TrainConfig
 
 
 class Backend:

@@ -1,13 +1,16 @@
 """The draft head's configuration, derived from the target's Hugging Face config.
 
-This is the toolkit's own config (what training checkpoints store); the engine-facing
-config.json layouts are written by `eagle_train.export`.
+This is the toolkit's own config (what training checkpoints store, flat in a head's config.json); the
+engine-facing config.json layouts are written by `eagle_train.export`. Its fields are the common ones below and
+each method's own, which its folder's `config.py` declares and its row names (`Method.head_keys`): `DraftConfig`
+composes them (`methods.with_method_keys`), so this module names none of them.
 """
 
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eagle_train import methods
 from eagle_train.architectures import check_supported, text_config
 from eagle_train.files import write_json
 from eagle_train.hidden_states import default_aux_layer_ids
@@ -48,7 +51,10 @@ VARIANTS = ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output", 
 
 
 @dataclass
-class DraftConfig:
+class CommonDraftConfig:
+    """The keys every head has and what a head's config does (size itself for a target, check it fits one, save);
+    `DraftConfig` adds each method's own."""
+
     hidden_size: int
     num_attention_heads: int
     num_key_value_heads: int
@@ -68,14 +74,6 @@ class DraftConfig:
     target: str = ""  # name or path the head was built for
     target_architectures: list[str] = field(default_factory=list)
     mask_token_id: int | None = None  # P-EAGLE, DFlash, DSpark
-    num_depths: int | None = None  # P-EAGLE only: drafts per forward (K)
-    block_size: int | None = None  # DFlash, DSpark: slots per block, the anchor's and the masks'
-    causal: bool = False  # DFlash, DSpark: attention inside a block is causal (the engines' default: not)
-    sample_from_anchor: bool = False  # the anchor's slot drafts the first token (DSpark's default)
-    markov_rank: int = 0  # DSpark: rank of the logit bias from the token before each draft (0: none)
-    confidence_head: bool = False  # DSpark: a head predicting whether each draft is accepted
-    block_mask: str = "learnt"  # DFlash, DSpark: the mask slots' embedding, learnt or the target's row mask_token_id
-    block_lm_head: str = "draft"  # DFlash, DSpark: the head's own lm_head, or the target's (full vocabulary, frozen)
     # EAGLE-3 and P-EAGLE variants heads trained elsewhere carry (speculators' flags; eagle-train trains none of them)
     norm_before_fc: bool = False  # one RMSNorm (`input_norm`) over the concatenated aux states before fc
     fc_norm: bool = False  # an RMSNorm per aux layer (`fc_norm.{i}`) before fc
@@ -83,8 +81,6 @@ class DraftConfig:
     norm_output: bool = False  # the layer's output passes the final norm before it is fed back and read by lm_head
     qk_norm: bool = False  # Qwen3 attention: each head's query and key pass an RMSNorm (q_norm, k_norm)
     sliding_window: int | None = None  # the layer attends to the last sliding_window positions only
-    # draft_model: the draft's own transformers config (the target's architecture with fewer layers)
-    model_config: dict | None = None
 
     def __post_init__(self):
         self.aux_layer_ids = tuple(self.aux_layer_ids)
@@ -183,3 +179,6 @@ class DraftConfig:
 
     def save(self, directory) -> None:
         write_json(Path(directory) / "config.json", {"format": HEAD_FORMAT, **self.to_dict()})
+
+
+DraftConfig = methods.with_method_keys("DraftConfig", CommonDraftConfig, lambda method: method.head_keys)

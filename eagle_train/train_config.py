@@ -1,7 +1,10 @@
 """The training run's configuration: a YAML file plus `key=value` overrides, checked before any compute.
 
-One flat dataclass (like torchtune's recipe configs, minus the indirection): every knob a run
-has is a field below, so an unknown key is a typo and is refused with the list of valid keys.
+One flat dataclass (like torchtune's recipe configs, minus the indirection): every knob a run has is a field of
+`TrainConfig`, so an unknown key is a typo and is refused with the list of valid keys. The fields are the common
+keys below and each method's own, which its folder's `config.py` declares and its row names (`Method.train_keys`):
+`TrainConfig` composes them (`methods.with_method_keys`), so a method's key is read as `cfg.num_depths` like any
+other, and this module names none of them.
 """
 
 import contextlib
@@ -17,22 +20,15 @@ from pathlib import Path
 
 import yaml
 
-from eagle_train.architectures import check_supported
+from eagle_train import methods
+from eagle_train.architectures import check_supported, text_config
+from eagle_train.launch import launched_with
 from eagle_train.store import HIDDEN_FORMAT, MANIFEST, check_store_matches, read_manifest, read_vocab_map
 from eagle_train.vocab_map import check_draft_vocab_size
 
-# the methods' defaults, the fields below and the methods' own functions read (eagle_train.methods)
-TTT_LENGTH = 7  # EAGLE-3: unrolled draft steps
-TTT_DECAY = 0.8  # EAGLE-3: step i's loss weighs decay**i
+# the defaults of common keys, which the methods' own functions read too
+TTT_LENGTH = 7  # EAGLE-3: unrolled draft steps; the draft model: drafts a round of its chain walk
 TV_WEIGHT = 0.0  # every method: the share of total variation in each draft's loss (soft cross-entropy alone)
-REJECTION_WEIGHT = 0.0  # EAGLE-3: the extra weight of a draft a chain walk rejects (every draft weighs 1)
-NUM_DEPTHS = 7  # P-EAGLE: K, drafts per forward, and the published P-EAGLE heads' K
-BLOCK_SIZE = 8  # DFlash and DSpark: slots per block, 7 drafts a forward for DFlash, 8 for DSpark
-NUM_ANCHORS = 32  # DFlash and DSpark: blocks per sequence
-CONFIDENCE_WEIGHT = 1.0  # DSpark: the confidence loss's weight
-MARKOV_RANK = 64  # DSpark: the Markov bias's rank
-BLOCK_MASKS = ("learnt", "target")  # DFlash and DSpark: the mask slots' embedding (block_mask)
-BLOCK_LM_HEADS = ("draft", "target")  # DFlash and DSpark: the lm_head the drafts are read through (block_lm_head)
 
 EVERY_OFF = {
     "save_every": "only at the end",
@@ -47,7 +43,10 @@ REPORT_TO = ("tensorboard", "wandb", "none")
 
 
 @dataclass
-class TrainConfig:
+class CommonTrainConfig:
+    """The keys every run has, whatever its method, and what a run's config does; `TrainConfig` adds each method's
+    own."""
+
     # what to train on
     target: str = "smollm2-135m"  # alias, local HF dir, .gguf or hub id (must be the store's target)
     data_path: str = ""  # hidden-state store (offline) or tokenized dataset (online; a store works too)
@@ -78,38 +77,15 @@ class TrainConfig:
     warm_start: bool = (
         False  # a new head's norm and lm_head start as the target's (eagle_train.warm_start; not P-EAGLE)
     )
-    freeze_lm_head: bool = False  # EAGLE-3, with warm_start: the lm_head stays the target's rows (speculators' recipe)
-    # the objective
-    ttt_length: int = TTT_LENGTH
-    ttt_decay: float = TTT_DECAY
+    # the objective (each method's own keys: its folder's config.py)
+    ttt_length: int = TTT_LENGTH  # EAGLE-3: unrolled draft steps; the draft model: drafts a round of its chain walk
     tv_weight: float = TV_WEIGHT  # each draft's loss is (1 - w) soft CE + w total variation (every method)
-    # EAGLE-3: a draft the current head's chain walk gets rejected at weighs 1 + w (training_parts.chain_rounds)
-    rejection_weight: float = REJECTION_WEIGHT
-    # EAGLE-3: noise on the training batches' target hidden states, times each layer's RMS (noisy_features)
+    # EAGLE-3, DFlash, DSpark: noise on the training batches' target hidden states, times each layer's RMS
+    # (training_parts.noisy_features)
     feature_noise: float = 0.0
-    # P-EAGLE (method peagle; checked by eagle_train.methods.peagle.train.validate_peagle)
-    num_depths: int = NUM_DEPTHS  # K: drafts per forward
-    draft_num_layers: int | None = None  # N: None -> 2 below target hidden 2048, else 4
-    mask_token_id: int | None = None  # None: a spare special token the data never uses
-    num_segments: int | None = None  # sequence partitioning; None -> methods.peagle.batch.default_num_segments
-    # DFlash and DSpark (methods dflash, dspark; checked by eagle_train.methods.block.train.validate_block); they share
-    # draft_num_layers (None: 1 below target hidden 2048, else 5) and mask_token_id with P-EAGLE
-    block_size: int = BLOCK_SIZE  # slots per block: the anchor's and the masks'; DFlash drafts block_size - 1
-    num_anchors: int = NUM_ANCHORS  # blocks per sequence and micro-batch, at random assistant positions
-    block_gamma: float | None = None  # draft j's loss weighs exp(-(j-1)/gamma); None: 4 at block 8, 7 at 16
-    causal: bool = False  # attention inside a block is causal (the engines' default: not)
-    markov_rank: int | None = None  # DSpark's Markov bias rank; None: 64 for dspark, none for dflash
-    confidence_weight: float = CONFIDENCE_WEIGHT  # DSpark: weight of the confidence head's loss
-    # learnt: a trained mask embedding; target: the target's frozen row mask_token_id (the published recipe; what
-    # z-lab's dflash and speculators read)
-    block_mask: str = "learnt"
-    # draft: the head's own lm_head over the draft vocabulary; target: the target's frozen lm_head over its whole
-    # vocabulary (the published recipe; draft_vocab_size is the target's)
-    block_lm_head: str = "draft"
-    # draft_model (checked by eagle_train.methods.draft_model.train.validate_draft_model): the target layers the draft
-    # starts from (None: the first draft_num_layers, by default a tenth of the target's), or draft_init=random
-    draft_layers: list[int] | None = None
-    draft_init: str = "target"  # target: the target's embedding, layers, final norm and lm_head; random: none of them
+    draft_num_layers: int | None = None  # the head's layers; None: its method's default for the target's size
+    # the mask slots' token (P-EAGLE, DFlash, DSpark); None: a spare special token the data never uses
+    mask_token_id: int | None = None
     # batching (per process): padded tokens per micro-batch; samples longer than max_length are truncated
     max_length: int | None = None  # None: the data's (the max_length it was prepared with)
     tokens_per_batch: int = 8192
@@ -125,11 +101,6 @@ class TrainConfig:
     weight_decay: float = 0.0
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     max_grad_norm: float = 0.5
-    # Not activation checkpointing: only each TTT step's [N, Vd] draft logits are dropped after the
-    # forward and recomputed in backward (the head's layers keep theirs). EAGLE-3 without fused_loss
-    # only; fused_loss never makes those logits, and P-EAGLE ignores the key.
-    gradient_checkpointing: bool = False
-    fused_loss: bool = False  # EAGLE-3 TTT loss through eagle_train.fused_ce (no [N, Vd] logits; Triton on CUDA)
     mixed_precision: str = "auto"  # auto: bf16 on CUDA and CPUs with bf16 instructions, else fp32; or "no" / "bf16"
     seed: int = 0
     # output
@@ -147,6 +118,15 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
+def train_config_class() -> type:
+    """`TrainConfig` as the rows stand: the common keys and every method's own (a row registered later, as
+    tests/test_methods.py registers one, composes it again)."""
+    return methods.with_method_keys("TrainConfig", CommonTrainConfig, lambda method: method.train_keys)
+
+
+TrainConfig = train_config_class()
+
+
 def runs_the_target(cfg: TrainConfig) -> bool:
     """Whether each training process runs the target (online with engine=hf); else the data holds the states."""
     return cfg.mode == "online" and cfg.engine == "hf"
@@ -154,6 +134,15 @@ def runs_the_target(cfg: TrainConfig) -> bool:
 
 def field_names() -> list[str]:
     return [f.name for f in dataclasses.fields(TrainConfig)]
+
+
+def keys_by_method() -> dict[str, list[str]]:
+    """The keys under the methods they belong to, for --help: the common ones, then each key class's
+    under the methods whose rows name it ("dflash, dspark")."""
+    listing = {"common": [f.name for f in dataclasses.fields(CommonTrainConfig)]}
+    for keys, names in methods.key_classes(lambda method: method.train_keys).items():
+        listing[", ".join(names)] = [f.name for f in dataclasses.fields(keys)]
+    return listing
 
 
 def _as_type(value, annotation):
@@ -245,8 +234,8 @@ def load_train_config(
 
 def from_data(cfg: TrainConfig) -> TrainConfig:
     """`cfg` with the keys it leaves to the data (None) taken from the data at `data_path`: `max_length` (the
-    one the data was prepared with), `draft_vocab_size` (its vocab map's, the whole vocabulary with
-    `block_lm_head: target`, unless `init_from` brings one) and,
+    one the data was prepared with), `draft_vocab_size` (its vocab map's, the whole vocabulary where its method's row
+    says a new head drafts over it (`Method.whole_vocabulary`), unless `init_from` brings one) and,
     offline, `aux_layer_ids` (the store's layers). A value the data contradicts is refused: offline, aux layers
     the store does not hold. A shorter `max_length` is no contradiction: it truncates the longer samples, as
     asked. Without data at `data_path`, `cfg` as it is (`validate` names the missing path)."""
@@ -259,8 +248,9 @@ def from_data(cfg: TrainConfig) -> TrainConfig:
             raise ValueError(f"{cfg.data_path} does not record the max_length it was prepared with: set max_length")
         values["max_length"] = manifest["max_length"]
     if cfg.draft_vocab_size is None and not cfg.init_from:  # a head to start from brings its own vocab map
-        vocab_map = read_vocab_map(cfg.data_path)  # t2d spans the target's vocabulary, which the target's lm_head reads
-        values["draft_vocab_size"] = len(vocab_map["t2d" if cfg.block_lm_head == "target" else "d2t"])
+        vocab_map = read_vocab_map(cfg.data_path)  # t2d spans the target's vocabulary, d2t the draft vocabulary
+        whole = methods.method_of(cfg).whole_vocabulary
+        values["draft_vocab_size"] = len(vocab_map["t2d" if whole and whole(cfg) else "d2t"])
     if not runs_the_target(cfg) and manifest["format"] == HIDDEN_FORMAT:
         held = list(manifest["aux_layer_ids"])
         if cfg.aux_layer_ids is None:
@@ -283,12 +273,6 @@ def one_line_refusals():
         yield
     except (ValueError, OSError) as e:
         sys.exit(f"error: {e}")
-
-
-def launched_with(backend: str) -> bool:
-    """Whether `accelerate launch` runs this process under DEEPSPEED or FSDP: it says so in the
-    environment (ACCELERATE_USE_<backend>) before any process starts."""
-    return os.environ.get(f"ACCELERATE_USE_{backend}", "false").lower() in ("1", "true", "yes")
 
 
 def validate(cfg: TrainConfig, target_config) -> None:
@@ -320,11 +304,16 @@ def validate(cfg: TrainConfig, target_config) -> None:
         f"mixed_precision {cfg.mixed_precision!r} is not auto, no or bf16",
     )
     need(cfg.ttt_length >= 1, f"ttt_length must be >= 1 (the number of unrolled draft steps), got {cfg.ttt_length}")
-    need(0 < cfg.ttt_decay <= 1, f"ttt_decay must be in (0, 1], got {cfg.ttt_decay}")
     need(0 <= cfg.tv_weight <= 1, f"tv_weight must be in [0, 1] (the share of total variation), got {cfg.tv_weight}")
     need(
-        cfg.rejection_weight >= 0,
-        f"rejection_weight must be >= 0 (0: every draft weighs 1), got {cfg.rejection_weight}",
+        cfg.draft_num_layers is None or cfg.draft_num_layers >= 1,
+        f"draft_num_layers must be >= 1 (or null for the default), got {cfg.draft_num_layers}",
+    )
+    vocab = text_config(target_config).vocab_size
+    need(
+        cfg.mask_token_id is None or 0 <= cfg.mask_token_id < vocab,
+        f"mask_token_id {cfg.mask_token_id} is outside the target vocabulary [0, {vocab}); "
+        "leave it null to pick a spare special token",
     )
     need(cfg.gradient_accumulation_steps >= 1, "gradient_accumulation_steps must be >= 1")
     need(
@@ -357,11 +346,6 @@ def validate(cfg: TrainConfig, target_config) -> None:
         not cfg.warm_start or not cfg.init_from,
         "warm_start starts a new head from the target's norm and lm_head: not with init_from (that head brings "
         "its own)",
-    )
-    need(
-        not cfg.freeze_lm_head or cfg.warm_start,
-        "freeze_lm_head keeps the lm_head warm_start gives the head (the target's rows of the draft vocabulary): "
-        "set warm_start=true too",
     )
     output_dir = Path(cfg.output_dir).absolute()
     writable = next(p for p in (output_dir, *output_dir.parents) if p.exists())
@@ -406,7 +390,6 @@ def validate(cfg: TrainConfig, target_config) -> None:
             len(cfg.aux_layer_ids) == 3 and all(0 <= i < n for i in cfg.aux_layer_ids),
             f"aux_layer_ids must be three layer indices in [0, {n - 1}], got {cfg.aux_layer_ids}",
         )
-    vocab = target_config.vocab_size
     if cfg.draft_vocab_size is not None:
         check_draft_vocab_size(cfg.draft_vocab_size, vocab, " (or leave it unset to take the vocab map's size)")
     if not cfg.init_from:

@@ -158,17 +158,6 @@ def mask_token_for(cfg, vocab_map: dict) -> int:
     return choose_mask_token_id(load_tokenizer(cfg.target), vocab_map.get("counts"))
 
 
-def check_layers_and_mask(cfg, vocab: int) -> None:
-    """The keys P-EAGLE and the block drafters share: `draft_num_layers` and `mask_token_id`."""
-    if cfg.draft_num_layers is not None and cfg.draft_num_layers < 1:
-        raise ValueError(f"draft_num_layers must be >= 1 (or null for the default), got {cfg.draft_num_layers}")
-    if cfg.mask_token_id is not None and not 0 <= cfg.mask_token_id < vocab:
-        raise ValueError(
-            f"mask_token_id {cfg.mask_token_id} is outside the target vocabulary [0, {vocab}); "
-            "leave it null to pick a spare special token"
-        )
-
-
 def choose_mask_token_id(tokenizer, token_counts: torch.Tensor | None = None) -> int:
     """A reserved token the training data never uses: the highest added/special token id that
     is not bos/eos/pad/unk, does not occur in the chat template and (given the data's token

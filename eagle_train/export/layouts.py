@@ -48,7 +48,6 @@ from eagle_train.draft_config import DraftConfig, target_rope
 from eagle_train.hidden_states import engine_aux_layer_ids
 from eagle_train.methods import METHODS, family_of, method_with, row
 from eagle_train.target import HUB_IDS, resolve_target
-from eagle_train.train_config import NUM_DEPTHS
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 PROVENANCE_KEY = "eagle_train"  # our own block in config.json; every engine ignores unknown keys
@@ -397,13 +396,13 @@ def mask_token_ids(config: dict) -> dict:
 
 def as_peagle(cfg: DraftConfig, config: dict, num_depths=None) -> DraftConfig:
     """Mark a config read from a P-EAGLE directory: the mask token and K (our provenance, else
-    `num_depths`, else NUM_DEPTHS, the published heads' K)."""
+    `num_depths`, else its method's training default, the published heads' K)."""
     ids = [i for i in mask_token_ids(config).values() if i is not None]
     if not ids:
         raise ValueError(f"P-EAGLE config.json names no mask token id (one of {', '.join(MASK_TOKEN_KEYS)})")
     ours = config.get(PROVENANCE_KEY) or {}
     cfg.method, cfg.mask_token_id = method_with(layout="peagle"), int(ids[0])
-    cfg.num_depths = int(ours.get("num_depths") or num_depths or NUM_DEPTHS)
+    cfg.num_depths = int(ours.get("num_depths") or num_depths or row(cfg.method).train_keys().num_depths)
     return cfg
 
 

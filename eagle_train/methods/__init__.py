@@ -1,12 +1,13 @@
 """The methods: one row per method, read by every stage instead of testing a method's name.
 
 `eagle_train.trainer.train(cfg, build_head, objective)` is the loop every method shares; a row names what
-differs: the head builder, the objective built from the `TrainConfig` alone, and the checks of the method's
-own keys (after `train_config.validate`'s common ones); and, for the stages after training, its title, its
-drafting family (`FAMILIES`: each names the runtime's drafter of its heads), how many drafts one forward
-gives by default, and its names outside: its export layouts, llama.cpp's spec type, vLLM's speculative method,
-speculators' model type. No code outside `eagle_train/methods/` tests a method's name: it reads the row. A new
-method is a new row (and its folder).
+differs: the head builder, the objective built from the `TrainConfig` alone, its own keys (its folder's `config.py`:
+the keys it adds to `TrainConfig` and to a head's `DraftConfig`, which `with_method_keys` composes with the common
+ones) and their checks (after `train_config.validate`'s common ones); and, for the stages after training, its title,
+its drafting family (`FAMILIES`: each names the runtime's drafter of its heads), how many drafts one forward gives by
+default, and its names outside: its export layouts, llama.cpp's spec type, vLLM's speculative method, speculators'
+model type. No code outside `eagle_train/methods/` tests a method's name or names a method's key: it reads the row.
+A new method is a new row (and its folder).
 """
 
 import dataclasses
@@ -55,8 +56,15 @@ class Method:
     head_at: str  # "module:Class", the head (a DraftHead)
     build_head_at: str  # "module:function": (cfg, target_model, vocab_map) -> head
     objective_at: str  # (cfg) -> objective(model, batch, backward) -> metrics
-    check_at: str | None = None  # (cfg, target_config) -> None, raising ValueError naming the fix
+    # (cfg, target_config) -> None, raising ValueError naming the fix: its keys' checks (its config.py) and any other
+    # before compute
+    check_at: str | None = None
     drafts_at: str | None = None  # (DraftConfig) -> drafts one forward gives; None: the user's K
+    train_keys_at: str | None = None  # "module:Class", its own TrainConfig keys (a kw_only dataclass)
+    head_keys_at: str | None = None  # "module:Class", its own DraftConfig keys (a kw_only dataclass)
+    # (cfg) -> whether a new head drafts over the target's whole vocabulary (the data's t2d), not the vocab map's
+    # draft vocabulary (d2t); None: never
+    whole_vocabulary_at: str | None = None
     layouts: tuple[str, ...] = ()  # the export layouts (eagle_train.export.layouts.LAYOUTS) that can hold its heads
     # its names outside, each None where that engine or library has no form of it
     gguf_spec_type: str | None = None  # llama.cpp's --spec-type for its heads; None: eagle-export --format gguf refuses
@@ -90,6 +98,18 @@ class Method:
     def check(self) -> Callable | None:
         return imported(self.check_at) if self.check_at else None
 
+    @property
+    def train_keys(self) -> type | None:
+        return imported(self.train_keys_at) if self.train_keys_at else None
+
+    @property
+    def head_keys(self) -> type | None:
+        return imported(self.head_keys_at) if self.head_keys_at else None
+
+    @property
+    def whole_vocabulary(self) -> Callable | None:
+        return imported(self.whole_vocabulary_at) if self.whole_vocabulary_at else None
+
 
 DFLASH = Method(
     "DFlash",
@@ -97,8 +117,11 @@ DFLASH = Method(
     "eagle_train.methods.block.head:BlockHead",
     "eagle_train.methods.block.train:build_block_head",
     "eagle_train.methods.block.train:block_objective",
-    "eagle_train.methods.block.train:validate_block",
+    "eagle_train.methods.block.config:validate_block",
     "eagle_train.methods.block.head:num_drafts",
+    train_keys_at="eagle_train.methods.block.config:TrainKeys",
+    head_keys_at="eagle_train.methods.block.config:HeadKeys",
+    whole_vocabulary_at="eagle_train.methods.block.config:whole_vocabulary",
     layouts=("dflash", "speculators"),
     gguf_spec_type="draft-dflash",
     vllm_method="dflash",
@@ -113,6 +136,8 @@ METHODS = {
         "eagle_train.methods.eagle3.head:Eagle3Head",
         "eagle_train.methods.eagle3.train:build_eagle3_head",
         "eagle_train.methods.eagle3.train:eagle3_objective",
+        "eagle_train.methods.eagle3.config:validate_eagle3",
+        train_keys_at="eagle_train.methods.eagle3.config:TrainKeys",
         layouts=("eagle3", "speculators"),
         gguf_spec_type="draft-eagle3",
         vllm_method="eagle3",
@@ -125,7 +150,9 @@ METHODS = {
         "eagle_train.methods.peagle.head:PEagleHead",
         "eagle_train.methods.peagle.train:build_peagle_head",
         "eagle_train.methods.peagle.train:peagle_objective",
-        "eagle_train.methods.peagle.train:validate_peagle",
+        "eagle_train.methods.peagle.config:validate_peagle",
+        train_keys_at="eagle_train.methods.peagle.config:TrainKeys",
+        head_keys_at="eagle_train.methods.peagle.config:HeadKeys",
         layouts=("peagle", "speculators"),
         vllm_method="eagle3",  # with parallel_drafting, which its family asks for
         speculators_type="peagle",
@@ -148,7 +175,9 @@ METHODS = {
         "eagle_train.methods.draft_model.model:DraftModel",
         "eagle_train.methods.draft_model.train:build_draft_model",
         "eagle_train.methods.draft_model.train:draft_model_objective",
-        "eagle_train.methods.draft_model.train:validate_draft_model",
+        "eagle_train.methods.draft_model.train:check_draft_model",
+        train_keys_at="eagle_train.methods.draft_model.config:TrainKeys",
+        head_keys_at="eagle_train.methods.draft_model.config:HeadKeys",
         layouts=("draft_model",),
         gguf_spec_type="draft-simple",
         vllm_method="draft_model",
@@ -190,3 +219,32 @@ def check_method(cfg, target_config) -> None:
     check = method_of(cfg).check
     if check is not None:
         check(cfg, target_config)
+
+
+def key_classes(keys_of: Callable[[Method], type | None]) -> dict[type, list[str]]:
+    """Each key class the rows name through `keys_of` (`lambda method: method.train_keys`), with the methods whose
+    rows name it, in row order: DFlash's and DSpark's rows name one."""
+    found = {}
+    for name, method in METHODS.items():
+        keys = keys_of(method)
+        if keys is not None:
+            found.setdefault(keys, []).append(name)
+    return found
+
+
+def with_method_keys(name: str, common: type, keys_of: Callable[[Method], type | None]) -> type:
+    """The dataclass `name`: the fields of `common` (the keys every method has) and of each key class the rows name
+    through `keys_of`, one flat set, so a run's YAML and a head's config.json stay one mapping and `cfg.num_depths`
+    reads as any key. The key classes are keyword-only, so `common`'s required fields stay first. A key defined twice
+    (by two rows' classes, or by one and `common`) is refused here, at import, in one line naming both."""
+    defined = {f.name: f"{common.__module__}:{common.__qualname__}" for f in dataclasses.fields(common)}
+    owners = key_classes(keys_of)
+    for keys, names in owners.items():
+        where = f"{keys.__module__}:{keys.__qualname__} ({', '.join(names)})"
+        for f in dataclasses.fields(keys):
+            if f.name in defined:
+                raise TypeError(f"config key {f.name!r} is defined twice: by {defined[f.name]} and by {where}")
+            defined[f.name] = where
+    # the fields come in reverse method resolution order: `common`'s first, then each row's in row order
+    bases = (*reversed(owners), common)
+    return dataclass(type(name, bases, {"__module__": common.__module__, "__qualname__": name}))

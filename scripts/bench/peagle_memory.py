@@ -21,9 +21,9 @@ import torch
 
 from eagle_train.draft_config import DraftConfig
 from eagle_train.methods.peagle import batch as pb
+from eagle_train.methods.peagle.config import NUM_DEPTHS
 from eagle_train.methods.peagle.head import PEagleHead
 from eagle_train.methods.peagle.train import PEagleObjective
-from eagle_train.train_config import NUM_DEPTHS
 from eagle_train.vocab_map import DRAFT_VOCAB_SIZE
 
 

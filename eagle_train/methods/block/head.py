@@ -35,7 +35,7 @@ from eagle_train.draft_config import DraftConfig
 from eagle_train.head import DraftHead, KVCache, LayerCaches
 from eagle_train.layers import MLP, Attention, RMSNorm
 from eagle_train.methods import family_of
-from eagle_train.train_config import BLOCK_LM_HEADS, BLOCK_MASKS, BLOCK_SIZE
+from eagle_train.methods.block.config import BLOCK_LM_HEADS, BLOCK_MASKS, BLOCK_SIZE
 
 
 def default_num_hidden_layers(target_hidden_size: int) -> int:

@@ -19,7 +19,8 @@ of acceptance when sampled, 1 - TV(draft, target) (DSpark's label; detached), we
 import torch
 import torch.nn.functional as F
 
-from eagle_train.train_config import CONFIDENCE_WEIGHT, TV_WEIGHT
+from eagle_train.methods.block.config import CONFIDENCE_WEIGHT
+from eagle_train.train_config import TV_WEIGHT
 from eagle_train.training_parts import chain_rounds, loss_rows_on, target_distribution
 
 

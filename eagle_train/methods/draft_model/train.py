@@ -1,5 +1,5 @@
 """The draft model's plug-ins for the shared trainer loop (`eagle_train.trainer.train`): the builder, the objective
-(distillation toward the target's distribution at every answer position) and the checks of its keys.
+(distillation toward the target's distribution at every answer position) and its checks (its keys': `config`).
 
 The target's distribution comes as for every head (`training_parts.target_distribution`: the stored or engine-made
 final states through the target's lm_head), over the whole vocabulary, so no target forward runs for it offline.
@@ -8,39 +8,17 @@ Position t reads x_0..x_t and drafts x_{t+1}: it is trained where x_{t+1} is an 
 
 import torch
 
+from eagle_train.methods.draft_model.config import draft_layers, validate_draft_model
 from eagle_train.methods.draft_model.model import DraftModel
 from eagle_train.target import load_tokenizer
 from eagle_train.train_config import TrainConfig
 from eagle_train.training_parts import chain_rounds, head_from_init, loss_rows, shift_left
 
-DRAFT_INITS = ("target", "random")
 
-
-def default_layers(num_target_layers: int) -> int:
-    """A tenth of the target's layers, at least one: a draft step costs its layers and its lm_head."""
-    return max(1, round(num_target_layers / 10))
-
-
-def draft_layers(cfg: TrainConfig, num_target_layers: int) -> list[int]:
-    """The target layers a new draft starts from: `draft_layers`, else the first `draft_num_layers` (or the default)."""
-    if cfg.draft_layers is not None:
-        return list(cfg.draft_layers)
-    return list(range(cfg.draft_num_layers or default_layers(num_target_layers)))
-
-
-def validate_draft_model(cfg: TrainConfig, target_config) -> None:
-    """The draft model's own keys, and a draft to start from that shares the target's tokenizer."""
-    n = target_config.num_hidden_layers
-    if cfg.draft_init not in DRAFT_INITS:
-        raise ValueError(f"draft_init must be one of {', '.join(DRAFT_INITS)}, got {cfg.draft_init!r}")
-    layers = draft_layers(cfg, n)
-    if not layers or any(not 0 <= i < n for i in layers):
-        raise ValueError(f"draft_layers must name layers of the {n}-layer target (0 to {n - 1}), got {layers}")
-    if cfg.draft_layers is not None and cfg.draft_num_layers not in (None, len(cfg.draft_layers)):
-        raise ValueError(
-            f"draft_layers names {len(cfg.draft_layers)} layers and draft_num_layers says {cfg.draft_num_layers}: "
-            "set one of them"
-        )
+def check_draft_model(cfg: TrainConfig, target_config) -> None:
+    """Its keys (`config.validate_draft_model`), and a draft to start from that shares the target's tokenizer: a check
+    `config` cannot hold, since reading a head imports the head config that composes `config`'s keys."""
+    validate_draft_model(cfg, target_config)
     if cfg.init_from:
         check_same_tokenizer(cfg.init_from, cfg.target)
 

@@ -1,5 +1,6 @@
 """EAGLE-3's two plug-ins for the shared trainer loop (`eagle_train.trainer.train`): the head
-builder and the objective (one training-time-test unroll per micro-batch, `eagle_train.methods.eagle3.ttt`)."""
+builder and the objective (one training-time-test unroll per micro-batch, `eagle_train.methods.eagle3.ttt`); its
+keys and their checks are `config`'s."""
 
 import torch
 

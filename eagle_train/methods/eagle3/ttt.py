@@ -20,7 +20,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from eagle_train.fused_ce import soft_cross_entropy
-from eagle_train.train_config import REJECTION_WEIGHT, TTT_DECAY, TTT_LENGTH, TV_WEIGHT
+from eagle_train.methods.eagle3.config import REJECTION_WEIGHT, TTT_DECAY
+from eagle_train.train_config import TTT_LENGTH, TV_WEIGHT
 from eagle_train.training_parts import chain_rounds, loss_rows_on, shift_left, target_distribution
 
 

@@ -25,7 +25,7 @@ from eagle_train.architectures import text_config
 from eagle_train.draft_config import DraftConfig
 from eagle_train.head import DecoderLayer, DraftHead, KVCache, LayerCaches
 from eagle_train.methods.peagle.batch import visible
-from eagle_train.train_config import NUM_DEPTHS
+from eagle_train.methods.peagle.config import NUM_DEPTHS
 
 
 def default_num_hidden_layers(target_hidden_size: int) -> int:

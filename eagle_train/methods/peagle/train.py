@@ -1,5 +1,5 @@
 """P-EAGLE's two plug-ins for the shared trainer loop (`eagle_train.trainer.train`): the head
-builder and the objective.
+builder and the objective (its keys and their checks are `config`'s).
 
 `objective(model, batch, backward) -> metrics`, with the trainer's batch (`input_ids`, `loss_mask`,
 `aux_hidden`, and the target distribution `target_probs` [B, T, Vd] / `in_draft` [B, T] from
@@ -19,12 +19,12 @@ import contextlib
 
 import torch
 
-from eagle_train.architectures import text_config
 from eagle_train.fused_ce import soft_cross_entropy
 from eagle_train.methods.peagle import batch as pb
+from eagle_train.methods.peagle.config import segments_for
 from eagle_train.methods.peagle.head import PEagleHead
-from eagle_train.train_config import TV_WEIGHT, launched_with
-from eagle_train.training_parts import check_layers_and_mask, head_from_init, mask_token_for
+from eagle_train.train_config import TV_WEIGHT
+from eagle_train.training_parts import head_from_init, mask_token_for
 
 
 def build_peagle_head(cfg, target_model, vocab_map: dict | None) -> PEagleHead:
@@ -44,35 +44,6 @@ def build_peagle_head(cfg, target_model, vocab_map: dict | None) -> PEagleHead:
     )
     head.set_vocab_map(vocab_map["d2t"], vocab_map["t2d"])
     return head
-
-
-def validate_peagle(cfg, target_config) -> None:
-    """The P-EAGLE keys of a TrainConfig, checked before any compute."""
-    vocab = text_config(target_config).vocab_size
-    if cfg.rejection_weight:
-        raise ValueError("rejection_weight weighs EAGLE-3's chain walk (method eagle3): set it to 0 for P-EAGLE")
-    if cfg.feature_noise:
-        raise ValueError("feature_noise augments EAGLE-3's training (method eagle3): set it to 0 for P-EAGLE")
-    if cfg.warm_start:
-        raise ValueError(
-            "warm_start starts a new head from the target's norm and lm_head: not for P-EAGLE, whose head trains "
-            "its own embedding; set warm_start=false"
-        )
-    if cfg.num_depths < 2:
-        raise ValueError(f"num_depths (K, drafts per forward) must be >= 2, got {cfg.num_depths}")
-    if cfg.num_segments is not None and cfg.num_segments < 1:
-        raise ValueError(f"num_segments must be >= 1 (or null for the default), got {cfg.num_segments}")
-    if launched_with("DEEPSPEED") and segments_for(cfg) > 1:
-        raise ValueError(
-            f"P-EAGLE runs one backward per sequence segment ({segments_for(cfg)} here) and DeepSpeed steps its "
-            "optimizer inside every backward: set num_segments=1, or train with DDP or FSDP"
-        )
-    check_layers_and_mask(cfg, vocab)
-
-
-def segments_for(cfg) -> int:
-    """The configured segment count, or the default for max_length and K."""
-    return cfg.num_segments or pb.default_num_segments(cfg.max_length, cfg.num_depths)
 
 
 def peagle_objective(cfg) -> "PEagleObjective":
