@@ -2,6 +2,9 @@
 inside functions, read from the source so a new arrow fails here before it tangles the layers."""
 
 import ast
+import dataclasses
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -101,6 +104,55 @@ def test_the_engines_and_the_runtime_reach_a_method_only_through_its_row():
         if (reached := {m for m in imported_modules(path, modules) if method_folder(m)})
     }
     assert not wrong, f"these import a method folder instead of reading its row: {wrong}"
+
+
+SHARED_CONFIGS = ("eagle_train.train_config", "eagle_train.draft_config")
+
+
+def method_keys() -> set[str]:
+    """Every key a row declares as its own (`Method.train_keys`, `Method.head_keys`)."""
+    from eagle_train import methods
+
+    classes = {c for m in methods.METHODS.values() for c in (m.train_keys, m.head_keys) if c is not None}
+    return {f.name for c in classes for f in dataclasses.fields(c)}
+
+
+def test_the_shared_configs_name_no_methods_key():
+    """TrainConfig and DraftConfig compose each method's keys from its row (`methods.with_method_keys`): their modules
+    name none of them, as an attribute, a name, a keyword or a string, so a new method adds its keys in its folder."""
+    keys = method_keys()
+    assert {"num_depths", "block_size", "ttt_decay", "draft_init"} <= keys
+    for module in SHARED_CONFIGS:
+        path = REPO / Path(*module.split(".")).with_suffix(".py")
+        named = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute):
+                named.add(node.attr)
+            elif isinstance(node, ast.Name):
+                named.add(node.id)
+            elif isinstance(node, ast.keyword) and node.arg:
+                named.add(node.arg)
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                named.add(node.value)
+        assert not named & keys, f"{module} names the methods' keys {sorted(named & keys)}: they belong to their rows"
+
+
+def test_a_rows_keys_import_nothing_heavy():
+    """The shared configs import the modules a row names for its keys as they compose (`train_keys_at`,
+    `head_keys_at`): such a module and its package import neither torch nor the shared configs, which would import
+    it back."""
+    from eagle_train import methods
+
+    modules = sorted(
+        {ref.partition(":")[0] for m in methods.METHODS.values() for ref in (m.train_keys_at, m.head_keys_at) if ref}
+    )
+    heavy = ("torch", "transformers", *SHARED_CONFIGS)
+    code = (
+        f"import importlib, sys; [importlib.import_module(m) for m in {modules}]; "
+        f"print(' '.join(m for m in {heavy} if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert done.stdout.split() == [], f"importing {modules} imports {done.stdout.split()}"
 
 
 def import_arrows() -> tuple[dict[str, Path], dict[str, set[str]]]:
