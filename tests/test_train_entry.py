@@ -38,6 +38,7 @@ def test_help_explains_the_methods_overrides_data_output_and_launch(capsys):
     for needed in [*METHODS, "key=value", "mode=online", "resume=auto", "checkpoint-<step>", "accelerate launch"]:
         assert needed in text, needed
     assert str(SHIPPED / "accelerate") in text and "eagle3_smollm2" in text
+    assert "  peagle: num_depths, num_segments\n" in text and "  dflash, dspark: block_size, " in text  # keys by method
 
 
 def data_like(store, out, **manifest_changes):
