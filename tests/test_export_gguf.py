@@ -336,8 +336,8 @@ CONVERTER_ONLY_KEYS = {  # optional keys llama.cpp's converter adds, none of whi
 
 @pytest.mark.parametrize(
     "changes, own_embedding",
-    [({}, False), ({"aux_layer_ids": (1, 11, 26), "draft_vocab_size": 512}, False), ({}, True)],
-    ids=["default", "non-default aux ids and draft vocab 512", "own embedding"],
+    [({}, False), ({"aux_layer_ids": (1, 11, 26), "draft_vocab_size": 512}, True)],
+    ids=["default", "non-default aux ids, draft vocab 512 and an own embedding"],
 )
 def test_equals_what_llama_cpps_own_converter_writes(tmp_path, changes, own_embedding):
     """The same head through `--format eagle3` and llama.cpp's convert_hf_to_gguf.py gives the same

@@ -113,6 +113,7 @@ def test_the_engine_feeds_the_samples_distil_stores_and_a_head_trains_as_on_that
         assert online[when]["loss"] == pytest.approx(offline[when]["loss"], rel=1e-4)
 
 
+@pytest.mark.slow  # three engine runs; test_online_feed resumes a buffer-fed run stopped with its feed ahead
 def test_a_run_killed_with_sigkill_resumes_losing_and_repeating_no_sample(kept, tmp_path):
     """The same run in small batches twice: straight, reading the kept samples again (no engine), and with the engine
     answering every epoch, killed (-9) after its second checkpoint and resumed."""

@@ -320,7 +320,7 @@ def tiny_target_dir(tmp_path, model_type):
     "model_type",
     [
         "qwen3_moe",
-        "gpt_oss",
+        pytest.param("gpt_oss", marks=pytest.mark.slow),
         pytest.param("phi3", marks=pytest.mark.slow),
         pytest.param("granite", marks=pytest.mark.slow),
     ],
