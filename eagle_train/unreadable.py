@@ -1,6 +1,7 @@
 """Files read whole by the toolkit that may have been cut short (a copy interrupted, a full disk) or damaged: the
 failure is one line naming the file and the fix, not the reading library's traceback about a header or a shape."""
 
+import functools
 import json
 from pathlib import Path
 
@@ -35,10 +36,19 @@ def read_json_object(path: str | Path, what: str, fix: str) -> dict:
 
 
 def open_gguf(path: str | Path, what: str, fix: str):
-    """A GGUFReader of `path`; a file cut short fails in its parser as an IndexError or a reshape ValueError."""
-    from gguf import GGUFReader
-
+    """A GGUFReader of `path`, shared while the file stays as it is: parsing a tokenizer's hundred thousand strings
+    takes seconds, and a check reads the target's file and the draft's several times. A file cut short fails in the
+    parser as an IndexError or a reshape ValueError."""
+    stat = Path(path).stat()
     try:
-        return GGUFReader(path)
+        return gguf_reader(str(Path(path).resolve()), (stat.st_ino, stat.st_size, stat.st_mtime_ns))
     except (ValueError, IndexError, KeyError) as e:
         raise unreadable(path, what, e, fix) from e
+
+
+@functools.lru_cache(maxsize=2)  # a target's file and a draft's
+def gguf_reader(path: str, version: tuple):
+    """A read-only GGUFReader, once per file `version` (inode, size, modification time)."""
+    from gguf import GGUFReader
+
+    return GGUFReader(path)

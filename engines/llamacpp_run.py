@@ -21,9 +21,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from gguf import GGUFReader
-
 from eagle_train.export.gguf import ARCHS, BLOCK_ARCH, field_value, gguf_arch
+from eagle_train.unreadable import HEAD_FIX, open_gguf
 from engines.llamacpp_build import LlamaCppError, require_tools, tail
 
 
@@ -171,7 +170,7 @@ def drafting(head) -> Drafting:
         return Drafting("draft-simple", None)
     if arch != BLOCK_ARCH:
         return Drafting("draft-eagle3", None)
-    reader = GGUFReader(head)
+    reader = open_gguf(head, "draft GGUF", HEAD_FIX)  # gguf_arch's reader, parsed once
 
     def key(name, default):
         found = reader.fields.get(f"{BLOCK_ARCH}.{name}")
