@@ -1,6 +1,9 @@
 """The draft model (method draft_model): built from the target's own layers it computes what they compute, it drafts
 losslessly in the built-in runtime, and it trains, saves and loads back through the shared trainer."""
 
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 from test_trainer import config
@@ -144,7 +147,11 @@ PROMPT = "<|im_start|>user\nName three colours.<|im_end|>\n<|im_start|>assistant
 
 
 def test_llamacpp_drafts_with_the_converters_gguf(smollm2, tmp_path):
+    from gguf import GGUFReader
+
+    from eagle_train.export.gguf import with_tokenizer
     from eagle_train.target import SMOLLM2
+    from engines.llamacpp_build import LlamaCppError
     from engines.llamacpp_rules import static_findings
     from engines.llamacpp_run import drafting, run_head, run_plain, same_text
 
@@ -153,6 +160,33 @@ def test_llamacpp_drafts_with_the_converters_gguf(smollm2, tmp_path):
     assert not static_findings(gguf, SMOLLM2, None)  # llama.cpp's own vocabulary rule: the target's tokenizer
     plain, spec = run_plain(target, PROMPT, 24, threads=1), run_head(target, gguf, PROMPT, 24, 3, threads=1)
     assert same_text(plain, spec) and spec.drafted > 0
+
+    # one token's text otherwise: the rule refuses the pair, and so does llama.cpp itself
+    other = Path(shutil.copy(gguf, tmp_path / "other.gguf"))
+    with_tokenizer(other, GGUFReader(tokenizer_file(target, tmp_path / "tokenizer.gguf", changed=100)))
+    (finding,) = static_findings(other, SMOLLM2, None)
+    assert finding.severity == "error" and "1 tokens differ from the target's (the first: id 100)" in finding.message
+    with pytest.raises(LlamaCppError, match="the target and draft vocabs are not compatible"):
+        run_head(target, other, PROMPT, 24, 3, threads=1)
+
+
+def tokenizer_file(target, path, changed: int) -> Path:
+    """A GGUF of the target GGUF's tokenizer keys alone, token `changed`'s text altered."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    from eagle_train.export.gguf import copy_keys, field_value
+
+    reader = GGUFReader(target)
+    writer = GGUFWriter(path, arch="llama")
+    copy_keys(reader, writer, lambda key: key.startswith("tokenizer.") and key != "tokenizer.ggml.tokens")
+    tokens = field_value(reader.fields["tokenizer.ggml.tokens"])
+    tokens[changed] = tokens[changed] + b"~"
+    writer.add_key_value("tokenizer.ggml.tokens", tokens, GGUFValueType.ARRAY)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
 
 
 @pytest.mark.slow
@@ -173,8 +207,6 @@ def test_init_from_a_sibling_model_fine_tunes_it_and_another_tokenizer_is_refuse
 ):
     """init_from any causal LM directory with the target's tokenizer (here a 4-layer Llama of hidden 32 with
     SmolLM2's tokenizer, a stand-in for Qwen3-0.6B beside Qwen3-8B) trains as it is; another tokenizer is refused."""
-    import shutil
-
     overrides = ["method=draft_model", "max_steps=2", "eval_fraction=0.2"]
     done = run(config(train_store, tmp_path / "run", *overrides, f"init_from={tiny_llama_dir}"))
     assert done["eval_after"]["loss"] < done["eval_before"]["loss"]

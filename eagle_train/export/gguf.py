@@ -254,12 +254,17 @@ def copy_tokenizer(target: GGUFReader, writer: GGUFWriter, skip: tuple[str, ...]
 
 
 def with_target_tokenizer(path, target) -> Path:
-    """The model GGUF at `path` rewritten in place with the target GGUF's tokenizer keys in place of its own.
-    llama.cpp pairs a draft with its target only when their vocabularies agree, and the tokenizer a converter
-    writes from a model directory depends on the transformers that saved it and the converter's version; the
-    target's own file is the one the draft will run beside."""
+    """The model GGUF at `path` with the target GGUF's tokenizer keys in place of its own. llama.cpp pairs a draft
+    with its target only when their vocabularies agree, and the tokenizer a converter writes from a model directory
+    depends on the transformers that saved it and the converter's version; the target's own file is the one the draft
+    will run beside."""
+    return with_tokenizer(path, read_target(target))
+
+
+def with_tokenizer(path, tokenizer: GGUFReader) -> Path:
+    """The model GGUF at `path` rewritten in place, its `tokenizer.*` keys those of `tokenizer`'s file."""
     path = Path(path)
-    source, tokenizer = GGUFReader(path), read_target(target)
+    source = GGUFReader(path)
     partial = path.with_name(path.name + ".partial")
     writer = GGUFWriter(partial, arch=gguf_arch(path))
     own = ("GGUF.", "tokenizer.", "general.architecture")  # the reader's framing, the tokenizer, the writer's arch
