@@ -15,7 +15,7 @@ from eagle_train.checkpoint import GGUF, load_draft_head, locate_head
 from eagle_train.export import export_head
 from eagle_train.export.gguf import export_gguf, with_target_tokenizer
 from eagle_train.export.layouts import layout
-from eagle_train.methods import row
+from eagle_train.methods import method_with, noun_of, row
 from eagle_train.target import load_tokenizer, target_gguf
 from engines.engine import Engine
 from engines.live import EngineFailed, Pooled
@@ -176,13 +176,14 @@ class LlamaCppTurns(TurnEngine):
             shown = [head_name if f == self.head else str(f) for f in flags]
             return f"llama-server -m {target_name} " + " ".join(shown)
 
+        noun = noun_of(method_with(gguf_spec_type=drafting(self.head).spec_type))  # "head", or "draft model"
         labels = {
-            "spec": ("head", "head"),
+            "spec": (noun, "head"),
             "ngram": (f"n-gram (free, ngram-simple key {ngram_key(self.k)})", "free"),
             "ngram-map-k": (f"n-gram (free, ngram-map-k key {ngram_key(self.k)})", "free"),
             "ngram-mod": (f"n-gram (free, ngram-mod key {ngram_key(self.k)})", "free"),
             "ngram-cache": ("n-gram (free, ngram-cache)", "free"),
-            "hybrid": ("head + n-gram", "hybrid"),
+            "hybrid": (f"{noun} + n-gram", "hybrid"),
         }
         return {name: Configuration(*labels[name], serve(flags)) for name, flags in self.flags.items()}
 

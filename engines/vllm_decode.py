@@ -27,7 +27,7 @@ from eagle_train.draft_config import DraftConfig
 from eagle_train.export import export_head
 from eagle_train.export.draft_files import DraftFiles
 from eagle_train.export.layouts import block_read, block_settings, is_block, is_causal_lm
-from eagle_train.methods import method_with, row
+from eagle_train.methods import method_with, noun_of, row
 from engines import vllm_child  # its missing() looked up when called: tests stand in for it
 from engines.rules import is_parallel
 from engines.vllm_child import ChildServer, VllmError
@@ -196,6 +196,7 @@ class VllmTurns(TurnEngine):
         self.target, self.dtype = target, dtype
         self.configs = {"plain": None, "spec": speculative(method, head_dir, k), "ngram": speculative("ngram", None, k)}
         self.drafters = ("spec", "ngram") if ngram else ("spec",)
+        self.noun = noun_of(method_with(vllm_method=method))  # "head", or "draft model"
         self.engines = {}  # drafter -> (vLLM version, engine start seconds, dtype)
 
     @contextmanager
@@ -216,7 +217,10 @@ class VllmTurns(TurnEngine):
             shown = {k: head_name if k == "model" else v for k, v in config.items()}
             return f"vllm serve {target} --speculative-config '{json.dumps(shown)}'"
 
-        labels = {"spec": ("head", "head"), "ngram": (f"n-gram (free, vLLM ngram, {MIN_N}- to {MAX_N}-gram)", "free")}
+        labels = {
+            "spec": (self.noun, "head"),
+            "ngram": (f"n-gram (free, vLLM ngram, {MIN_N}- to {MAX_N}-gram)", "free"),
+        }
         return {name: Configuration(*labels[name], serve(self.configs[name])) for name in self.drafters}
 
 

@@ -477,10 +477,11 @@ def head_vs_ngram(summary: dict) -> str:
     """The one line that says whether training paid: the head against plain decoding and against the fastest free
     drafting on the same prompts, or that this run cannot tell."""
     head, ngram, versus = summary, summary["ngram"], summary["head_vs_ngram"]
+    name = head["label"]  # "head", or "draft model"
     line = (
-        f"head vs n-gram (free): head AL {figure(head['acceptance_length'], '.2f')} vs "
+        f"{name} vs n-gram (free): {name} AL {figure(head['acceptance_length'], '.2f')} vs "
         f"{figure(ngram['acceptance_length'], '.2f')}, speed {figure(head['speedup'], '.2f')}x vs "
-        f"{figure(ngram['speedup'], '.2f')}x, head / n-gram {figure(versus['ratio'], '.2f')}x "
+        f"{figure(ngram['speedup'], '.2f')}x, {name} / n-gram {figure(versus['ratio'], '.2f')}x "
         f"({interval_text(versus)}): "
     )
     beats = summary["head_beats_ngram"]
@@ -489,13 +490,13 @@ def head_vs_ngram(summary: dict) -> str:
         more = (head["acceptance_length"] or 0) > (ngram["acceptance_length"] or 0)
         return (
             line
-            + "the head does not beat free drafting"
+            + f"the {name} does not beat free drafting"
             + (" (more tokens per forward, but drafting costs more)" if more else "")
         )
     if faster is False:
-        return line + "the head does not pay (slower than plain decoding)"
+        return line + f"the {name} does not pay (slower than plain decoding)"
     if beats and faster:
-        return line + "the head pays"
+        return line + f"the {name} pays"
     return line + CANNOT_TELL
 
 

@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from eagle_train.methods import noun_of
 from inference.divergence import first_divergence
 from inference.evaluate import (
     Configuration,
@@ -24,7 +25,6 @@ from inference.evaluate import (
 from inference.prompt_lookup import MAX_N, MIN_N
 
 LOOKUP = f"{MIN_N}- to {MAX_N}-gram lookup"
-HEAD = Configuration("head", "head", "export it for your engine (docs/deploying.md)")
 FREE = Configuration(f"n-gram (free, {LOOKUP})", "free", "n-gram lookup alone, no head")
 
 
@@ -78,10 +78,12 @@ def eval_drafters(runtime, ngram: int | None) -> tuple[dict, dict]:
         if not ngram:
             raise ValueError("a runtime without a head drafts by prompt lookup: give its K (ngram)")
         return {"spec": lookup}, {"spec": FREE}
+    cfg = runtime.drafter.head.config
+    spec = Configuration(noun_of(cfg.method), "head", "export it for your engine (docs/deploying.md)")
     if not ngram:
-        return {"spec": runtime.generate}, {"spec": HEAD}
+        return {"spec": runtime.generate}, {"spec": spec}
     generate = {"spec": runtime.generate, "ngram": lookup, "hybrid": hybrid}
-    return generate, {"spec": HEAD, "ngram": FREE, "hybrid": hybrid_configuration(runtime.drafter.head.config)}
+    return generate, {"spec": spec, "ngram": FREE, "hybrid": hybrid_configuration(cfg)}
 
 
 def hybrid_configuration(cfg) -> Configuration:
@@ -90,14 +92,12 @@ def hybrid_configuration(cfg) -> Configuration:
     from eagle_train.export.gguf import spec_type
     from eagle_train.methods import row
 
-    method = row(cfg.method)
+    method, label = row(cfg.method), f"{noun_of(cfg.method)} + n-gram"
     if method.gguf_spec_type is None:
-        return Configuration(
-            "head + n-gram", "hybrid", f"no engine here serves a {method.title} head behind n-gram lookup"
-        )
+        return Configuration(label, "hybrid", f"no engine here serves a {method.title} head behind n-gram lookup")
     combined = f"--spec-type ngram-simple,{spec_type(cfg)}"
     serve = f"llama.cpp: {combined}, the whole command printed by eagle-export --format gguf; vLLM cannot combine them"
-    return Configuration("head + n-gram", "hybrid", serve)
+    return Configuration(label, "hybrid", serve)
 
 
 def precheck_head(draft, target_cfg):

@@ -73,6 +73,22 @@ def run(cfg):
     return train(cfg, method_of(cfg).build_head, objective_for(cfg))
 
 
+def test_eagle_eval_takes_any_causal_lm_directory_and_names_it_a_draft_model(tiny_llama_dir, tmp_path, capsys):
+    """The target's own directory as the draft: every draft accepted (AL K+1), and the table and the verdict call
+    it a draft model beside n-gram and the two together."""
+    import json
+
+    from eagle_cli.evaluate import main
+
+    out = tmp_path / "r.json"
+    args = ["--target", str(tiny_llama_dir), "--draft", str(tiny_llama_dir), "--chain", "2", "--num-prompts", "1"]
+    main([*args, "--max-new-tokens", "12", "--bench", "gsm8k", "--out", str(out)])
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["label"] == "draft model" and summary["acceptance_length"] > 2.5
+    assert {row["label"] for row in summary["drafters"].values()} >= {"draft model + n-gram"}
+    assert "draft model vs n-gram (free): draft model AL" in capsys.readouterr().out
+
+
 def test_a_draft_model_learns_and_loads_back_as_it_was_saved(train_store, smollm2, tmp_path):
     overrides = ["method=draft_model", "draft_num_layers=1", "eval_fraction=0.2", "num_epochs=2", "ttt_length=2"]
     done = run(config(train_store, tmp_path / "a", *overrides))

@@ -29,6 +29,7 @@ class Family:
 
     description: str
     drafter_at: str  # "module:Class" of the runtime: (head, TreeShape, Sampler, graphed) -> its drafter
+    noun: str = "head"  # what tables and verdicts call one of its drafters
 
     @property
     def drafter(self):
@@ -45,6 +46,7 @@ FAMILIES = {
     "model": Family(
         "K sequential steps of a standalone causal LM over its own cache, the tokens alone",
         "inference.model_drafting:ModelDrafter",
+        noun="draft model",
     ),
 }
 
@@ -202,6 +204,12 @@ def method_with(**fields) -> str | None:
     """The first method whose row has these values (`layout="dflash"`, `speculators_type="peagle"`): the method of
     a file that names its layout or another's name for it, not ours; None when no row has them."""
     return next((name for name, m in METHODS.items() if all(getattr(m, k) == v for k, v in fields.items())), None)
+
+
+def noun_of(method: str | None) -> str:
+    """What a drafter of `method` is called (its family's noun; "head" for a name no row has)."""
+    family = family_of(method)
+    return FAMILIES[family].noun if family else "head"
 
 
 def method_of(cfg) -> Method:
