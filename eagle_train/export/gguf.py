@@ -266,7 +266,7 @@ def with_tokenizer(path, tokenizer: GGUFReader) -> Path:
     path = Path(path)
     source = GGUFReader(path)
     partial = path.with_name(path.name + ".partial")
-    writer = GGUFWriter(partial, arch=gguf_arch(path))
+    writer = GGUFWriter(partial, arch=field_value(source.fields["general.architecture"]).decode())
     own = ("GGUF.", "tokenizer.", "general.architecture")  # the reader's framing, the tokenizer, the writer's arch
     copy_keys(source, writer, lambda key: not key.startswith(own), whose="the converted GGUF's")
     copy_tokenizer(tokenizer, writer)
