@@ -16,9 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 
-def imported(ref: str):
-    """`module:name`, imported when asked for: this module imports none of the methods' modules (they, the
-    head loader, the export and the runtime all read the rows)."""
+def imported(ref: str | None):
+    """`module:name`, imported when asked for (None for a row's field left None): this module imports none of the
+    methods' modules (they, the head loader, the export and the runtime all read the rows)."""
+    if ref is None:
+        return None
     module, name = ref.split(":")
     return getattr(importlib.import_module(module), name)
 
@@ -86,7 +88,7 @@ class Method:
 
     @property
     def drafts(self) -> Callable | None:
-        return imported(self.drafts_at) if self.drafts_at else None
+        return imported(self.drafts_at)
 
     @property
     def build_head(self) -> Callable:
@@ -98,19 +100,19 @@ class Method:
 
     @property
     def check(self) -> Callable | None:
-        return imported(self.check_at) if self.check_at else None
+        return imported(self.check_at)
 
     @property
     def train_keys(self) -> type | None:
-        return imported(self.train_keys_at) if self.train_keys_at else None
+        return imported(self.train_keys_at)
 
     @property
     def head_keys(self) -> type | None:
-        return imported(self.head_keys_at) if self.head_keys_at else None
+        return imported(self.head_keys_at)
 
     @property
     def whole_vocabulary(self) -> Callable | None:
-        return imported(self.whole_vocabulary_at) if self.whole_vocabulary_at else None
+        return imported(self.whole_vocabulary_at)
 
 
 DFLASH = Method(
