@@ -160,6 +160,17 @@ class ChildServer:
         self.tmp.cleanup()
 
 
+def exit_child(llm) -> None:
+    """End a child whose answers are all out (stdout flushed, files written) without vLLM's own shutdown, which
+    tears down its process group and collects garbage for seconds its caller waits on: an engine alone in this
+    process holds nothing the OS does not free. An engine with workers in other processes returns, so that vLLM's
+    shutdown stops them."""
+    if llm.llm_engine.vllm_config.parallel_config.world_size == 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
 REFUSALS = {  # what vLLM says -> what it means, in one line
     "does not support EAGLE3 interface": "the target's model class does not implement SupportsEagle3, so vLLM serves "
     "no EAGLE-3 head on this architecture (eagle-export --check DIR --engine vllm --target T says so without a run)",

@@ -22,7 +22,16 @@ from pathlib import Path
 import torch
 
 from eagle_train.target import load_target_config
-from engines.vllm_child import VLLM_KEY, ChildServer, VllmError, child_env, installed_version, missing, run_child
+from engines.vllm_child import (
+    VLLM_KEY,
+    ChildServer,
+    VllmError,
+    child_env,
+    exit_child,
+    installed_version,
+    missing,
+    run_child,
+)
 
 BATCH_CHILD = "import sys; from engines.vllm_data import serve_batch; serve_batch(*sys.argv[1:])"
 HIDDEN_STATES_CHILD = (
@@ -185,14 +194,16 @@ class HiddenStatesEngine:
         return samples
 
 
-def batch_child(request: dict) -> dict:
-    """The child of `generate_batch` without hidden states: plain answers, greedy unless the request samples."""
+def serve_batch(request_path, result_path) -> None:
+    """The child of `generate_batch` without hidden states (`BATCH_CHILD`): plain answers, greedy unless the request
+    samples, written to `result_path`."""
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     from eagle_train.target import resolve_target
 
+    request = json.loads(Path(request_path).read_text())
     t0 = time.perf_counter()
     llm = LLM(model=resolve_target(request["target"]), **{**data_engine_options(), **request["engine_options"]})
     init_seconds = time.perf_counter() - t0
@@ -200,17 +211,14 @@ def batch_child(request: dict) -> dict:
     params = SamplingParams(max_tokens=request["max_new_tokens"], **request["sampling"])
     prompts = [TokensPrompt(prompt_token_ids=p) for p in request["prompts"]]
     output_ids = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
-    return {
+    result = {
         "version": vllm.__version__,
         "init_seconds": init_seconds,
         "generate_seconds": time.perf_counter() - t,
         "output_ids": output_ids,
     }
-
-
-def serve_batch(request_path, result_path) -> None:
-    """The child process's entry (`BATCH_CHILD`)."""
-    Path(result_path).write_text(json.dumps(batch_child(json.loads(Path(request_path).read_text()))))
+    Path(result_path).write_text(json.dumps(result))
+    exit_child(llm)
 
 
 class HiddenStatesServer:
@@ -290,3 +298,4 @@ def serve_hidden_states(request_path) -> None:
             files.append(str(directory / f"answer-{n}-{i}.safetensors"))
             save_file(sample, files[-1])
         print(json.dumps({"files": files}), flush=True)
+    exit_child(engine.llm)

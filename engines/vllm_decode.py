@@ -30,7 +30,7 @@ from eagle_train.export.layouts import block_read, block_settings, is_block, is_
 from eagle_train.methods import method_with, noun_of, row
 from engines import vllm_child  # its missing() looked up when called: tests stand in for it
 from engines.rules import is_parallel
-from engines.vllm_child import ChildServer, VllmError
+from engines.vllm_child import ChildServer, VllmError, exit_child
 from inference.evaluate import (
     Configuration,
     EvalOptions,
@@ -345,3 +345,4 @@ def serve(request_path) -> None:
         params = SamplingParams(temperature=0.0, max_tokens=asked["max_new_tokens"])
         turns = [asdict(decode_one(llm, tokenizer, ids, params)) for ids in asked["prompts"]]
         print(json.dumps({"turns": turns}), flush=True)
+    exit_child(llm)

@@ -465,14 +465,17 @@ class EagerStep:
 
 def vllm_turns_are_hf_greedy(smollm2, method: str, export, k: int, questions, new_tokens: int) -> list:
     """vLLM's turns on `questions` with `export` drafting K=`k` a round (its `method`'s speculative_config), each
-    checked equal to HF's greedy continuation and non-empty; the turns, for the caller's counts."""
+    checked equal to HF's greedy continuation and non-empty, from the tested vLLM in fp32 (a CPU's default, HF's
+    exactness); the turns, for the caller's counts."""
     from eagle_train.target import SMOLLM2, end_of_turn_ids
-    from engines import vllm_decode
+    from engines import vllm_child, vllm_decode
     from inference.evaluate import chat_ids
 
     model, tokenizer = smollm2
     prompts = [chat_ids(tokenizer, [{"role": "user", "content": q}]) for q in questions]
-    turns = vllm_decode.decode(SMOLLM2, prompts, new_tokens, vllm_decode.speculative(method, export, k))
+    with vllm_decode.Decoder(SMOLLM2, vllm_decode.speculative(method, export, k)) as engine:
+        assert engine.version == vllm_child.TESTED and engine.dtype == "float32"
+        turns = engine.decode(prompts, new_tokens)
     eos = list(end_of_turn_ids(model, tokenizer))
     for ids, turn in zip(prompts, turns):
         with torch.no_grad():

